@@ -1,0 +1,151 @@
+"""Command-line entry point: argument parsing and dispatch.
+
+Modes: one-shot (``--prompt``; ``--json`` prints exactly one JSON object), the tail node
+(``--tail``), and otherwise the chat TUI. User mistakes become one ``sfchat: error: ...`` line
+on stderr and a non-zero exit, never a traceback (set ``SFCHAT_DEBUG=1`` to see one for an
+unexpected failure). Torch is imported only by the modes that need it, after parsing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from sfchat import UserError, __version__
+from sfchat.config import Settings, merged
+
+EXIT_USER, EXIT_LINK, EXIT_INTERNAL = 2, 3, 4
+
+FLAG_FIELDS = {  # flag dest -> Settings field
+    "model": "model", "draft": "draft", "revision": "revision", "draft_revision": "draft_revision",
+    "k": "k", "split": "split", "device": "device", "draft_device": "draft_device", "dtype": "dtype",
+    "max_context": "max_context", "max_new_tokens": "max_new_tokens", "temperature": "temperature",
+    "top_k": "top_k", "top_p": "top_p", "seed": "seed", "system": "system", "relay": "relay",
+    "token": "token", "session": "session", "history": "history",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = Settings()
+    p = argparse.ArgumentParser(
+        prog="sfchat", argument_default=argparse.SUPPRESS,
+        description="Chat with one language model split across two machines, with speculative decoding.",
+        epilog="Settings may also come from the TOML file (see --config) and SFCHAT_TOKEN / SFCHAT_RELAY / "
+               "SFCHAT_SESSION; flags win.")
+    p.add_argument("--version", action="version", version=f"sfchat {__version__}")
+    g = p.add_argument_group("models")
+    g.add_argument("--model", help=f"target model: hub id or local directory (default {d.model})")
+    g.add_argument("--draft", help=f"draft model, or 'none' for no speculation (default {d.draft})")
+    g.add_argument("--revision", help="hub revision of the target model")
+    g.add_argument("--draft-revision", help="hub revision of the draft model")
+    g.add_argument("--k", type=int, help=f"draft tokens per round (default {d.k})")
+    g.add_argument("--split", type=int, help="first layer run by the tail (default: half the layers)")
+    g.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when available)")
+    g.add_argument("--draft-device", help="device of the draft model (default: --device)")
+    g.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"],
+                   help="weights dtype (default auto: bf16, fp16 on GPUs without bf16, fp32 on CPU)")
+    g.add_argument("--max-context", type=int, help=f"context window in tokens (default {d.max_context})")
+    g = p.add_argument_group("generation")
+    g.add_argument("--prompt", help="one-shot: answer this prompt and exit")
+    g.add_argument("--max-new-tokens", type=int, help=f"reply length limit (default {d.max_new_tokens})")
+    g.add_argument("--temperature", type=float, help="0 = greedy (default 0)")
+    g.add_argument("--top-k", type=int, help="sample from the k most likely tokens (0 = off)")
+    g.add_argument("--top-p", type=float, help="nucleus sampling threshold (1 = off)")
+    g.add_argument("--seed", type=int, help="seed for reproducible sampling")
+    g.add_argument("--system", help="system message for the chat template")
+    g.add_argument("--no-chat-template", action="store_true", help="use the prompt text as is")
+    g.add_argument("--json", action="store_true", help="one-shot: print one JSON object with the reply and figures")
+    g = p.add_argument_group("two machines")
+    g.add_argument("--relay", help="relay URL, ws://HOST:PORT or wss://... (default: local mode)")
+    g.add_argument("--token", help="relay token (or SFCHAT_TOKEN)")
+    g.add_argument("--session", help="session name shared by head and tail (default 'default')")
+    g.add_argument("--tail", action="store_true", help="run as the tail node (verifier) behind --relay")
+    g = p.add_argument_group("files")
+    g.add_argument("--config", type=Path, help="TOML settings file (default: the platform config dir)")
+    g.add_argument("--history", help="chat history SQLite file (default: the platform data dir)")
+    return p
+
+
+def settings_from(args: argparse.Namespace) -> Settings:
+    given = {FLAG_FIELDS[k]: v for k, v in vars(args).items() if k in FLAG_FIELDS}
+    if getattr(args, "no_chat_template", False):
+        given["chat_template"] = False
+    return merged(given, getattr(args, "config", None))
+
+
+def one_shot(s: Settings, prompt: str, as_json: bool) -> int:
+    from sfchat.events import ReplyFinished, TokensCommitted
+    from sfchat.runtime.session import ChatSession
+    from sfchat.wire import Sampling
+
+    session = ChatSession.load(s)
+    messages = ([{"role": "system", "content": s.system}] if s.system else []) + [{"role": "user", "content": prompt}]
+    ids = session.encode(messages, s.chat_template)
+    sampling = Sampling(s.temperature, s.top_k, s.top_p, s.seed if s.seed is not None else 0)
+    final = None
+    for ev in session.reply(ids, s.max_new_tokens, sampling):
+        if isinstance(ev, TokensCommitted) and not as_json and ev.text:
+            sys.stdout.write(ev.text)
+            sys.stdout.flush()
+        elif isinstance(ev, ReplyFinished):
+            final = ev
+    info = session.info
+    if final.finish_reason == "context":
+        print(f"sfchat: the context window of {info.max_context} tokens is full; the reply was cut there",
+              file=sys.stderr)
+    if as_json:
+        out = {
+            "text": final.text, "token_ids": list(final.token_ids), "prompt_tokens": final.prompt_tokens,
+            "finish_reason": final.finish_reason, "rounds": final.rounds,
+            "tokens_per_round": final.tokens_per_round, "accepted_histogram": list(final.accepted_histogram),
+            "tps": final.tps, "ttft_s": final.ttft_s, "round_ms": final.round_ms, "rtt_ms": final.rtt_ms,
+            "draft_ms": final.draft_ms, "head_ms": final.head_ms, "tail_ms": final.tail_ms,
+            "model": info.model, "draft": info.draft, "k": info.k, "split": info.split,
+            "n_layers": info.n_layers, "dtype": info.dtype, "device": info.device, "mode": info.mode,
+        }
+        print(json.dumps(out))
+    else:
+        print()
+        print(f"[{len(final.token_ids)} tokens, {final.rounds} rounds, {final.tokens_per_round:.2f} tokens/round, "
+              f"{final.tps:.1f} tok/s, ttft {final.ttft_s:.2f} s]", file=sys.stderr)
+    return 0
+
+
+def run(argv: list[str] | None) -> int:
+    args = build_parser().parse_args(argv)
+    s = settings_from(args)
+    if getattr(args, "tail", False):
+        raise UserError("--tail needs the relay mode, which this build does not include yet")
+    prompt = getattr(args, "prompt", None)
+    if prompt is not None:
+        return one_shot(s, prompt, getattr(args, "json", False))
+    raise UserError("the chat TUI is not part of this build yet: pass --prompt TEXT")
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        return run(argv)
+    except UserError as exc:
+        print(f"sfchat: error: {exc}", file=sys.stderr)
+        return EXIT_USER
+    except KeyboardInterrupt:
+        print("sfchat: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # a bug or a broken environment: one line, traceback on request
+        from sfchat.runtime.head import LinkError
+
+        if os.environ.get("SFCHAT_DEBUG"):
+            raise
+        if isinstance(exc, (LinkError, ConnectionError)):
+            print(f"sfchat: error: link to the tail failed: {exc}", file=sys.stderr)
+            return EXIT_LINK
+        print(f"sfchat: internal error: {type(exc).__name__}: {exc} (set SFCHAT_DEBUG=1 for a traceback)",
+              file=sys.stderr)
+        return EXIT_INTERNAL
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,109 @@
+"""Settings: command-line flags > environment > TOML file > defaults.
+
+Contract: ``Settings`` is a plain dataclass of everything a run can be configured with.
+``load_file(path)`` reads the TOML config (default: ``config.toml`` in the platformdirs user
+config dir) and rejects unknown keys and wrong types with a ``UserError`` naming the key.
+``SFCHAT_TOKEN``, ``SFCHAT_RELAY`` and ``SFCHAT_SESSION`` fill the relay settings when the
+flags do not. The CLI applies flags last. Torch-free.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import platformdirs
+
+from sfchat import UserError
+
+APP = "sfchat"
+
+
+@dataclass
+class Settings:
+    model: str = "Qwen/Qwen2.5-7B-Instruct"
+    draft: str = "Qwen/Qwen2.5-0.5B-Instruct"  # "none": no speculation
+    revision: str | None = None
+    draft_revision: str | None = None
+    k: int = 8
+    split: int | None = None  # default: half the layers
+    device: str | None = None  # default: cuda if available, else cpu
+    draft_device: str | None = None  # default: the head's device
+    dtype: str = "auto"
+    max_context: int = 4096
+    max_new_tokens: int = 1024
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    system: str | None = None
+    chat_template: bool = True
+    relay: str | None = None
+    token: str | None = None
+    session: str = "default"
+    history: str | None = None  # SQLite file; default under the platformdirs data dir
+
+    def validate(self) -> "Settings":
+        if not 0 <= self.k <= 32:
+            raise UserError(f"--k must be between 0 and 32, not {self.k}")
+        if self.max_new_tokens < 1:
+            raise UserError("--max-new-tokens must be at least 1")
+        if self.max_context < 2:
+            raise UserError("--max-context must be at least 2")
+        if self.temperature < 0:
+            raise UserError("--temperature must be >= 0")
+        if self.top_k < 0:
+            raise UserError("--top-k must be >= 0 (0 disables it)")
+        if not 0 < self.top_p <= 1:
+            raise UserError("--top-p must be in (0, 1]")
+        return self
+
+
+def config_path() -> Path:
+    return Path(platformdirs.user_config_dir(APP)) / "config.toml"
+
+
+def history_path() -> Path:
+    return Path(platformdirs.user_data_dir(APP)) / "history.sqlite3"
+
+
+def load_file(path: Path | None = None, settings: Settings | None = None) -> Settings:
+    """Settings from the TOML file at ``path`` (missing file: defaults)."""
+    settings = settings or Settings()
+    path = path or config_path()
+    if not path.is_file():
+        return settings
+    try:
+        data = tomllib.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        raise UserError(f"cannot read config file {path}: {exc}") from None
+    known = {f.name: f for f in fields(Settings)}
+    for key, value in data.items():
+        name = key.replace("-", "_")
+        if name not in known:
+            raise UserError(f"config file {path}: unknown setting {key!r}")
+        default = getattr(Settings(), name)
+        expected = type(default) if default is not None else None
+        if expected is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if expected is not None and not isinstance(value, expected):
+            raise UserError(f"config file {path}: {key} should be a {expected.__name__}")
+        setattr(settings, name, value)
+    return settings
+
+
+def apply_env(settings: Settings) -> Settings:
+    for var, name in (("SFCHAT_TOKEN", "token"), ("SFCHAT_RELAY", "relay"), ("SFCHAT_SESSION", "session")):
+        if os.environ.get(var):
+            setattr(settings, name, os.environ[var])
+    return settings
+
+
+def merged(overrides: dict, path: Path | None = None) -> Settings:
+    """File, then environment, then the flags the user actually gave (``overrides``)."""
+    settings = apply_env(load_file(path))
+    valid = {f.name for f in fields(Settings)}
+    return dataclasses.replace(settings, **{k: v for k, v in overrides.items() if k in valid}).validate()

@@ -1,0 +1,109 @@
+"""Events that the runtime thread reports to its listener (the TUI or the one-shot CLI).
+
+Contract: small frozen dataclasses of plain Python values, safe to hand from the runtime
+thread to any other thread (the TUI forwards them with Textual's thread-safe
+``post_message``). This module is torch-free and knows nothing of how the events are made.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class LoadProgress:
+    """Progress of one loading stage on one node (``node`` is "head" or "tail")."""
+
+    node: str
+    stage: str  # "download", "load", "capture", ...
+    done: int
+    total: int
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class RuntimeReady:
+    """Everything is loaded; what is in use."""
+
+    model: str
+    draft: str  # "none" when running without speculation
+    split: int
+    n_layers: int
+    dtype: str
+    k: int
+    device: str
+    mode: str  # "local" or "relay"
+    max_context: int
+
+
+@dataclass(frozen=True)
+class LinkState:
+    """State of the head <-> tail link: local, waiting, connected, reconnecting, closed."""
+
+    state: str
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class RoundStats:
+    """Figures of one speculative round."""
+
+    accepted: int  # drafts accepted (0..k)
+    committed: int  # tokens committed by the round (after EOS / limit truncation)
+    draft_ms: float
+    head_ms: float
+    tail_ms: float  # tail compute time, as reported by the tail
+    rtt_ms: float  # round wall time minus draft, head and tail compute
+    round_ms: float
+
+
+@dataclass(frozen=True)
+class ReplyStarted:
+    prompt_tokens: int
+    reused_tokens: int  # context tokens whose KV was already held (not prefilled again)
+    prefill_tokens: int
+
+
+@dataclass(frozen=True)
+class TokensCommitted:
+    """New text of the reply (detokenised incrementally) and the round that produced it."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    stats: RoundStats
+    elapsed_s: float  # since the reply was submitted
+
+
+@dataclass(frozen=True)
+class ReplyFinished:
+    finish_reason: str  # "eos", "length", "context", "cancelled"
+    text: str
+    token_ids: tuple[int, ...]
+    prompt_tokens: int
+    rounds: int
+    tokens_per_round: float
+    accepted_histogram: tuple[int, ...]
+    tps: float
+    ttft_s: float
+    prefill_s: float
+    round_ms: float
+    rtt_ms: float
+    draft_ms: float
+    head_ms: float
+    tail_ms: float
+
+
+@dataclass(frozen=True)
+class RuntimeFailed:
+    """A fatal or per-request error, already phrased for the user."""
+
+    message: str
+    fatal: bool = False
+
+
+Event = LoadProgress | RuntimeReady | LinkState | ReplyStarted | TokensCommitted | ReplyFinished | RuntimeFailed
+
+__all__ = [
+    "LoadProgress", "RuntimeReady", "LinkState", "RoundStats", "ReplyStarted", "TokensCommitted",
+    "ReplyFinished", "RuntimeFailed", "Event",
+]

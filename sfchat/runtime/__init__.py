@@ -1,0 +1,1 @@
+"""Everything that imports torch: model slices, KV cache, draft, head and tail engines, links."""

@@ -1,0 +1,66 @@
+"""The draft model: proposes K tokens per round from the committed context.
+
+Contract
+--------
+``Drafter.propose(tokens, sampling, generator)`` takes the whole committed context (token ids)
+and returns K proposed continuations plus the sparse proposal distributions they were drawn
+from (empty when greedy). It keeps its own static KV cache in step with the context by
+itself: whatever prefix of ``tokens`` is already cached is reused (multi-turn, rejected
+drafts), the rest is fed first. In the steady state the feed is exactly the last two committed
+tokens (re-writing one already-cached position): this covers both "some drafts rejected"
+(one new token) and "all K accepted" (d_K was never fed to the draft, plus the bonus), and it
+gives every round the same shapes, which is what lets the round be captured in a CUDA graph.
+
+The drafter knows nothing about the target, the wire or acceptance.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sfchat.runtime import sampling
+from sfchat.runtime.slices import ModelSlice
+from sfchat.wire import Sampling
+
+PREFILL_CHUNK = 512
+
+
+class Drafter:
+    def __init__(self, model: ModelSlice, k: int, n_q: int = 32):
+        self.model, self.k, self.n_q = model, k, n_q
+        self.device = model.device
+        self.vocab = model.config.vocab_size
+
+    def reset(self) -> None:
+        self.model.kv.reset()
+
+    def _feed(self, tokens: list[int], start: int) -> torch.Tensor:
+        """Run ``tokens`` at positions ``start...``; logits of the last position, (1, V)."""
+        logits = None
+        for i in range(0, len(tokens), PREFILL_CHUNK):
+            piece = tokens[i:i + PREFILL_CHUNK]
+            # a token the draft's (possibly smaller) vocabulary lacks can only hurt acceptance
+            ids = torch.tensor(piece, dtype=torch.long, device=self.device).clamp_(max=self.vocab - 1)
+            pos = torch.arange(start + i, start + i + len(piece), device=self.device)
+            logits = self.model(ids, pos, n_logits=1)
+        self.model.kv.note(start, tokens)
+        return logits
+
+    def propose(self, tokens: list[int], s: Sampling, generator: torch.Generator | None):
+        """K drafts after ``tokens``: (list of ids, q_idx (K, n_q) int32, q_prob (K, n_q) float32)."""
+        n = len(tokens)
+        start = min(self.model.kv.reusable(tokens), n - 1, max(n - 2, 0))
+        logits = self._feed(tokens[start:], start)
+        n_q = self.n_q if s.temperature > 0 else 0
+        picks, q_idx, q_prob = [], [], []
+        for i in range(self.k):
+            tok, qi, qp = sampling.choose(logits, s, n_q, generator)
+            picks.append(tok)
+            q_idx.append(qi)
+            q_prob.append(qp)
+            if i + 1 < self.k:
+                pos = torch.tensor([n + i], device=self.device)
+                logits = self.model(tok, pos, n_logits=1)
+        drafts = torch.cat(picks).tolist()  # the round's one host sync on the draft side
+        self.model.kv.note(n, drafts[:-1])
+        return drafts, torch.cat(q_idx), torch.cat(q_prob)

@@ -1,0 +1,173 @@
+"""The head node's round engine: draft, head slice, one FORWARD/VERDICT exchange per round.
+
+Contract
+--------
+``HeadEngine`` deals in token ids only. ``connect(hello)`` performs the HELLO/READY handshake
+over its link. ``begin(prompt_ids)`` sets the context; each ``round(...)`` is one speculative round:
+
+1. the drafter proposes K tokens after the committed context;
+2. the head slice runs every context token the target has not cached yet (the whole prompt
+   on the first round, minus what an earlier turn already left in the cache), then
+   ``[t0, d1..dK]``; all but the last K+1 positions travel as prefill FORWARDs, the last K+1
+   as the FORWARD to verify;
+3. the VERDICT's tokens are committed, cut at the first EOS, at ``max_new_tokens`` and at
+   the context window.
+
+Rewind needs no bookkeeping beyond the KV caches' ``written`` logs: the next round writes at
+the first position whose cached token differs from the committed context, on the head and —
+because the tail writes exactly what the head sends — on the tail too. Local and relay modes
+differ only in the link object.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+import torch
+
+from sfchat import UserError, wire
+from sfchat.events import RoundStats
+from sfchat.runtime import sampling
+from sfchat.runtime.draft import Drafter
+from sfchat.runtime.slices import ModelSlice
+
+PREFILL_CHUNK = 512
+WIRE_DTYPES = {torch.float32: wire.DType.FLOAT32, torch.float16: wire.DType.FLOAT16,
+               torch.bfloat16: wire.DType.BFLOAT16}
+DRAFT_SALT = 0x5F3759DF
+
+
+class LinkError(Exception):
+    """The tail answered with an ERROR or broke the protocol."""
+
+
+@dataclass(frozen=True)
+class RoundOutcome:
+    tokens: tuple[int, ...]  # committed this round (after truncation)
+    accepted: int
+    finish: str | None  # None, "eos", "length" or "context"
+    stats: RoundStats
+
+
+def hidden_bytes(h: torch.Tensor) -> bytes:
+    return h.contiguous().view(torch.uint8).cpu().numpy().tobytes()
+
+
+class HeadEngine:
+    def __init__(self, head: ModelSlice, drafter: Drafter | None, link, *, max_context: int,
+                 timeout: float | None = None):
+        self.head, self.drafter, self.link = head, drafter, link
+        self.k = drafter.k if drafter is not None else 0
+        self.max_context = max_context
+        self.timeout = timeout
+        self.tokens: list[int] = []
+        self.round_id = 0
+        self.device = head.device
+        self.wire_dtype = WIRE_DTYPES[head.dtype]
+
+    # -- handshake -----------------------------------------------------------------------------
+    def connect(self, hello: dict, on_progress=None) -> dict:
+        """Send HELLO and wait for READY; PROGRESS frames go to ``on_progress(data)``."""
+        self.link.send(wire.encode(wire.Control(wire.MsgType.HELLO, hello)))
+        while True:
+            msg = self._recv()
+            if isinstance(msg, wire.Control) and msg.type is wire.MsgType.READY:
+                return msg.data
+            if isinstance(msg, wire.Control) and msg.type is wire.MsgType.PROGRESS:
+                if on_progress is not None:
+                    on_progress(msg.data)
+                continue
+            raise LinkError(f"unexpected {msg!r} while waiting for the tail to be ready")
+
+    def _recv(self):
+        msg = wire.decode(self.link.recv(self.timeout))
+        if isinstance(msg, wire.Control) and msg.type is wire.MsgType.ERROR:
+            raise LinkError(f"tail: {msg.data.get('message', 'unknown error')}")
+        return msg
+
+    def reset(self) -> None:
+        """Forget the conversation (a new chat): every cached position becomes stale."""
+        self.tokens = []
+        self.head.kv.reset()
+        if self.drafter is not None:
+            self.drafter.reset()
+
+    # -- generation ----------------------------------------------------------------------------
+    def begin(self, prompt_ids: list[int]) -> int:
+        """Make ``prompt_ids`` the context; returns how many of its positions are already cached."""
+        if len(prompt_ids) >= self.max_context:
+            raise UserError(f"the prompt has {len(prompt_ids)} tokens, the context window is "
+                            f"{self.max_context}: shorten it or raise --max-context")
+        if not prompt_ids:
+            raise UserError("the prompt is empty")
+        self.tokens = list(prompt_ids)
+        return min(self.head.kv.reusable(self.tokens), len(self.tokens) - 1)
+
+    def round(self, s: wire.Sampling, eos_ids: set[int], budget: int) -> RoundOutcome:
+        t0 = time.perf_counter()
+        n = len(self.tokens)
+        drafts, q_idx, q_prob = [], None, None
+        if self.drafter is not None:
+            gen = sampling.round_generator(s.seed ^ DRAFT_SALT, n, self.device) if s.temperature > 0 else None
+            drafts, q_idx, q_prob = self.drafter.propose(self.tokens, s, gen)
+        t1 = time.perf_counter()
+
+        start = min(self.head.kv.reusable(self.tokens), n - 1)
+        seq = self.tokens[start:] + drafts
+        verify_from = len(seq) - (len(drafts) + 1)
+        self.round_id += 1
+        for i in range(0, verify_from, PREFILL_CHUNK):  # context the target has not seen yet
+            piece = seq[i:min(i + PREFILL_CHUNK, verify_from)]
+            self._send_forward(piece, start + i, 0, False, s, None, None)
+        self._send_forward(seq[verify_from:], start + verify_from, len(drafts), True, s, q_idx, q_prob)
+        t2 = time.perf_counter()
+
+        verdict = self._await_verdict()
+        t3 = time.perf_counter()
+        committed, finish = self._commit(verdict.tokens, eos_ids, budget)
+        tail_ms = verdict.tail_us / 1e3
+        stats = RoundStats(accepted=verdict.n_accepted, committed=len(committed),
+                           draft_ms=(t1 - t0) * 1e3, head_ms=(t2 - t1) * 1e3, tail_ms=tail_ms,
+                           rtt_ms=max((t3 - t2) * 1e3 - tail_ms, 0.0), round_ms=(t3 - t0) * 1e3)
+        return RoundOutcome(tuple(committed), verdict.n_accepted, finish, stats)
+
+    def _send_forward(self, piece, start, n_draft, want_verdict, s, q_idx, q_prob) -> None:
+        ids = torch.tensor(piece, dtype=torch.long, device=self.device)
+        positions = torch.arange(start, start + len(piece), device=self.device)
+        hidden = self.head(ids, positions)
+        self.head.kv.note(start, piece)
+        n_q = q_idx.shape[1] if q_idx is not None and n_draft else 0
+        frame = wire.Forward(
+            round=self.round_id, start_pos=start, tokens=tuple(piece), hidden=hidden_bytes(hidden),
+            dtype=self.wire_dtype, hidden_size=hidden.shape[-1], n_draft=n_draft,
+            want_verdict=want_verdict, sampling=s, n_q=n_q,
+            q_indices=q_idx.to(torch.int32).cpu().numpy().tobytes() if n_q else b"",
+            q_probs=q_prob.to(torch.float32).cpu().numpy().tobytes() if n_q else b"",
+        )
+        self.link.send(wire.encode(frame))
+
+    def _await_verdict(self) -> wire.Verdict:
+        while True:
+            msg = self._recv()
+            if isinstance(msg, wire.Verdict):
+                if msg.round == self.round_id:
+                    return msg
+                continue  # a stale verdict of an abandoned round: never applied
+            if isinstance(msg, wire.Control) and msg.type is wire.MsgType.PROGRESS:
+                continue
+            raise LinkError(f"unexpected {type(msg).__name__} while waiting for a verdict")
+
+    def _commit(self, tokens, eos_ids: set[int], budget: int):
+        committed, finish = [], None
+        for t in tokens:
+            committed.append(t)
+            if t in eos_ids:
+                finish = "eos"
+            elif len(committed) >= budget:
+                finish = "length"
+            elif len(self.tokens) + len(committed) >= self.max_context:
+                finish = "context"
+            if finish:
+                break
+        self.tokens.extend(committed)
+        return committed, finish

@@ -1,0 +1,189 @@
+"""The head's chat session: tokenizer, chat template, models, link, and the reply loop.
+
+Contract
+--------
+``ChatSession.load(settings, on_event, link=None)`` resolves devices, dtype and split, loads the
+draft and the head slice, connects to the tail (in-process through ``MemoryLink`` unless a
+relay link is given) and reports progress as ``LoadProgress`` events. ``reply(prompt_ids, ...)``
+is the one reply loop used by the one-shot CLI and the TUI alike: it runs rounds until EOS,
+the token budget, the context window or a cancel, and yields ``ReplyStarted``, one
+``TokensCommitted`` per round and a final ``ReplyFinished`` with the aggregate figures.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Iterator
+
+import torch
+
+from sfchat import UserError
+from sfchat.config import Settings
+from sfchat.events import LoadProgress, ReplyFinished, ReplyStarted, RuntimeReady, TokensCommitted
+from sfchat.runtime.draft import Drafter
+from sfchat.runtime.head import HeadEngine
+from sfchat.runtime.links import MemoryLink
+from sfchat.runtime.slices import ModelSlice, n_layers, pick_dtype
+from sfchat.runtime.source import ModelSource
+from sfchat.runtime.tail import DTYPE_NAMES, Verifier
+from sfchat.wire import Sampling
+
+
+def resolve_device(name: str | None) -> torch.device:
+    if not name or name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        raise UserError(f"unknown device {name!r} (use cpu, cuda or cuda:N)") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UserError(f"device {name!r} requested but no CUDA GPU is available")
+        if (dev.index or 0) >= torch.cuda.device_count():
+            raise UserError(f"device {name!r} does not exist ({torch.cuda.device_count()} GPUs visible)")
+    elif dev.type != "cpu":
+        raise UserError(f"unsupported device {name!r} (use cpu, cuda or cuda:N)")
+    return dev
+
+
+def load_tokenizer(src: ModelSource, revision: str | None):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(src.tokenizer_location, revision=revision)
+    except (OSError, ValueError, TypeError) as exc:
+        raise UserError(f"cannot load the tokenizer of {src.name!r}: {exc}") from None
+
+
+def eos_ids(src: ModelSource, tokenizer) -> set[int]:
+    from transformers import GenerationConfig
+
+    ids: set[int] = set()
+    try:
+        gen = GenerationConfig.from_pretrained(src.tokenizer_location, revision=src.revision)
+        eos = gen.eos_token_id
+        ids |= set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    except OSError:
+        pass
+    if not ids and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
+
+
+class TextStream:
+    """Incremental detokenisation that never emits half of a multi-byte character."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.ids, self.text = tokenizer, [], ""
+
+    def push(self, ids) -> str:
+        self.ids.extend(ids)
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if text.endswith("\ufffd"):
+            return ""
+        delta = text[len(self.text):] if text.startswith(self.text) else text
+        self.text = text
+        return delta
+
+
+class ChatSession:
+    def __init__(self, settings: Settings, tokenizer, engine: HeadEngine, eos: set[int], info: RuntimeReady):
+        self.settings, self.tokenizer, self.engine, self.eos, self.info = settings, tokenizer, engine, eos, info
+
+    @classmethod
+    def load(cls, s: Settings, on_event: Callable = lambda e: None, link=None) -> "ChatSession":
+        def progress(node):
+            return lambda stage, done, total, detail: on_event(LoadProgress(node, stage, done, total, detail))
+
+        device = resolve_device(s.device)
+        draft_device = resolve_device(s.draft_device) if s.draft_device else device
+        src = ModelSource.open(s.model, s.revision, progress("head"))
+        L = n_layers(src.config)
+        split = L // 2 if s.split is None else s.split
+        if not 0 <= split <= L:
+            raise UserError(f"--split {split} is out of range: {s.model} has {L} layers (0..{L})")
+        dtype = pick_dtype(device, s.dtype)
+        limit = getattr(src.config, "max_position_embeddings", None) or s.max_context
+        max_context = min(s.max_context, limit)
+        use_draft = s.draft and s.draft.lower() != "none" and s.k > 0
+        k = s.k if use_draft else 0
+        kv_len = max_context + k + 1  # a round may write K+1 positions past the last committed one
+        tokenizer = load_tokenizer(src, s.revision)
+
+        drafter = None
+        if use_draft:
+            dsrc = ModelSource.open(s.draft, s.draft_revision, progress("draft"))
+            check_same_tokenizer(s, tokenizer, load_tokenizer(dsrc, s.draft_revision))
+            dmodel = ModelSlice.load(dsrc, 0, n_layers(dsrc.config), embed=True, head=True,
+                                     dtype=pick_dtype(draft_device, s.dtype), device=draft_device,
+                                     max_len=kv_len, progress=progress("draft"))
+            drafter = Drafter(dmodel, k)
+        head = ModelSlice.load(src, 0, split, embed=True, head=False, dtype=dtype, device=device,
+                               max_len=kv_len, progress=progress("head"))
+        mode = "relay" if link is not None else "local"
+        if link is None:
+            link = MemoryLink(Verifier(device))
+        engine = HeadEngine(head, drafter, link, max_context=max_context)
+        hello = {"model": s.model, "revision": s.revision, "split": split, "dtype": DTYPE_NAMES[dtype],
+                 "max_len": kv_len, "n_layers": L, "hidden_size": src.config.hidden_size, "k": k}
+        engine.connect(hello, lambda d: on_event(LoadProgress("tail", d.get("stage", ""), d.get("done", 0),
+                                                              d.get("total", 0), d.get("detail", ""))))
+        info = RuntimeReady(model=s.model, draft=s.draft if use_draft else "none", split=split, n_layers=L,
+                            dtype=DTYPE_NAMES[dtype], k=k, device=str(device), mode=mode,
+                            max_context=max_context)
+        on_event(info)
+        return cls(s, tokenizer, engine, eos_ids(src, tokenizer), info)
+
+    # -- prompts -------------------------------------------------------------------------------
+    def encode(self, messages: list[dict], chat_template: bool = True) -> list[int]:
+        """Token ids of a conversation (through the chat template when the tokenizer has one)."""
+        tok = self.tokenizer
+        if chat_template and getattr(tok, "chat_template", None):
+            text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            return tok(text, add_special_tokens=False)["input_ids"]
+        return tok("".join(m["content"] for m in messages))["input_ids"]
+
+    # -- the reply loop ------------------------------------------------------------------------
+    def reply(self, prompt_ids: list[int], max_new_tokens: int, sampling: Sampling,
+              cancelled: Callable[[], bool] = lambda: False) -> Iterator:
+        t_start = time.perf_counter()
+        reused = self.engine.begin(prompt_ids)
+        yield ReplyStarted(len(prompt_ids), reused, len(prompt_ids) - reused)
+        stream = TextStream(self.tokenizer)
+        hist = [0] * (self.engine.k + 1)
+        rounds, tokens, finish = [], [], None
+        ttft = 0.0
+        while finish is None:
+            if cancelled():
+                finish = "cancelled"
+                break
+            out = self.engine.round(sampling, self.eos, max_new_tokens - len(tokens))
+            rounds.append(out.stats)
+            hist[out.accepted] += 1
+            tokens.extend(out.tokens)
+            finish = out.finish
+            elapsed = time.perf_counter() - t_start
+            ttft = ttft or elapsed
+            yield TokensCommitted(stream.push(out.tokens), out.tokens, out.stats, elapsed)
+        total = time.perf_counter() - t_start
+        steady = rounds[1:]
+        steady_s = sum(r.round_ms for r in steady) / 1e3
+        steady_tokens = sum(r.committed for r in steady)
+        tps = steady_tokens / steady_s if steady_s > 0 else (len(tokens) / total if total > 0 else 0.0)
+
+        def mean(attr):
+            return sum(getattr(r, attr) for r in rounds) / len(rounds) if rounds else 0.0
+
+        yield ReplyFinished(
+            finish_reason=finish, text=stream.text, token_ids=tuple(tokens), prompt_tokens=len(prompt_ids),
+            rounds=len(rounds), tokens_per_round=len(tokens) / len(rounds) if rounds else 0.0,
+            accepted_histogram=tuple(hist), tps=tps, ttft_s=ttft,
+            prefill_s=rounds[0].round_ms / 1e3 if rounds else 0.0, round_ms=mean("round_ms"),
+            rtt_ms=mean("rtt_ms"), draft_ms=mean("draft_ms"), head_ms=mean("head_ms"), tail_ms=mean("tail_ms"),
+        )
+
+
+def check_same_tokenizer(s: Settings, target_tok, draft_tok) -> None:
+    if target_tok.get_vocab() != draft_tok.get_vocab():
+        raise UserError(f"the draft {s.draft!r} uses a different tokenizer than {s.model!r}: "
+                        "pick a draft from the same model family, or --draft none")

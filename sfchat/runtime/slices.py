@@ -1,0 +1,148 @@
+"""A contiguous slice of a decoder-only transformer, loaded without materialising the rest.
+
+Contract
+--------
+``ModelSlice.load(source, lo, hi, embed=..., head=...)`` builds transformers' own decoder
+layers ``[lo, hi)`` (Qwen2 / Qwen2.5, Qwen3, Llama families) on the meta device, reads only
+their tensors (plus the embedding when ``embed``, the final norm and lm_head when ``head``)
+from the checkpoint's shard files, and owns a ``StaticKV`` for exactly those layers. Tied
+checkpoints have no ``lm_head.weight``: the embedding matrix is used for it.
+
+``forward(x, positions, n_logits)``: ``x`` is token ids ``(n,)`` when the slice has the
+embedding, else hidden states ``(n, H)``; ``positions`` the absolute positions ``(n,)``.
+It returns hidden states ``(n, H)``, or — for a slice with the head — logits ``(n_logits, V)``
+of the last ``n_logits`` positions. The draft model is simply the slice ``[0, L)`` with both
+ends. The slice does not know which tokens are drafts, nor anything about the wire.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+
+import torch
+from torch import nn
+
+from sfchat import UserError
+from sfchat.runtime.kv import StaticKV
+from sfchat.runtime.source import ModelSource, Progress, _no_progress
+
+# model_type -> (module, decoder layer, rms norm, rotary embedding)
+ARCHITECTURES = {
+    "qwen2": ("qwen2", "Qwen2DecoderLayer", "Qwen2RMSNorm", "Qwen2RotaryEmbedding"),
+    "qwen3": ("qwen3", "Qwen3DecoderLayer", "Qwen3RMSNorm", "Qwen3RotaryEmbedding"),
+    "llama": ("llama", "LlamaDecoderLayer", "LlamaRMSNorm", "LlamaRotaryEmbedding"),
+}
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def pick_dtype(device: torch.device, override: str | None = None) -> torch.dtype:
+    """bf16 where the GPU supports it, fp16 on older GPUs (T4), fp32 on the CPU."""
+    if override and override != "auto":
+        if override not in DTYPES:
+            raise UserError(f"unknown dtype {override!r} (choose from auto, {', '.join(DTYPES)})")
+        return DTYPES[override]
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported(including_emulation=False) else torch.float16
+    return torch.float32
+
+
+def architecture(config):
+    """The transformers classes for a config, or a UserError naming what is supported."""
+    mtype = getattr(config, "model_type", None)
+    if mtype not in ARCHITECTURES:
+        raise UserError(f"unsupported architecture {mtype!r}; sfchat supports {', '.join(ARCHITECTURES)}")
+    mod_name, *names = ARCHITECTURES[mtype]
+    module = importlib.import_module(f"transformers.models.{mod_name}.modeling_{mod_name}")
+    return [getattr(module, n) for n in names]
+
+
+def n_layers(config) -> int:
+    return int(config.num_hidden_layers)
+
+
+class ModelSlice(nn.Module):
+    def __init__(self, config, lo: int, hi: int, *, embed: bool, head: bool,
+                 dtype: torch.dtype, device: torch.device, max_len: int):
+        super().__init__()
+        layer_cls, norm_cls, rotary_cls = architecture(config)
+        types = getattr(config, "layer_types", None) or []
+        if any(t != "full_attention" for t in types[lo:hi]):
+            raise UserError("models with sliding-window attention layers are not supported")
+        config._attn_implementation = "sdpa"
+        self.config, self.lo, self.hi = config, lo, hi
+        self.dtype, self.device = dtype, device
+        with torch.device("meta"):
+            self.layers = nn.ModuleList(layer_cls(config, i) for i in range(lo, hi))
+            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size) if embed else None
+            self.norm = norm_cls(config.hidden_size, eps=config.rms_norm_eps) if head else None
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False) if head else None
+        for local, layer in enumerate(self.layers):
+            layer.self_attn.layer_idx = local  # the slice's KV cache is indexed locally
+        # inv_freq is a non-persistent buffer: build the rotary embedding on the real device
+        self.rotary = rotary_cls(config=config).to(device)
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.kv = StaticKV(hi - lo, config.num_key_value_heads, head_dim, max_len, dtype, device)
+        params = inspect.signature(layer_cls.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+
+    # -- loading -------------------------------------------------------------------------------
+    def tensor_names(self) -> dict[str, tuple[nn.Module, str]]:
+        """Checkpoint tensor name -> (module, attribute path) for everything this slice needs."""
+        names = {}
+        for local, layer in enumerate(self.layers):
+            for pname in layer.state_dict().keys():
+                names[f"model.layers.{self.lo + local}.{pname}"] = (layer, pname)
+        if self.embed_tokens is not None:
+            names["model.embed_tokens.weight"] = (self.embed_tokens, "weight")
+        if self.norm is not None:
+            names["model.norm.weight"] = (self.norm, "weight")
+        return names
+
+    @classmethod
+    def load(cls, source: ModelSource, lo: int, hi: int, *, embed: bool, head: bool,
+             dtype: torch.dtype, device: torch.device, max_len: int,
+             progress: Progress = _no_progress) -> "ModelSlice":
+        sl = cls(source.config, lo, hi, embed=embed, head=head, dtype=dtype, device=device, max_len=max_len)
+        wanted = sl.tensor_names()
+        head_name = None
+        if head:
+            tied = getattr(source.config, "tie_word_embeddings", False) or "lm_head.weight" not in source.weight_map
+            head_name = "model.embed_tokens.weight" if tied else "lm_head.weight"
+        names = list(wanted) + ([head_name] if head_name and head_name not in wanted else [])
+        state: dict[nn.Module, dict[str, torch.Tensor]] = {}
+        dev = str(device) if device.type != "cuda" else f"cuda:{device.index or 0}"
+        for name, tensor in source.read(names, dev, progress):
+            tensor = tensor.to(dtype)
+            if name == head_name:
+                sl.lm_head.weight = nn.Parameter(tensor, requires_grad=False)
+            if name in wanted:
+                module, attr = wanted[name]
+                state.setdefault(module, {})[attr] = tensor
+        for module, sd in state.items():
+            module.load_state_dict(sd, strict=True, assign=True)
+        for p in sl.parameters():
+            p.requires_grad_(False)
+        left = [n for n, p in sl.named_parameters() if p.is_meta]
+        if left:
+            raise UserError(f"checkpoint {source.name!r} did not provide {left[0]}")
+        return sl.eval()
+
+    # -- compute -------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, n_logits: int = 0) -> torch.Tensor:
+        h = self.embed_tokens(x) if self.embed_tokens is not None else x.to(self.dtype)
+        h = h[None]
+        pos = positions[None]
+        mask = self.kv.begin(positions)
+        rope = self.rotary(h, pos)
+        kw = {self._cache_kw: self.kv}
+        for layer in self.layers:
+            h = layer(h, attention_mask=mask, position_ids=pos, position_embeddings=rope, **kw)
+            if isinstance(h, tuple):  # older transformers return (hidden,)
+                h = h[0]
+        if self.lm_head is None:
+            return h[0]
+        h = self.norm(h[0, -n_logits:])
+        return self.lm_head(h).float()

@@ -1,0 +1,164 @@
+"""Where a model's files come from: a local directory or a Hugging Face hub repository.
+
+Contract
+--------
+``ModelSource.open(name, revision)`` accepts a local directory or a hub model id and gives:
+the parsed ``config`` (transformers ``AutoConfig``), the checkpoint's weight map (tensor name ->
+shard file name), and ``fetch(names)``, which returns local paths for only the shard files that
+hold the requested tensors, downloading just those (the hub cache is honoured, and
+``HF_HUB_OFFLINE=1`` works when the files are cached). Only safetensors checkpoints are read.
+
+Failures a user can fix (missing directory, unknown repo, gated repo, no network, no
+safetensors) raise ``sfchat.UserError`` with the fix in the message. This module knows nothing
+about layers, devices or dtypes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from safetensors import safe_open
+
+from sfchat import UserError
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+Progress = Callable[[str, int, int, str], None]
+
+
+def _no_progress(stage: str, done: int, total: int, detail: str) -> None:
+    return None
+
+
+def _hub_error(name: str, exc: Exception) -> UserError:
+    from huggingface_hub import errors
+
+    if isinstance(exc, errors.GatedRepoError):
+        return UserError(f"model {name!r} is gated: accept its licence on the hub and log in "
+                         "(`hf auth login` or set HF_TOKEN)")
+    if isinstance(exc, errors.RepositoryNotFoundError):
+        return UserError(f"model {name!r} was not found on the Hugging Face hub (check the id, or "
+                         "log in if it is private); a local model must be an existing directory")
+    if isinstance(exc, errors.RevisionNotFoundError):
+        return UserError(f"revision not found for model {name!r}")
+    if isinstance(exc, errors.LocalEntryNotFoundError):
+        return UserError(f"model {name!r} is not in the local cache and the hub cannot be reached "
+                         "(connect to the internet, or unset HF_HUB_OFFLINE, or pass a local directory)")
+    return UserError(f"cannot fetch model {name!r}: {exc}")
+
+
+@dataclass
+class ModelSource:
+    name: str
+    revision: str | None
+    local_dir: Path | None
+    config: object
+    weight_map: dict[str, str]
+
+    # -- opening -------------------------------------------------------------------------------
+    @classmethod
+    def open(cls, name: str, revision: str | None = None, progress: Progress = _no_progress) -> "ModelSource":
+        path = Path(name).expanduser()
+        if path.is_dir():
+            src = cls(name, revision, path, None, {})
+        elif path.exists() or name.startswith((".", "/", "~")) or name.count("/") > 1:
+            raise UserError(f"model directory {name!r} does not exist")
+        else:
+            src = cls(name, revision, None, None, {})
+        progress("download", 0, 1, "config")
+        src.config = src._load_config()
+        src.weight_map = src._load_weight_map()
+        progress("download", 1, 1, "config")
+        return src
+
+    def file(self, filename: str, optional: bool = False) -> Path:
+        """Local path of one repository file (downloaded to the hub cache when needed).
+
+        Raises FileNotFoundError when the repository has no such file. An uncached file while
+        the hub is unreachable is a UserError, except for ``optional`` files (then
+        FileNotFoundError: the caller falls back to another layout)."""
+        if self.local_dir is not None:
+            p = self.local_dir / filename
+            if not p.is_file():
+                raise FileNotFoundError(str(p))
+            return p
+        from huggingface_hub import errors, hf_hub_download
+
+        try:
+            return Path(hf_hub_download(self.name, filename, revision=self.revision))
+        except errors.LocalEntryNotFoundError as exc:
+            if optional:
+                raise FileNotFoundError(filename) from None
+            raise _hub_error(self.name, exc) from None
+        except errors.RemoteEntryNotFoundError:
+            raise FileNotFoundError(filename) from None
+        except (errors.HfHubHTTPError, errors.HFValidationError, OSError) as exc:
+            raise _hub_error(self.name, exc) from None
+
+    @property
+    def tokenizer_location(self) -> str:
+        return str(self.local_dir) if self.local_dir is not None else self.name
+
+    def _load_config(self):
+        from transformers import AutoConfig
+
+        try:
+            cfg_path = self.file("config.json")
+        except FileNotFoundError:
+            raise UserError(f"{self.name!r} has no config.json: not a transformers model") from None
+        try:
+            return AutoConfig.from_pretrained(str(cfg_path.parent))
+        except (ValueError, KeyError, OSError, json.JSONDecodeError) as exc:
+            raise UserError(f"cannot read the config of {self.name!r}: {exc}") from None
+
+    def _load_weight_map(self) -> dict[str, str]:
+        try:
+            index = json.loads(self.file(INDEX_FILE, optional=True).read_text())
+            return dict(index["weight_map"])
+        except FileNotFoundError:
+            pass
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise UserError(f"{self.name!r} has a malformed {INDEX_FILE}: {exc}") from None
+        try:
+            single = self.file(SINGLE_FILE)
+        except FileNotFoundError:
+            raise UserError(f"{self.name!r} has no safetensors weights ({SINGLE_FILE} or {INDEX_FILE}); "
+                            "sfchat reads safetensors checkpoints only") from None
+        with safe_open(str(single), framework="pt") as f:
+            return {k: SINGLE_FILE for k in f.keys()}
+
+    # -- reading tensors -----------------------------------------------------------------------
+    def fetch(self, names: list[str], progress: Progress = _no_progress) -> dict[str, Path]:
+        """Local paths of the shard files holding ``names`` (downloading only those files)."""
+        missing = [n for n in names if n not in self.weight_map]
+        if missing:
+            raise UserError(f"checkpoint {self.name!r} lacks tensor {missing[0]!r}")
+        files = sorted({self.weight_map[n] for n in names})
+        paths = {}
+        for i, f in enumerate(files):
+            progress("download", i, len(files), f)
+            try:
+                paths[f] = self.file(f)
+            except FileNotFoundError:
+                raise UserError(f"checkpoint {self.name!r} is missing shard {f}") from None
+        progress("download", len(files), len(files), "")
+        return paths
+
+    def read(self, names: list[str], device: str, progress: Progress = _no_progress):
+        """Yield (name, tensor) for ``names``, opening only the shards that hold them."""
+        paths = self.fetch(names, progress)
+        by_file: dict[str, list[str]] = {}
+        for n in names:
+            by_file.setdefault(self.weight_map[n], []).append(n)
+        done = 0
+        for f, keys in by_file.items():
+            with safe_open(os.fspath(paths[f]), framework="pt", device=device) as handle:
+                for k in keys:
+                    yield k, handle.get_tensor(k)
+                    done += 1
+                    progress("load", done, len(names), k)

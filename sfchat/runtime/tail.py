@@ -1,0 +1,144 @@
+"""The tail node's protocol engine: target layers [split, L) + final norm + lm_head, verifying.
+
+Contract
+--------
+``Verifier.handle(frame, emit)`` consumes one wire frame and calls ``emit(frame)`` for each
+reply (sans-I/O: the same object serves the in-memory link of local mode and the relay loop of
+``sfchat --tail``). The tail needs no model flags: a HELLO names the model, revision, split,
+dtype and context size; the tail loads its slice (reporting PROGRESS), checks that what it
+loaded agrees with the hello, and answers READY. A FORWARD fills the KV cache at the positions
+it names and, when it asks for a verdict, verifies its drafts with ``sampling.verify``.
+
+A frame that breaks the protocol gets an ERROR reply and raises ``TailError`` so that the
+transport closes the connection; the verifier itself stays usable for the next head.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from sfchat import UserError, wire
+from sfchat.runtime import sampling
+from sfchat.runtime.slices import ModelSlice, n_layers, pick_dtype
+from sfchat.runtime.source import ModelSource
+
+DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+class TailError(Exception):
+    """The peer broke the protocol or asked for something impossible; close the connection."""
+
+
+def tensor_from_bytes(raw: bytes, dtype: torch.dtype, rows: int, cols: int, device) -> torch.Tensor:
+    """A (rows, cols) tensor from little-endian raw bytes (lengths already checked by the codec)."""
+    if not raw:
+        return torch.zeros(rows, cols, dtype=dtype, device=device)
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).view(rows, cols).to(device)
+
+
+class Verifier:
+    def __init__(self, device: torch.device, log=None):
+        self.device = device
+        self.log = log or (lambda msg: None)
+        self.model: ModelSlice | None = None
+        self.identity: dict | None = None
+        self.verify_graph = None  # set by the graph module when the verify forward is captured
+        self.rounds = 0
+
+    # -- frames --------------------------------------------------------------------------------
+    def handle(self, frame: bytes, emit) -> None:
+        try:
+            msg = wire.decode(frame)
+        except wire.WireError as exc:
+            self._fail(emit, f"malformed frame: {exc}")
+        if isinstance(msg, wire.Forward):
+            self._forward(msg, emit)
+        elif msg.type is wire.MsgType.HELLO:
+            self._hello(msg.data, emit)
+        elif msg.type is wire.MsgType.BYE:
+            return
+        else:
+            self._fail(emit, f"unexpected {type(msg).__name__} {getattr(msg, 'type', '')} from the head")
+
+    def _fail(self, emit, message: str):
+        emit(wire.encode(wire.Control(wire.MsgType.ERROR, {"message": message})))
+        raise TailError(message)
+
+    def _hello(self, data: dict, emit) -> None:
+        try:
+            identity = {k: data[k] for k in ("model", "revision", "split", "dtype", "max_len")}
+            n_layers_head, hidden = int(data["n_layers"]), int(data["hidden_size"])
+        except (KeyError, TypeError, ValueError) as exc:
+            self._fail(emit, f"incomplete hello: {exc}")
+        t0 = time.perf_counter()
+        reused = self.model is not None and identity == self.identity
+        if not reused:
+            self.model = None
+            try:
+                self.model = self._load(identity, emit)
+            except UserError as exc:
+                self._fail(emit, f"tail cannot load {identity['model']!r}: {exc}")
+        cfg = self.model.config
+        if n_layers(cfg) != n_layers_head or cfg.hidden_size != hidden:
+            self._fail(emit, f"tail's model has {n_layers(cfg)} layers / hidden {cfg.hidden_size}, "
+                             f"the head's {n_layers_head} / {hidden}: not the same model")
+        self.identity = identity
+        self.model.kv.reset()
+        ready = {"n_layers": n_layers(cfg), "hidden_size": cfg.hidden_size, "device": str(self.device),
+                 "dtype": DTYPE_NAMES[self.model.dtype], "load_s": round(time.perf_counter() - t0, 3),
+                 "reused": reused}
+        self.log(f"ready: {identity['model']} layers [{identity['split']}, {n_layers(cfg)}) on {self.device}")
+        emit(wire.encode(wire.Control(wire.MsgType.READY, ready)))
+
+    def _load(self, ident: dict, emit) -> ModelSlice:
+        last = [0.0]
+
+        def progress(stage, done, total, detail):
+            now = time.monotonic()
+            if done == total or now - last[0] > 0.1:
+                last[0] = now
+                emit(wire.encode(wire.Control(wire.MsgType.PROGRESS, {
+                    "stage": stage, "done": done, "total": total, "detail": detail})))
+
+        src = ModelSource.open(ident["model"], ident["revision"], progress)
+        L = n_layers(src.config)
+        split = int(ident["split"])
+        if not 0 <= split <= L:
+            raise UserError(f"split {split} out of range 0..{L}")
+        dtype = pick_dtype(self.device, ident["dtype"])
+        self.log(f"loading {ident['model']} layers [{split}, {L}) as {DTYPE_NAMES[dtype]} on {self.device}")
+        return ModelSlice.load(src, split, L, embed=False, head=True, dtype=dtype, device=self.device,
+                               max_len=int(ident["max_len"]), progress=progress)
+
+    def _forward(self, msg: wire.Forward, emit) -> None:
+        if self.model is None:
+            self._fail(emit, "FORWARD before HELLO")
+        m = self.model
+        n = len(msg.tokens)
+        if msg.hidden_size != m.config.hidden_size or msg.dtype.name.lower() != DTYPE_NAMES[m.dtype]:
+            self._fail(emit, f"hidden states of size {msg.hidden_size}/{msg.dtype.name} do not match "
+                             f"the tail's {m.config.hidden_size}/{DTYPE_NAMES[m.dtype]}")
+        if msg.start_pos + n > m.kv.max_len:
+            self._fail(emit, f"positions up to {msg.start_pos + n} exceed the context of {m.kv.max_len}")
+        if msg.start_pos > len(m.kv.written):
+            self._fail(emit, f"context hole: the tail holds {len(m.kv.written)} positions, the head "
+                             f"wrote at {msg.start_pos} (did the tail restart?)")
+        t0 = time.perf_counter()
+        hidden = tensor_from_bytes(msg.hidden, m.dtype, n, msg.hidden_size, self.device)
+        positions = torch.arange(msg.start_pos, msg.start_pos + n, device=self.device)
+        k = msg.n_draft
+        logits = m(hidden, positions, n_logits=k + 1 if msg.want_verdict else 1)
+        m.kv.note(msg.start_pos, msg.tokens)
+        if not msg.want_verdict:
+            return
+        drafts = torch.tensor(msg.tokens[n - k:], dtype=torch.long, device=self.device)
+        q_idx = tensor_from_bytes(msg.q_indices, torch.int32, k, msg.n_q, self.device)
+        q_prob = tensor_from_bytes(msg.q_probs, torch.float32, k, msg.n_q, self.device)
+        gen = sampling.round_generator(msg.sampling.seed, msg.start_pos, self.device) \
+            if msg.sampling.temperature > 0 else None
+        n_acc, tokens = sampling.verify(logits, drafts, msg.sampling, q_idx, q_prob, gen)
+        tail_us = int((time.perf_counter() - t0) * 1e6)
+        self.rounds += 1
+        emit(wire.encode(wire.Verdict(msg.round, msg.start_pos, n_acc, tuple(tokens), tail_us)))

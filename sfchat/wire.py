@@ -1,0 +1,274 @@
+"""The sfchat wire format: versioned binary frames exchanged by head and tail.
+
+Contract
+--------
+Every frame is ``HEADER`` (fixed ``struct``) followed by a body of ``body_len`` bytes::
+
+    magic  4s   b"SFCH"
+    version B   PROTOCOL_VERSION
+    type    B   MsgType
+    flags   H   per-type bit flags (FLAG_*)
+    round   I   round id chosen by the head (echoed by the tail)
+    body    I   body length in bytes
+
+Bodies:
+
+* HELLO, READY, PROGRESS, ERROR, BYE: UTF-8 JSON objects of metadata only (model id,
+  split, K, stage names...). Never tensors.
+* FORWARD (head -> tail): a run of ``n_tokens`` consecutive positions starting at
+  ``start_pos`` whose last ``n_draft`` tokens are draft proposals to verify. ``hidden`` holds
+  the head slice's output for those positions as raw bytes (``dtype`` code, row-major
+  ``n_tokens x hidden_size``). With FLAG_VERDICT the tail answers with a VERDICT; without it
+  (prefill chunks) the tail only fills its KV cache. Optional sparse draft distributions
+  (``n_q`` entries per drafted position) and the sampling parameters travel with the frame,
+  so every round is self-contained.
+* VERDICT (tail -> head): ``n_accepted`` drafts were accepted; ``tokens`` are the committed
+  tokens of the round (the accepted drafts, then the target's own next token);
+  ``tail_us`` is the tail's compute time, used by the head to separate RTT from work.
+
+This module is torch-free: tensors cross it as ``bytes`` plus a dtype code and a shape.
+Every length is checked before anything is sliced, and any malformed input raises
+``WireError`` (and nothing else), so a hostile peer cannot crash the process.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import struct
+from dataclasses import dataclass, field
+
+MAGIC = b"SFCH"
+PROTOCOL_VERSION = 1
+
+HEADER = struct.Struct("<4sBBHII")
+FORWARD_FIXED = struct.Struct("<IIIBIIfIfQ")  # start, n_tok, n_draft, dtype, hidden, n_q, temp, top_k, top_p, seed
+VERDICT_FIXED = struct.Struct("<IIII")  # start, n_accepted, n_tokens, tail_us
+
+FLAG_VERDICT = 0x1  # FORWARD: answer with a VERDICT
+
+MAX_JSON_BYTES = 1 << 16
+MAX_TOKENS_PER_FRAME = 1 << 12
+MAX_HIDDEN_SIZE = 1 << 15
+MAX_DRAFT = 64
+MAX_Q_ENTRIES = 1 << 12
+
+
+class WireError(ValueError):
+    """A frame that does not follow this protocol (the connection should be closed)."""
+
+
+class MsgType(enum.IntEnum):
+    HELLO = 1
+    READY = 2
+    PROGRESS = 3
+    FORWARD = 4
+    VERDICT = 5
+    ERROR = 6
+    BYE = 7
+
+
+class DType(enum.IntEnum):
+    FLOAT32 = 1
+    FLOAT16 = 2
+    BFLOAT16 = 3
+
+    @property
+    def itemsize(self) -> int:
+        return 4 if self is DType.FLOAT32 else 2
+
+    @classmethod
+    def from_name(cls, name: str) -> "DType":
+        try:
+            return {"float32": cls.FLOAT32, "float16": cls.FLOAT16, "bfloat16": cls.BFLOAT16}[name]
+        except KeyError:
+            raise WireError(f"unsupported dtype {name!r}") from None
+
+
+JSON_TYPES = {MsgType.HELLO, MsgType.READY, MsgType.PROGRESS, MsgType.ERROR, MsgType.BYE}
+
+
+@dataclass(frozen=True)
+class Control:
+    """A metadata frame (HELLO, READY, PROGRESS, ERROR, BYE) carrying a JSON object."""
+
+    type: MsgType
+    data: dict = field(default_factory=dict)
+    round: int = 0
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Sampling parameters of a request; temperature 0 means greedy."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class Forward:
+    """Head-slice output for consecutive positions, optionally to be verified."""
+
+    round: int
+    start_pos: int
+    tokens: tuple[int, ...]
+    hidden: bytes
+    dtype: DType
+    hidden_size: int
+    n_draft: int = 0
+    want_verdict: bool = True
+    sampling: Sampling = Sampling()
+    n_q: int = 0
+    q_indices: bytes = b""  # int32, n_draft * n_q
+    q_probs: bytes = b""  # float32, n_draft * n_q
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The tail's answer to a FORWARD with FLAG_VERDICT."""
+
+    round: int
+    start_pos: int
+    n_accepted: int
+    tokens: tuple[int, ...]
+    tail_us: int = 0
+
+
+Message = Control | Forward | Verdict
+
+
+def _int32s(values, what: str) -> bytes:
+    try:
+        return struct.pack(f"<{len(values)}i", *values)
+    except struct.error as exc:
+        raise WireError(f"{what}: {exc}") from None
+
+
+def encode(msg: Message) -> bytes:
+    """Serialise one message into a frame."""
+    if isinstance(msg, Control):
+        body = json.dumps(msg.data, separators=(",", ":")).encode()
+        if len(body) > MAX_JSON_BYTES:
+            raise WireError(f"{msg.type.name} body of {len(body)} bytes exceeds {MAX_JSON_BYTES}")
+        return HEADER.pack(MAGIC, PROTOCOL_VERSION, msg.type, 0, msg.round, len(body)) + body
+    if isinstance(msg, Forward):
+        _check_forward(len(msg.tokens), msg.n_draft, msg.hidden_size, msg.n_q)
+        _check_forward_sizes(msg)
+        s = msg.sampling
+        fixed = FORWARD_FIXED.pack(
+            msg.start_pos, len(msg.tokens), msg.n_draft, msg.dtype, msg.hidden_size, msg.n_q,
+            s.temperature, s.top_k, s.top_p, s.seed,
+        )
+        body = b"".join((fixed, _int32s(msg.tokens, "tokens"), msg.hidden, msg.q_indices, msg.q_probs))
+        flags = FLAG_VERDICT if msg.want_verdict else 0
+        return HEADER.pack(MAGIC, PROTOCOL_VERSION, MsgType.FORWARD, flags, msg.round, len(body)) + body
+    if isinstance(msg, Verdict):
+        fixed = VERDICT_FIXED.pack(msg.start_pos, msg.n_accepted, len(msg.tokens), msg.tail_us)
+        body = fixed + _int32s(msg.tokens, "tokens")
+        return HEADER.pack(MAGIC, PROTOCOL_VERSION, MsgType.VERDICT, 0, msg.round, len(body)) + body
+    raise WireError(f"cannot encode {type(msg).__name__}")
+
+
+def max_frame_size(hidden_size: int, n_tokens: int = MAX_TOKENS_PER_FRAME, n_q: int = 0) -> int:
+    """Largest legal FORWARD frame for a model of ``hidden_size`` (used for websocket max_size)."""
+    return (HEADER.size + FORWARD_FIXED.size + 4 * n_tokens + 4 * n_tokens * hidden_size
+            + 8 * MAX_DRAFT * n_q + MAX_JSON_BYTES)
+
+
+def _check_forward(n_tokens: int, n_draft: int, hidden_size: int, n_q: int) -> None:
+    if not 1 <= n_tokens <= MAX_TOKENS_PER_FRAME:
+        raise WireError(f"FORWARD with {n_tokens} tokens (1..{MAX_TOKENS_PER_FRAME} allowed)")
+    if not 0 <= n_draft <= min(n_tokens - 1, MAX_DRAFT):
+        raise WireError(f"FORWARD with {n_draft} drafts for {n_tokens} tokens")
+    if not 1 <= hidden_size <= MAX_HIDDEN_SIZE:
+        raise WireError(f"FORWARD hidden size {hidden_size} out of range")
+    if not 0 <= n_q <= MAX_Q_ENTRIES:
+        raise WireError(f"FORWARD with {n_q} distribution entries per draft")
+
+
+def _check_forward_sizes(msg: Forward) -> None:
+    want = len(msg.tokens) * msg.hidden_size * msg.dtype.itemsize
+    if len(msg.hidden) != want:
+        raise WireError(f"hidden payload is {len(msg.hidden)} bytes, expected {want}")
+    nq = msg.n_draft * msg.n_q * 4
+    if len(msg.q_indices) != nq or len(msg.q_probs) != nq:
+        raise WireError("draft distribution payload does not match n_draft * n_q")
+
+
+def decode(frame: bytes) -> Message:
+    """Parse one frame; raise ``WireError`` for anything that is not a valid frame."""
+    if not isinstance(frame, (bytes, bytearray, memoryview)):
+        raise WireError(f"expected a binary frame, got {type(frame).__name__}")
+    frame = bytes(frame)
+    if len(frame) < HEADER.size:
+        raise WireError(f"frame of {len(frame)} bytes is shorter than the header")
+    magic, version, mtype, flags, rnd, body_len = HEADER.unpack_from(frame)
+    if magic != MAGIC:
+        raise WireError("not an sfchat frame (bad magic)")
+    if version != PROTOCOL_VERSION:
+        raise WireError(f"protocol version {version} is not supported (this side speaks {PROTOCOL_VERSION})")
+    if body_len != len(frame) - HEADER.size:
+        raise WireError(f"header announces {body_len} body bytes, frame has {len(frame) - HEADER.size}")
+    try:
+        mtype = MsgType(mtype)
+    except ValueError:
+        raise WireError(f"unknown message type {mtype}") from None
+    body = memoryview(frame)[HEADER.size:]
+    if mtype in JSON_TYPES:
+        return _decode_control(mtype, rnd, body)
+    if mtype is MsgType.FORWARD:
+        return _decode_forward(flags, rnd, body)
+    return _decode_verdict(rnd, body)
+
+
+def _decode_control(mtype: MsgType, rnd: int, body: memoryview) -> Control:
+    if len(body) > MAX_JSON_BYTES:
+        raise WireError(f"{mtype.name} body too large")
+    try:
+        data = json.loads(bytes(body).decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise WireError(f"{mtype.name} body is not JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise WireError(f"{mtype.name} body must be a JSON object")
+    return Control(mtype, data, rnd)
+
+
+def _decode_forward(flags: int, rnd: int, body: memoryview) -> Forward:
+    if len(body) < FORWARD_FIXED.size:
+        raise WireError("FORWARD body too short")
+    start, n_tok, n_draft, dt, hsize, n_q, temp, top_k, top_p, seed = FORWARD_FIXED.unpack_from(body)
+    _check_forward(n_tok, n_draft, hsize, n_q)
+    try:
+        dtype = DType(dt)
+    except ValueError:
+        raise WireError(f"unknown hidden dtype code {dt}") from None
+    sizes = (4 * n_tok, n_tok * hsize * dtype.itemsize, 4 * n_draft * n_q, 4 * n_draft * n_q)
+    if FORWARD_FIXED.size + sum(sizes) != len(body):
+        raise WireError("FORWARD body length does not match its header")
+    if not (temp == temp and temp >= 0.0 and 0.0 < top_p <= 1.0) or temp == float("inf"):
+        raise WireError("FORWARD sampling parameters out of range")
+    off = FORWARD_FIXED.size
+    parts = []
+    for size in sizes:
+        parts.append(bytes(body[off:off + size]))
+        off += size
+    tokens = struct.unpack(f"<{n_tok}i", parts[0])
+    return Forward(
+        round=rnd, start_pos=start, tokens=tokens, hidden=parts[1], dtype=dtype, hidden_size=hsize,
+        n_draft=n_draft, want_verdict=bool(flags & FLAG_VERDICT),
+        sampling=Sampling(temp, top_k, top_p, seed), n_q=n_q, q_indices=parts[2], q_probs=parts[3],
+    )
+
+
+def _decode_verdict(rnd: int, body: memoryview) -> Verdict:
+    if len(body) < VERDICT_FIXED.size:
+        raise WireError("VERDICT body too short")
+    start, n_acc, n_tok, tail_us = VERDICT_FIXED.unpack_from(body)
+    if not 1 <= n_tok <= MAX_DRAFT + 1 or n_acc != n_tok - 1:
+        raise WireError(f"VERDICT with {n_acc} accepted and {n_tok} tokens")
+    if VERDICT_FIXED.size + 4 * n_tok != len(body):
+        raise WireError("VERDICT body length does not match its header")
+    tokens = struct.unpack(f"<{n_tok}i", bytes(body[VERDICT_FIXED.size:]))
+    return Verdict(rnd, start, n_acc, tokens, tail_us)
