@@ -81,7 +81,7 @@ def one_shot(s: Settings, prompt: str, as_json: bool) -> int:
     from sfchat.runtime.session import ChatSession
     from sfchat.wire import Sampling
 
-    session = ChatSession.load(s)
+    session = ChatSession.load(s, link=open_head_link(s))
     messages = ([{"role": "system", "content": s.system}] if s.system else []) + [{"role": "user", "content": prompt}]
     ids = session.encode(messages, s.chat_template)
     sampling = Sampling(s.temperature, s.top_k, s.top_p, s.seed if s.seed is not None else 0)
@@ -114,11 +114,29 @@ def one_shot(s: Settings, prompt: str, as_json: bool) -> int:
     return 0
 
 
+def open_head_link(s: Settings):
+    """The relay link of a head in relay mode (None in local mode), once a tail is present."""
+    if not s.relay:
+        return None
+    from sfchat.relay_link import RelayLink
+
+    if not s.token:
+        raise UserError("--relay needs the relay token: --token T or SFCHAT_TOKEN")
+    link = RelayLink(s.relay, s.token, s.session, "head")
+    if not link.peer_present:
+        print(f"sfchat: waiting for a tail on session {s.session!r} "
+              f"(run: sfchat --tail --relay {s.relay} --token ... --session {s.session})", file=sys.stderr)
+        link.wait_peer()
+    return link
+
+
 def run(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     s = settings_from(args)
     if getattr(args, "tail", False):
-        raise UserError("--tail needs the relay mode, which this build does not include yet")
+        from sfchat.runtime.tail_node import serve
+
+        return serve(s)
     prompt = getattr(args, "prompt", None)
     if prompt is not None:
         return one_shot(s, prompt, getattr(args, "json", False))
@@ -139,7 +157,9 @@ def main(argv: list[str] | None = None) -> int:
 
         if os.environ.get("SFCHAT_DEBUG"):
             raise
-        if isinstance(exc, (LinkError, ConnectionError)):
+        from sfchat.relay_link import LinkClosed
+
+        if isinstance(exc, (LinkError, LinkClosed, ConnectionError)):
             print(f"sfchat: error: link to the tail failed: {exc}", file=sys.stderr)
             return EXIT_LINK
         print(f"sfchat: internal error: {type(exc).__name__}: {exc} (set SFCHAT_DEBUG=1 for a traceback)",

@@ -27,6 +27,7 @@ import torch
 
 from sfchat import UserError, wire
 from sfchat.events import RoundStats
+from sfchat.relay_link import LinkClosed, PeerGone
 from sfchat.runtime import sampling
 from sfchat.runtime.draft import Drafter
 from sfchat.runtime.slices import ModelSlice
@@ -80,7 +81,16 @@ class HeadEngine:
             raise LinkError(f"unexpected {msg!r} while waiting for the tail to be ready")
 
     def _recv(self):
-        msg = wire.decode(self.link.recv(self.timeout))
+        try:
+            frame = self.link.recv(self.timeout)
+        except PeerGone:
+            raise LinkError("the tail left the session") from None
+        except (LinkClosed, TimeoutError) as exc:
+            raise LinkError(f"the link to the tail failed: {exc or type(exc).__name__}") from None
+        try:
+            msg = wire.decode(frame)
+        except wire.WireError as exc:
+            raise LinkError(f"the tail sent a malformed frame: {exc}") from None
         if isinstance(msg, wire.Control) and msg.type is wire.MsgType.ERROR:
             raise LinkError(f"tail: {msg.data.get('message', 'unknown error')}")
         return msg

@@ -1,0 +1,257 @@
+"""A blocking, thread-safe link to the other node through an sfchat relay.
+
+Contract
+--------
+``RelayLink(url, token, session, role)`` dials ``url/session/<session>?role=<role>`` with
+``Authorization: Bearer <token>`` (the handshake is documented in ``relay.server``) and
+returns once the relay has welcomed it, so ``peer_present`` is accurate from the start.
+Mistakes the user can fix (bad URL, unreachable host, wrong token, session slot taken)
+raise ``sfchat.UserError`` with a one-line message.
+
+* ``send(frame)`` hands one binary frame to the relay, from any thread; it returns once the
+  frame is in the socket's buffer and raises ``LinkClosed`` when the link is gone.
+* ``recv(timeout)`` returns the next frame from the other node, in order. It raises
+  ``PeerGone`` where the relay reported that the other node left (frames that node sent
+  before leaving come first); the link stays usable and a new peer may join later. It
+  raises ``LinkClosed`` once the connection is gone (and keeps raising it), and
+  ``TimeoutError`` when nothing arrived in time.
+* ``wait_peer(timeout)`` blocks until the other role is connected to the relay.
+
+Frames sent while the other role is absent are dropped by the relay (it says so once per
+absence; logged here as a warning). The link buffers at most ``INBOX_FRAMES`` received frames;
+past that it stops reading, and the relay's bounded queue pushes back on the sender.
+
+The asyncio event loop lives in one daemon thread owned by the link; callers never see it.
+This module knows nothing of frame contents (see ``sfchat.wire``) and imports no torch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import queue
+import re
+import threading
+from urllib.parse import urlsplit
+
+from websockets.asyncio.client import ClientConnection, connect
+from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, InvalidURI
+
+from sfchat import UserError
+
+ROLES = ("head", "tail")
+SESSION_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
+INBOX_FRAMES = 64
+PING_INTERVAL = 20.0  # the relay tolerates 60 s without a pong: WAN spikes must not drop a chat
+PING_TIMEOUT = 60.0
+CLOSE_TIMEOUT = 5.0
+
+log = logging.getLogger(__name__)
+
+
+class LinkClosed(Exception):
+    """The connection to the relay is gone; the message says why."""
+
+
+class PeerGone(Exception):
+    """The relay reported that the other node left the session."""
+
+
+class RelayLink:
+    """One node's connection to the relay, usable from plain threads."""
+
+    def __init__(self, url: str, token: str, session: str, role: str, *, connect_timeout: float = 30.0,
+                 max_frame_bytes: int = 32 << 20, ssl_context=None):
+        if role not in ROLES:
+            raise UserError(f"role must be 'head' or 'tail', not {role!r}")
+        if not SESSION_NAME.fullmatch(session):
+            raise UserError(f"session name {session!r} must be 1..64 characters of [A-Za-z0-9._-]")
+        parts = urlsplit(url)
+        if parts.scheme not in ("ws", "wss") or not parts.hostname:
+            raise UserError(f"relay URL {url!r} must look like ws://HOST:PORT or wss://HOST:PORT")
+        self.url = url
+        self.role = role
+        self.max_frame_bytes = max_frame_bytes
+        self._inbox: queue.Queue[bytes | Exception] = queue.Queue()
+        self._state = threading.Condition()
+        self._welcomed = False
+        self._peer_present = False
+        self._closed: str | None = None  # why the link is closed, once it is
+        self._closing = False
+        self._ws: ClientConnection | None = None
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name=f"relay-link-{role}", daemon=True)
+        self._thread.start()
+        target = f"{url.rstrip('/')}/session/{session}?role={role}"
+        try:
+            asyncio.run_coroutine_threadsafe(
+                self._open(target, token, connect_timeout, ssl_context), self._loop).result()
+            with self._state:
+                welcomed = self._state.wait_for(lambda: self._welcomed or self._closed, connect_timeout)
+                closed = self._closed
+            if closed:
+                raise UserError(f"relay at {url} dropped the connection: {closed}")
+            if not welcomed:
+                raise UserError(f"{url} accepted the connection but sent no welcome; is it an sfchat relay?")
+        except BaseException:
+            self.close()
+            raise
+
+    async def _open(self, target: str, token: str, timeout: float, ssl_context) -> None:
+        options = {"ssl": ssl_context} if ssl_context is not None else {}
+        try:
+            self._ws = await connect(
+                target, additional_headers={"Authorization": f"Bearer {token}"}, compression=None,
+                max_size=self.max_frame_bytes, open_timeout=timeout, ping_interval=PING_INTERVAL,
+                ping_timeout=PING_TIMEOUT, close_timeout=CLOSE_TIMEOUT, **options)
+        except InvalidStatus as exc:
+            raise _refusal(self.url, exc) from None
+        except InvalidURI as exc:
+            raise UserError(f"bad relay URL {self.url!r}: {exc}") from None
+        except TimeoutError:
+            raise UserError(f"relay at {self.url} did not answer within {timeout:g} s") from None
+        except OSError as exc:
+            raise UserError(f"cannot reach the relay at {self.url}: {exc.strerror or exc}") from None
+        except InvalidHandshake as exc:
+            raise UserError(f"{self.url} does not look like an sfchat relay: {exc}") from None
+        # Frames are only read while the inbox has room, so a slow consumer pushes back.
+        self._credits = asyncio.Semaphore(INBOX_FRAMES)
+        self._reader = asyncio.create_task(self._read(self._ws))
+
+    async def _read(self, ws: ClientConnection) -> None:
+        try:
+            while True:
+                await self._credits.acquire()
+                message = await ws.recv()
+                if isinstance(message, bytes):
+                    self._inbox.put(message)
+                else:
+                    self._credits.release()
+                    self._on_event(message)
+        except ConnectionClosed:
+            self._mark_closed(_describe_close(ws))
+
+    def _on_event(self, text: str) -> None:
+        try:
+            event = json.loads(text)
+            kind = event["event"]
+        except (ValueError, TypeError, KeyError):
+            log.warning("ignoring a malformed relay event: %.200s", text)
+            return
+        with self._state:
+            if kind == "welcome":
+                self._welcomed = True
+                self._peer_present = bool(event.get("peer_present"))
+            elif kind == "peer_joined":
+                self._peer_present = True
+            elif kind == "peer_left":
+                self._peer_present = False
+                self._inbox.put(PeerGone(f"the {event.get('role', 'other node')} left the session"))
+            elif kind == "dropped":
+                log.warning("relay dropped frames: %s", event.get("reason", "no peer"))
+            self._state.notify_all()
+
+    def _mark_closed(self, reason: str) -> None:
+        with self._state:
+            if self._closed is None:
+                self._closed = reason
+                self._peer_present = False
+                self._inbox.put(LinkClosed(reason))
+            self._state.notify_all()
+
+    @property
+    def peer_present(self) -> bool:
+        with self._state:
+            return self._peer_present
+
+    def send(self, frame: bytes) -> None:
+        """Send one binary frame to the other node (thread-safe)."""
+        if not isinstance(frame, (bytes, bytearray, memoryview)):
+            raise TypeError(f"frames are bytes, not {type(frame).__name__}")
+        if len(frame) > self.max_frame_bytes:
+            raise ValueError(f"frame of {len(frame)} bytes exceeds the link limit of {self.max_frame_bytes}")
+        with self._state:
+            if self._closed:
+                raise LinkClosed(self._closed)
+            future = asyncio.run_coroutine_threadsafe(self._ws.send(frame), self._loop)
+        try:
+            future.result()
+        except ConnectionClosed:
+            raise LinkClosed(_describe_close(self._ws)) from None
+
+    def recv(self, timeout: float | None = None) -> bytes:
+        """Next frame from the other node; PeerGone, LinkClosed or TimeoutError otherwise."""
+        if self._closing:
+            raise LinkClosed(self._closed)
+        try:
+            item = self._inbox.get(timeout=timeout)
+        except queue.Empty:
+            raise TimeoutError(f"no frame from the relay within {timeout:g} s") from None
+        if isinstance(item, LinkClosed):
+            self._inbox.put(item)  # stays closed for every later call
+            raise LinkClosed(*item.args)
+        if isinstance(item, PeerGone):
+            raise item
+        try:
+            self._loop.call_soon_threadsafe(self._credits.release)
+        except RuntimeError:
+            pass  # close() already stopped the loop; there is nothing left to read
+        return item
+
+    def wait_peer(self, timeout: float | None = None) -> None:
+        """Block until the other role is connected; TimeoutError or LinkClosed otherwise."""
+        with self._state:
+            if not self._state.wait_for(lambda: self._peer_present or self._closed, timeout):
+                other = "tail" if self.role == "head" else "head"
+                raise TimeoutError(f"no {other} joined the session within {timeout:g} s")
+            if not self._peer_present:
+                raise LinkClosed(self._closed)
+
+    def close(self) -> None:
+        """Close the connection and stop the link's thread; idempotent."""
+        with self._state:
+            if self._closing:
+                return
+            self._closing = True
+        self._mark_closed("the link was closed by this side")
+        if self._ws is not None:
+            try:
+                asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop).result(CLOSE_TIMEOUT + 1)
+            except TimeoutError:
+                log.warning("relay did not acknowledge the close in time")
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
+
+    async def _shutdown(self) -> None:
+        await self._ws.close()
+        self._reader.cancel()
+        try:
+            await self._reader
+        except asyncio.CancelledError:
+            pass
+
+    def __enter__(self) -> "RelayLink":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
+def _refusal(url: str, exc: InvalidStatus) -> UserError:
+    status = exc.response.status_code
+    body = exc.response.body.decode("utf-8", "replace").strip() if exc.response.body else ""
+    if status == 401:
+        return UserError(f"relay at {url} refused the token (HTTP 401): use the token it printed")
+    if status in (400, 409, 503):
+        return UserError(f"relay at {url} refused to join: {body or status}")
+    return UserError(f"relay at {url} answered HTTP {status}{': ' + body if body else ''}; "
+                     "is it an sfchat relay?")
+
+
+def _describe_close(ws: ClientConnection) -> str:
+    code, reason = ws.close_code, ws.close_reason
+    if code is None or code == 1006:
+        return "the connection to the relay was lost"
+    return f"link closed with code {code}" + (f": {reason}" if reason else "")

@@ -1,0 +1,36 @@
+"""Shared fixtures: a trained tokenizer and tiny random checkpoints, built once per test session."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import tinymodels  # noqa: E402
+
+# tiny models: thread start-up costs more than it saves, and 2-core CI boxes oversubscribe badly
+torch.set_num_threads(1)
+
+FAMILIES = [("qwen2", False), ("qwen2", True), ("qwen3", False), ("qwen3", True), ("llama", False), ("llama", True)]
+
+
+@pytest.fixture(scope="session")
+def zoo(tmp_path_factory):
+    """Paths of tiny checkpoints: targets per (family, tied), an unrelated draft, a foreign tokenizer model."""
+    root = tmp_path_factory.mktemp("zoo")
+    tok = tinymodels.make_tokenizer(root / "tokenizer")
+    paths = {"tokenizer": root / "tokenizer"}
+    for i, (family, tied) in enumerate(FAMILIES):
+        name = f"{family}-{'tied' if tied else 'untied'}"
+        tinymodels.make_model(root / name, family, tok, seed=10 + i, tied=tied)
+        paths[name] = root / name
+    tinymodels.make_model(root / "draft", "llama", tok, seed=99, layers=2)
+    paths["draft"] = root / "draft"
+    other = tinymodels.make_tokenizer(root / "other-tokenizer", vocab_size=300)
+    tinymodels.make_model(root / "foreign-draft", "qwen2", other, seed=5, layers=2)
+    paths["foreign-draft"] = root / "foreign-draft"
+    return paths
