@@ -47,6 +47,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--draft-device", help="device of the draft model (default: --device)")
     g.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"],
                    help="weights dtype (default auto: bf16, fp16 on GPUs without bf16, fp32 on CPU)")
+    g.add_argument("--no-cuda-graphs", action="store_true",
+                   help="run the draft and the verify forwards eagerly (debugging, comparisons)")
+    g.add_argument("--no-compile-draft", action="store_true",
+                   help="skip torch.compile of the draft model (faster start, slower drafting)")
     g.add_argument("--max-context", type=int, help=f"context window in tokens (default {d.max_context})")
     g = p.add_argument_group("generation")
     g.add_argument("--prompt", help="one-shot: answer this prompt and exit")
@@ -73,6 +77,10 @@ def settings_from(args: argparse.Namespace) -> Settings:
     given = {FLAG_FIELDS[k]: v for k, v in vars(args).items() if k in FLAG_FIELDS}
     if getattr(args, "no_chat_template", False):
         given["chat_template"] = False
+    if getattr(args, "no_cuda_graphs", False):
+        given["cuda_graphs"] = False
+    if getattr(args, "no_compile_draft", False):
+        given["compile_draft"] = False
     return merged(given, getattr(args, "config", None))
 
 

@@ -41,6 +41,8 @@ class Settings:
     seed: int | None = None
     system: str | None = None
     chat_template: bool = True
+    cuda_graphs: bool = True
+    compile_draft: bool = True  # torch.compile the draft before capturing its graph (CUDA only)
     relay: str | None = None
     token: str | None = None
     session: str = "default"

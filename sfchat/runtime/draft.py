@@ -19,10 +19,12 @@ from __future__ import annotations
 import torch
 
 from sfchat.runtime import sampling
+from sfchat.runtime.graphs import try_capture
 from sfchat.runtime.slices import ModelSlice
 from sfchat.wire import Sampling
 
 PREFILL_CHUNK = 512
+GREEDY = Sampling()
 
 
 class Drafter:
@@ -30,6 +32,40 @@ class Drafter:
         self.model, self.k, self.n_q = model, k, n_q
         self.device = model.device
         self.vocab = model.config.vocab_size
+        self.two = torch.arange(2, device=self.device)
+        self.graph = None
+
+    def capture(self, log=None, compile: bool = False) -> bool:
+        """Capture the steady-state greedy round (2-token feed + K-1 steps) as one CUDA graph.
+
+        With ``compile``, the draft's forward is first compiled by torch.compile (Inductor fuses
+        the many small elementwise kernels of a small model's decode step); the compiled code
+        then runs inside the hand-captured graph. Compiled numerics differ slightly from eager,
+        which is harmless here: a draft token is only a proposal, the target decides."""
+        forward = self.model.forward
+        if compile:
+            forward = torch.compile(self.model.forward, dynamic=False)
+        ids = torch.zeros(2, dtype=torch.long, device=self.device)
+        start = torch.zeros(1, dtype=torch.long, device=self.device)
+        self.graph = try_capture(f"draft's {self.k}-step round", lambda a, b: self._graphed_round(a, b, forward),
+                                 (ids, start), log)
+        return self.graph is not None
+
+    def _graphed_round(self, ids: torch.Tensor, start: torch.Tensor, forward):
+        logits = forward(ids, start + self.two, n_logits=1)
+        return self._steps(logits, start + 2, GREEDY, 0, None, forward)
+
+    def _steps(self, logits, next_pos: torch.Tensor, s: Sampling, n_q: int, generator, forward):
+        """K drafts from the logits after the context; no host sync, so it can be graphed."""
+        picks, q_idx, q_prob = [], [], []
+        for i in range(self.k):
+            tok, qi, qp = sampling.choose(logits, s, n_q, generator)
+            picks.append(tok)
+            q_idx.append(qi)
+            q_prob.append(qp)
+            if i + 1 < self.k:
+                logits = forward(tok, next_pos + i, n_logits=1)
+        return torch.cat(picks), torch.cat(q_idx), torch.cat(q_prob)
 
     def reset(self) -> None:
         self.model.kv.reset()
@@ -50,17 +86,15 @@ class Drafter:
         """K drafts after ``tokens``: (list of ids, q_idx (K, n_q) int32, q_prob (K, n_q) float32)."""
         n = len(tokens)
         start = min(self.model.kv.reusable(tokens), n - 1, max(n - 2, 0))
-        logits = self._feed(tokens[start:], start)
-        n_q = self.n_q if s.temperature > 0 else 0
-        picks, q_idx, q_prob = [], [], []
-        for i in range(self.k):
-            tok, qi, qp = sampling.choose(logits, s, n_q, generator)
-            picks.append(tok)
-            q_idx.append(qi)
-            q_prob.append(qp)
-            if i + 1 < self.k:
-                pos = torch.tensor([n + i], device=self.device)
-                logits = self.model(tok, pos, n_logits=1)
-        drafts = torch.cat(picks).tolist()  # the round's one host sync on the draft side
+        if self.graph is not None and s.temperature == 0 and n - start == 2:
+            ids = torch.tensor(tokens[-2:], dtype=torch.long).clamp_(max=self.vocab - 1)
+            picks, q_idx, q_prob = self.graph(ids, torch.tensor([start]))
+            self.model.kv.note(start, tokens[-2:])
+        else:
+            logits = self._feed(tokens[start:], start)
+            n_q = self.n_q if s.temperature > 0 else 0
+            next_pos = torch.tensor([n], device=self.device)
+            picks, q_idx, q_prob = self._steps(logits, next_pos, s, n_q, generator, self.model.forward)
+        drafts = picks.tolist()  # the round's one host sync on the draft side
         self.model.kv.note(n, drafts[:-1])
-        return drafts, torch.cat(q_idx), torch.cat(q_prob)
+        return drafts, q_idx, q_prob

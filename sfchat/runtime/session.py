@@ -12,6 +12,7 @@ the token budget, the context window or a cancel, and yields ``ReplyStarted``, o
 
 from __future__ import annotations
 
+import sys
 import time
 from typing import Callable, Iterator
 
@@ -86,52 +87,71 @@ class TextStream:
         return delta
 
 
+def _progress(on_event: Callable, node: str):
+    return lambda stage, done, total, detail: on_event(LoadProgress(node, stage, done, total, detail))
+
+
+def uses_draft(s: Settings) -> bool:
+    return bool(s.draft) and s.draft.lower() != "none" and s.k > 0
+
+
+def build_engine(s: Settings, on_event: Callable = lambda e: None, link=None,
+                 src: ModelSource | None = None, dsrc: ModelSource | None = None):
+    """Load draft and head slice, capture graphs, connect to the tail: (HeadEngine, RuntimeReady).
+
+    Token ids only: no tokenizer is needed (benchmarks use random-weight checkpoints)."""
+    device = resolve_device(s.device)
+    draft_device = resolve_device(s.draft_device) if s.draft_device else device
+    src = src or ModelSource.open(s.model, s.revision, _progress(on_event, "head"))
+    L = n_layers(src.config)
+    split = L // 2 if s.split is None else s.split
+    if not 0 <= split <= L:
+        raise UserError(f"--split {split} is out of range: {s.model} has {L} layers (0..{L})")
+    dtype = pick_dtype(device, s.dtype)
+    limit = getattr(src.config, "max_position_embeddings", None) or s.max_context
+    max_context = min(s.max_context, limit)
+    k = s.k if uses_draft(s) else 0
+    kv_len = max_context + k + 1  # a round may write K+1 positions past the last committed one
+
+    drafter = None
+    if k:
+        dsrc = dsrc or ModelSource.open(s.draft, s.draft_revision, _progress(on_event, "draft"))
+        dmodel = ModelSlice.load(dsrc, 0, n_layers(dsrc.config), embed=True, head=True,
+                                 dtype=pick_dtype(draft_device, s.dtype), device=draft_device,
+                                 max_len=kv_len, progress=_progress(on_event, "draft"))
+        drafter = Drafter(dmodel, k)
+    head = ModelSlice.load(src, 0, split, embed=True, head=False, dtype=dtype, device=device,
+                           max_len=kv_len, progress=_progress(on_event, "head"))
+    if s.cuda_graphs and (device.type == "cuda" or draft_device.type == "cuda"):
+        capture_graphs(head, drafter, k, s.compile_draft, _progress(on_event, "head"))
+    mode = "relay" if link is not None else "local"
+    if link is None:
+        link = MemoryLink(Verifier(device))
+    engine = HeadEngine(head, drafter, link, max_context=max_context)
+    hello = {"model": s.model, "revision": s.revision, "split": split, "dtype": DTYPE_NAMES[dtype],
+             "max_len": kv_len, "n_layers": L, "hidden_size": src.config.hidden_size, "k": k,
+             "graphs": s.cuda_graphs}
+    engine.connect(hello, lambda d: on_event(LoadProgress("tail", d.get("stage", ""), d.get("done", 0),
+                                                          d.get("total", 0), d.get("detail", ""))))
+    info = RuntimeReady(model=s.model, draft=s.draft if k else "none", split=split, n_layers=L,
+                        dtype=DTYPE_NAMES[dtype], k=k, device=str(device), mode=mode, max_context=max_context)
+    on_event(info)
+    return engine, info
+
+
 class ChatSession:
     def __init__(self, settings: Settings, tokenizer, engine: HeadEngine, eos: set[int], info: RuntimeReady):
         self.settings, self.tokenizer, self.engine, self.eos, self.info = settings, tokenizer, engine, eos, info
 
     @classmethod
     def load(cls, s: Settings, on_event: Callable = lambda e: None, link=None) -> "ChatSession":
-        def progress(node):
-            return lambda stage, done, total, detail: on_event(LoadProgress(node, stage, done, total, detail))
-
-        device = resolve_device(s.device)
-        draft_device = resolve_device(s.draft_device) if s.draft_device else device
-        src = ModelSource.open(s.model, s.revision, progress("head"))
-        L = n_layers(src.config)
-        split = L // 2 if s.split is None else s.split
-        if not 0 <= split <= L:
-            raise UserError(f"--split {split} is out of range: {s.model} has {L} layers (0..{L})")
-        dtype = pick_dtype(device, s.dtype)
-        limit = getattr(src.config, "max_position_embeddings", None) or s.max_context
-        max_context = min(s.max_context, limit)
-        use_draft = s.draft and s.draft.lower() != "none" and s.k > 0
-        k = s.k if use_draft else 0
-        kv_len = max_context + k + 1  # a round may write K+1 positions past the last committed one
+        src = ModelSource.open(s.model, s.revision, _progress(on_event, "head"))
         tokenizer = load_tokenizer(src, s.revision)
-
-        drafter = None
-        if use_draft:
-            dsrc = ModelSource.open(s.draft, s.draft_revision, progress("draft"))
+        dsrc = None
+        if uses_draft(s):
+            dsrc = ModelSource.open(s.draft, s.draft_revision, _progress(on_event, "draft"))
             check_same_tokenizer(s, tokenizer, load_tokenizer(dsrc, s.draft_revision))
-            dmodel = ModelSlice.load(dsrc, 0, n_layers(dsrc.config), embed=True, head=True,
-                                     dtype=pick_dtype(draft_device, s.dtype), device=draft_device,
-                                     max_len=kv_len, progress=progress("draft"))
-            drafter = Drafter(dmodel, k)
-        head = ModelSlice.load(src, 0, split, embed=True, head=False, dtype=dtype, device=device,
-                               max_len=kv_len, progress=progress("head"))
-        mode = "relay" if link is not None else "local"
-        if link is None:
-            link = MemoryLink(Verifier(device))
-        engine = HeadEngine(head, drafter, link, max_context=max_context)
-        hello = {"model": s.model, "revision": s.revision, "split": split, "dtype": DTYPE_NAMES[dtype],
-                 "max_len": kv_len, "n_layers": L, "hidden_size": src.config.hidden_size, "k": k}
-        engine.connect(hello, lambda d: on_event(LoadProgress("tail", d.get("stage", ""), d.get("done", 0),
-                                                              d.get("total", 0), d.get("detail", ""))))
-        info = RuntimeReady(model=s.model, draft=s.draft if use_draft else "none", split=split, n_layers=L,
-                            dtype=DTYPE_NAMES[dtype], k=k, device=str(device), mode=mode,
-                            max_context=max_context)
-        on_event(info)
+        engine, info = build_engine(s, on_event, link, src, dsrc)
         return cls(s, tokenizer, engine, eos_ids(src, tokenizer), info)
 
     # -- prompts -------------------------------------------------------------------------------
@@ -181,6 +201,19 @@ class ChatSession:
             prefill_s=rounds[0].round_ms / 1e3 if rounds else 0.0, round_ms=mean("round_ms"),
             rtt_ms=mean("rtt_ms"), draft_ms=mean("draft_ms"), head_ms=mean("head_ms"), tail_ms=mean("tail_ms"),
         )
+
+
+def capture_graphs(head: ModelSlice, drafter: Drafter | None, k: int, compile_draft: bool, progress) -> None:
+    """CUDA graphs for the steady-state round: the draft's K steps and the K+1-token head forward."""
+    def warn(message):
+        print(f"sfchat: {message}", file=sys.stderr)
+
+    progress("capture", 0, 2, "head verify")
+    head.capture(k + 1, log=warn)
+    progress("capture", 1, 2, "draft (compiling: the first start takes a minute)" if compile_draft else "draft")
+    if drafter is not None and drafter.device.type == "cuda":
+        drafter.capture(log=warn, compile=compile_draft)
+    progress("capture", 2, 2, "")
 
 
 def check_same_tokenizer(s: Settings, target_tok, draft_tok) -> None:

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from sfchat import UserError
+from sfchat.runtime.graphs import Graphed, try_capture
 from sfchat.runtime.kv import StaticKV
 from sfchat.runtime.source import ModelSource, Progress, _no_progress
 
@@ -86,6 +87,7 @@ class ModelSlice(nn.Module):
         self.kv = StaticKV(hi - lo, config.num_key_value_heads, head_dim, max_len, dtype, device)
         params = inspect.signature(layer_cls.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self.graphs: dict[tuple[int, int], Graphed] = {}
 
     # -- loading -------------------------------------------------------------------------------
     def tensor_names(self) -> dict[str, tuple[nn.Module, str]]:
@@ -130,7 +132,28 @@ class ModelSlice(nn.Module):
         return sl.eval()
 
     # -- compute -------------------------------------------------------------------------------
-    @torch.inference_mode()
+    def capture(self, n_tokens: int, n_logits: int = 0, log=None) -> bool:
+        """Capture the ``n_tokens`` forward as a CUDA graph (before any conversation)."""
+        if self.embed_tokens is not None:
+            x = torch.zeros(n_tokens, dtype=torch.long, device=self.device)
+        else:
+            x = torch.zeros(n_tokens, self.config.hidden_size, dtype=self.dtype, device=self.device)
+        positions = torch.arange(n_tokens, device=self.device)
+        key = (n_tokens, n_logits if self.lm_head is not None else 0)
+        graph = try_capture(f"{n_tokens}-token forward of layers [{self.lo}, {self.hi})",
+                            lambda a, b: self.forward(a, b, n_logits), (x, positions), log)
+        if graph is not None:
+            self.graphs[key] = graph
+        return graph is not None
+
+    def run(self, x: torch.Tensor, positions: torch.Tensor, n_logits: int = 0) -> torch.Tensor:
+        """``forward``, replayed from a captured graph when one fits the shape."""
+        graph = self.graphs.get((x.shape[0], n_logits if self.lm_head is not None else 0))
+        if graph is not None:
+            return graph(x, positions)
+        return self.forward(x, positions, n_logits)
+
+    @torch.no_grad()
     def forward(self, x: torch.Tensor, positions: torch.Tensor, n_logits: int = 0) -> torch.Tensor:
         h = self.embed_tokens(x) if self.embed_tokens is not None else x.to(self.dtype)
         h = h[None]

@@ -44,7 +44,6 @@ class Verifier:
         self.log = log or (lambda msg: None)
         self.model: ModelSlice | None = None
         self.identity: dict | None = None
-        self.verify_graph = None  # set by the graph module when the verify forward is captured
         self.rounds = 0
 
     # -- frames --------------------------------------------------------------------------------
@@ -55,9 +54,9 @@ class Verifier:
             self._fail(emit, f"malformed frame: {exc}")
         if isinstance(msg, wire.Forward):
             self._forward(msg, emit)
-        elif msg.type is wire.MsgType.HELLO:
+        elif isinstance(msg, wire.Control) and msg.type is wire.MsgType.HELLO:
             self._hello(msg.data, emit)
-        elif msg.type is wire.MsgType.BYE:
+        elif isinstance(msg, wire.Control) and msg.type is wire.MsgType.BYE:
             return
         else:
             self._fail(emit, f"unexpected {type(msg).__name__} {getattr(msg, 'type', '')} from the head")
@@ -69,21 +68,32 @@ class Verifier:
     def _hello(self, data: dict, emit) -> None:
         try:
             identity = {k: data[k] for k in ("model", "revision", "split", "dtype", "max_len")}
+            k = int(data.get("k", 0))
             n_layers_head, hidden = int(data["n_layers"]), int(data["hidden_size"])
+            types = {"model": str, "revision": (str, type(None)), "split": int, "dtype": str, "max_len": int}
+            bad = [key for key, t in types.items() if not isinstance(identity[key], t)]
+            if bad or identity["max_len"] < 1:
+                raise ValueError(f"bad {', '.join(bad) or 'max_len'}")
         except (KeyError, TypeError, ValueError) as exc:
             self._fail(emit, f"incomplete hello: {exc}")
         t0 = time.perf_counter()
         reused = self.model is not None and identity == self.identity
         if not reused:
-            self.model = None
+            self.model = self.identity = None
             try:
                 self.model = self._load(identity, emit)
             except UserError as exc:
                 self._fail(emit, f"tail cannot load {identity['model']!r}: {exc}")
+            self.identity = identity  # even if refused below: the identity names the model now held
         cfg = self.model.config
         if n_layers(cfg) != n_layers_head or cfg.hidden_size != hidden:
             self._fail(emit, f"tail's model has {n_layers(cfg)} layers / hidden {cfg.hidden_size}, "
                              f"the head's {n_layers_head} / {hidden}: not the same model")
+        if data.get("graphs", True) and self.device.type == "cuda" and (k + 1, k + 1) not in self.model.graphs:
+            # the verify of a round is always K+1 positions: one fixed shape to capture
+            self.model.capture(k + 1, k + 1, log=self.log)
+        if not data.get("graphs", True):
+            self.model.graphs.clear()
         self.identity = identity
         self.model.kv.reset()
         ready = {"n_layers": n_layers(cfg), "hidden_size": cfg.hidden_size, "device": str(self.device),
@@ -129,14 +139,14 @@ class Verifier:
         hidden = tensor_from_bytes(msg.hidden, m.dtype, n, msg.hidden_size, self.device)
         positions = torch.arange(msg.start_pos, msg.start_pos + n, device=self.device)
         k = msg.n_draft
-        logits = m(hidden, positions, n_logits=k + 1 if msg.want_verdict else 1)
+        logits = m.run(hidden, positions, n_logits=k + 1 if msg.want_verdict else 1)
         m.kv.note(msg.start_pos, msg.tokens)
         if not msg.want_verdict:
             return
-        drafts = torch.tensor(msg.tokens[n - k:], dtype=torch.long, device=self.device)
+        drafts = torch.tensor(msg.tokens[n - k:], dtype=torch.long)  # verify copies it without a sync
         q_idx = tensor_from_bytes(msg.q_indices, torch.int32, k, msg.n_q, self.device)
         q_prob = tensor_from_bytes(msg.q_probs, torch.float32, k, msg.n_q, self.device)
-        gen = sampling.round_generator(msg.sampling.seed, msg.start_pos, self.device) \
+        gen = sampling.round_generator(msg.sampling.seed, msg.start_pos, "verify", self.device) \
             if msg.sampling.temperature > 0 else None
         n_acc, tokens = sampling.verify(logits, drafts, msg.sampling, q_idx, q_prob, gen)
         tail_us = int((time.perf_counter() - t0) * 1e6)

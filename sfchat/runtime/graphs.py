@@ -1,0 +1,54 @@
+"""CUDA-graph capture of fixed-shape forwards (the draft's K steps, the K+1-token verifies).
+
+Contract
+--------
+``Graphed(fn, example_inputs)`` warms ``fn`` up on a side stream, captures one call into a
+``torch.cuda.CUDAGraph`` and afterwards runs it by copying new inputs into the captured input
+buffers and replaying: the same kernels on the same shapes, so the results are bit-identical
+to eager execution, without Python launch overhead. The returned outputs are the graph's own
+static buffers: read (or copy) them before the next replay.
+
+Warm-up and capture really execute ``fn``: callers capture before any conversation, while
+the KV slots those calls write are not yet part of any context (they are overwritten later).
+``try_capture`` turns a failure into ``None`` plus one warning, so callers fall back to eager.
+Graph state is thread-local: capture and replay on the thread that owns CUDA.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+
+class Graphed:
+    def __init__(self, fn, example_inputs: tuple[torch.Tensor, ...], warmup: int = 2):
+        self.inputs = tuple(x.clone() for x in example_inputs)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream), torch.no_grad():
+            for _ in range(warmup):  # lets cuBLAS/SDPA pick and cache their kernels before capture
+                fn(*self.inputs)
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph), torch.no_grad():
+            self.outputs = fn(*self.inputs)
+
+    def __call__(self, *inputs: torch.Tensor):
+        for buf, x in zip(self.inputs, inputs):
+            buf.copy_(x, non_blocking=True)
+        self.graph.replay()
+        return self.outputs
+
+
+def try_capture(what: str, fn, example_inputs, log=None):
+    """A ``Graphed`` for ``fn``, or None (after one warning) when capture is impossible."""
+    if not example_inputs[0].is_cuda:
+        return None
+    try:
+        return Graphed(fn, example_inputs)
+    except Exception as exc:  # any capture failure must leave a working eager path behind
+        message = f"CUDA graph capture of the {what} failed ({type(exc).__name__}: {exc}); running it eagerly"
+        (log or (lambda m: warnings.warn(m, RuntimeWarning, stacklevel=2)))(message)
+        torch.cuda.synchronize()
+        return None

@@ -1,0 +1,178 @@
+"""Choosing tokens and verifying drafts: the one implementation of both, greedy and sampled.
+
+Contract
+--------
+* ``warp(logits, s)`` gives the probabilities that transformers'
+  ``generate(do_sample=True, temperature=, top_k=, top_p=)`` samples from: logits cast to
+  float32, then temperature, top-k, top-p (generate's order, its tie rule and its
+  ``min_tokens_to_keep=1``), then softmax. ``top_k == 0`` and ``top_p >= 1`` switch a filter
+  off, as in generate (whose own default top_k of 50 does not apply here).
+* ``choose`` (draft side) picks one token per row: the argmax when ``s.temperature == 0``,
+  else a sample from q' = ``warp`` restricted to its ``n_q`` most likely tokens and
+  renormalised. q' goes to the tail sparsely (indices + probabilities); restricting the
+  proposal keeps verification exact because q' is what the draft really sampled from.
+  No host syncs and fixed shapes, so it can be captured in a CUDA graph.
+* ``verify`` (tail side) accepts the longest acceptable draft prefix and appends one token of
+  the target's own: greedy by argmax match; sampled by speculative rejection sampling
+  (Leviathan et al. 2023, Chen et al. 2023), after which every committed token is distributed
+  exactly as if sampled from the target's ``warp``. One host sync per call.
+* ``round_seed`` / ``round_generator`` derive a round's random stream from (seed, start_pos,
+  role): a seeded chat is reproducible, a retried round draws the same numbers, and the
+  draft's and the verifier's numbers are independent, which the exactness proof requires.
+
+This module knows nothing of models, KV caches, rounds, the wire format or I/O: it sees
+logits, token ids, a sparse proposal distribution and a ``Sampling``.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from sfchat.wire import Sampling
+
+Role = Literal["draft", "verify"]
+_ROLE_IDS = {"draft": 1, "verify": 2}
+_MASK64 = (1 << 64) - 1
+
+
+def warp(logits: Tensor, s: Sampling) -> Tensor:
+    """(N, V) logits -> (N, V) float32 probabilities, as generate(do_sample=True) samples them."""
+    # generate() casts the logits to float32 before any processor; filtering in the model's
+    # dtype would move the top-k/top-p boundaries.
+    scores = logits.float()
+    # The ops below mirror TemperatureLogitsWarper, TopKLogitsWarper and TopPLogitsWarper one
+    # for one (same comparisons, same sort), so the kept sets agree bit for bit, ties included.
+    if s.temperature != 1.0:
+        scores = scores / s.temperature
+    if s.top_k > 0:
+        kth = torch.topk(scores, min(s.top_k, scores.shape[-1]), dim=-1).values[..., -1:]
+        # "<" rather than topk's indices: every token tied with the k-th one survives
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if s.top_p < 1.0:
+        ascending, order = torch.sort(scores, descending=False)
+        drop = ascending.softmax(dim=-1).cumsum(dim=-1) <= (1 - s.top_p)
+        drop[..., -1:] = False  # min_tokens_to_keep=1: the most likely token always stays
+        scores = scores.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+    return scores.softmax(dim=-1)
+
+
+def _race(weights: Tensor, generator: torch.Generator | None) -> Tensor:
+    """Index along the last dim drawn with probability proportional to ``weights`` (>= 0).
+
+    Exponential race: argmax(w / E) with E ~ Exp(1) i.i.d. is such a sample, and unlike
+    torch.multinomial it needs no host sync and works on unnormalised weights.
+    """
+    e = torch.empty_like(weights).exponential_(generator=generator)
+    # An E of exactly 0 would make 0/0 = nan for a zero weight, and argmax picks nan.
+    return (weights / e.clamp_min_(torch.finfo(e.dtype).tiny)).argmax(dim=-1)
+
+
+def choose(logits: Tensor, s: Sampling, n_q: int,
+           generator: torch.Generator | None) -> tuple[Tensor, Tensor, Tensor]:
+    """Draft side: one token per row of (N, V) logits, plus the proposal it was drawn from.
+
+    Returns (tokens (N,) long, q_idx (N, n_q) int32, q_prob (N, n_q) float32); greedy returns
+    (N, 0) q tensors. Support entries beyond q' are padded with probability 0.
+    """
+    n, vocab = logits.shape
+    if s.temperature == 0:
+        empty = torch.empty((n, 0), device=logits.device)
+        return logits.argmax(dim=-1), empty.int(), empty.float()
+    if n_q < 1:
+        raise ValueError("sampled drafting needs n_q >= 1 proposal entries per position")
+    top = torch.topk(warp(logits, s), min(n_q, vocab), dim=-1)
+    q_prob = top.values / top.values.sum(dim=-1, keepdim=True)
+    q_idx = top.indices
+    if n_q > vocab:  # a vocabulary smaller than n_q (tiny models): keep the width fixed
+        q_prob = F.pad(q_prob, (0, n_q - vocab))
+        q_idx = F.pad(q_idx, (0, n_q - vocab))
+    tokens = q_idx.gather(1, _race(q_prob, generator)[:, None]).squeeze(1)
+    return tokens, q_idx.int(), q_prob
+
+
+def _outside_to(index: Tensor, vocab: int) -> Tensor:
+    """Map token ids outside [0, vocab) to ``vocab``: a spare zero-probability column."""
+    return torch.where((index >= 0) & (index < vocab), index, vocab)
+
+
+def _prefix_len(accepted: Tensor) -> Tensor:
+    """Number of leading True values, as a 0-d long tensor (0 for an empty input)."""
+    return accepted.long().cumprod(dim=0).sum()
+
+
+def verify(logits: Tensor, drafts: Tensor, s: Sampling, q_idx: Tensor, q_prob: Tensor,
+           generator: torch.Generator | None) -> tuple[int, list[int]]:
+    """Tail side: accept a prefix of ``drafts`` and append the target's own next token.
+
+    logits (K+1, V) are the target's at [t0, d1..dK]; drafts (K,); q_idx/q_prob (K, n_q) the
+    draft's sparse proposals (ignored when greedy). Returns (n_accepted, tokens) with
+    ``tokens == drafts[:n_accepted] + [next]``.
+    """
+    k, vocab = drafts.shape[0], logits.shape[-1]
+    # Inputs may arrive on the host (decoded from the wire). A non_blocking copy from pageable
+    # memory is staged at once and, unlike a blocking one, does not wait for the device, so the
+    # .tolist() below stays the only host sync.
+    device = logits.device
+    drafts = drafts.to(device=device, dtype=torch.long, non_blocking=True)
+    if s.temperature == 0:
+        best = logits.argmax(dim=-1)
+        n = _prefix_len(best[:k] == drafts)
+        nxt = best.index_select(0, n.view(1))
+    else:
+        if k and q_idx.shape[-1] == 0:
+            raise ValueError("sampled verification needs the draft's proposal distributions")
+        # Column `vocab` stands for every token the target vocabulary lacks (the draft's may be
+        # larger): p is 0 there, so such drafts are always rejected and their q' mass is never
+        # subtracted from a real token.
+        p = F.pad(warp(logits, s), (0, 1))
+        # q has K+1 rows; the last stays 0, so the "residual" after K acceptances is p_K itself
+        # and the bonus token needs no separate branch.
+        q = torch.zeros_like(p)
+        q_idx = q_idx.to(device=device, dtype=torch.long, non_blocking=True)
+        q[:k].scatter_add_(1, _outside_to(q_idx, vocab),
+                           q_prob.to(device=device, dtype=torch.float32, non_blocking=True))
+        d = _outside_to(drafts, vocab)[:, None]
+        p_d, q_d = p[:k].gather(1, d).squeeze(1), q[:k].gather(1, d).squeeze(1)
+        u = torch.rand(k, device=device, generator=generator)
+        # u < p/q with u ~ U[0,1) accepts with probability min(1, p/q); multiplying instead of
+        # dividing keeps p = 0 always rejected, even if q' (wrongly) lacks the draft token.
+        n = _prefix_len(u * q_d < p_d)
+        row = n.view(1)
+        p_n = p.index_select(0, row)
+        residual = (p_n - q.index_select(0, row)).clamp_min_(0)
+        # In exact arithmetic a rejection implies some p > q'; rounding can leave nothing, and
+        # p is then the right limit (the rejection itself had probability ~0).
+        residual = torch.where(residual.sum() > 0, residual, p_n)
+        nxt = _race(residual, generator)
+    out = torch.cat([n.view(1), drafts, nxt]).tolist()  # the one host sync
+    n_accepted = out[0]
+    return n_accepted, out[1:1 + n_accepted] + [out[-1]]
+
+
+def _mix64(x: int) -> int:
+    """splitmix64 finaliser: nearby inputs give unrelated 64-bit outputs."""
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def round_seed(seed: int, start_pos: int, role: Role) -> int:
+    """64-bit seed of one round's random stream (for re-seeding a graph-registered generator)."""
+    x = 0
+    for part in (seed, start_pos, _ROLE_IDS[role]):
+        x = _mix64(((x ^ part) + 0x9E3779B97F4A7C15) & _MASK64)
+    return x
+
+
+def round_generator(seed: int, start_pos: int, role: Role,
+                    device: torch.device | str = "cpu") -> torch.Generator:
+    """A fresh generator for the round starting at ``start_pos``, on ``device``.
+
+    The draft (``choose``) and the verifier (``verify``) must use different roles: the same
+    stream on both sides would correlate the drafted tokens with their acceptance tests.
+    """
+    return torch.Generator(device=device).manual_seed(round_seed(seed, start_pos, role))
