@@ -85,14 +85,17 @@ def settings_from(args: argparse.Namespace) -> Settings:
 
 
 def one_shot(s: Settings, prompt: str, as_json: bool) -> int:
-    from sfchat.events import ReplyFinished, TokensCommitted
-    from sfchat.runtime.session import ChatSession
-    from sfchat.wire import Sampling
+    from sfchat.events import LinkState, ReplyFinished, TokensCommitted
+    from sfchat.runtime.session import ChatSession, connect_relay, make_sampling
 
-    session = ChatSession.load(s, link=open_head_link(s))
+    def report(ev):
+        if isinstance(ev, LinkState) and ev.state == "waiting":
+            print(f"sfchat: {ev.detail}", file=sys.stderr)
+
+    session = ChatSession.load(s, link=connect_relay(s, report))
     messages = ([{"role": "system", "content": s.system}] if s.system else []) + [{"role": "user", "content": prompt}]
     ids = session.encode(messages, s.chat_template)
-    sampling = Sampling(s.temperature, s.top_k, s.top_p, s.seed if s.seed is not None else 0)
+    sampling = make_sampling(s.temperature, s.top_k, s.top_p, s.seed)
     final = None
     for ev in session.reply(ids, s.max_new_tokens, sampling):
         if isinstance(ev, TokensCommitted) and not as_json and ev.text:
@@ -122,22 +125,6 @@ def one_shot(s: Settings, prompt: str, as_json: bool) -> int:
     return 0
 
 
-def open_head_link(s: Settings):
-    """The relay link of a head in relay mode (None in local mode), once a tail is present."""
-    if not s.relay:
-        return None
-    from sfchat.relay_link import RelayLink
-
-    if not s.token:
-        raise UserError("--relay needs the relay token: --token T or SFCHAT_TOKEN")
-    link = RelayLink(s.relay, s.token, s.session, "head")
-    if not link.peer_present:
-        print(f"sfchat: waiting for a tail on session {s.session!r} "
-              f"(run: sfchat --tail --relay {s.relay} --token ... --session {s.session})", file=sys.stderr)
-        link.wait_peer()
-    return link
-
-
 def run(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     s = settings_from(args)
@@ -148,7 +135,25 @@ def run(argv: list[str] | None) -> int:
     prompt = getattr(args, "prompt", None)
     if prompt is not None:
         return one_shot(s, prompt, getattr(args, "json", False))
-    raise UserError("the chat TUI is not part of this build yet: pass --prompt TEXT")
+    return chat(s)
+
+
+def chat(s: Settings) -> int:
+    """The chat TUI; the models load on the runtime thread while the screen shows progress."""
+    from sfchat.config import history_path
+    from sfchat.runtime.worker import RuntimeWorker
+    from sfchat.ui import run_tui
+
+    path = Path(s.history) if s.history else history_path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"cannot create the history directory {path.parent}: {exc}") from None
+    params = {"max_new_tokens": s.max_new_tokens, "temperature": s.temperature, "top_k": s.top_k,
+              "top_p": s.top_p, "seed": s.seed}
+    mode = f"relay {s.relay} session {s.session}" if s.relay else "local"
+    run_tui(RuntimeWorker(s), path, params, f"sfchat — {s.model} ({mode}) — loading…")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -92,7 +92,8 @@ def load_file(path: Path | None = None, settings: Settings | None = None) -> Set
         if expected is float and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
         if expected is not None and not isinstance(value, expected):
-            raise UserError(f"config file {path}: {key} should be a {expected.__name__}")
+            kind = {"str": "string", "int": "integer", "float": "number", "bool": "boolean"}[expected.__name__]
+            raise UserError(f"config file {path}: {key} should be a {kind}")
         setattr(settings, name, value)
     return settings
 
@@ -106,6 +107,8 @@ def apply_env(settings: Settings) -> Settings:
 
 def merged(overrides: dict, path: Path | None = None) -> Settings:
     """File, then environment, then the flags the user actually gave (``overrides``)."""
+    if path is not None and not path.is_file():
+        raise UserError(f"config file {path} does not exist")
     settings = apply_env(load_file(path))
     valid = {f.name for f in fields(Settings)}
     return dataclasses.replace(settings, **{k: v for k, v in overrides.items() if k in valid}).validate()

@@ -147,9 +147,23 @@ def _int32s(values, what: str) -> bytes:
 
 
 def encode(msg: Message) -> bytes:
-    """Serialise one message into a frame."""
+    """Serialise one message into a frame; refuse (WireError) anything ``decode`` would refuse."""
+    try:
+        return _encode(msg)
+    except (struct.error, OverflowError) as exc:  # a field that does not fit its wire slot
+        raise WireError(f"cannot encode {type(msg).__name__}: {exc}") from None
+
+
+def _encode(msg: Message) -> bytes:
     if isinstance(msg, Control):
-        body = json.dumps(msg.data, separators=(",", ":")).encode()
+        if msg.type not in JSON_TYPES:
+            raise WireError(f"{getattr(msg.type, 'name', msg.type)} is not a JSON message type")
+        if not isinstance(msg.data, dict):
+            raise WireError(f"{msg.type.name} data must be a JSON object")
+        try:
+            body = json.dumps(msg.data, separators=(",", ":")).encode()
+        except (TypeError, ValueError) as exc:
+            raise WireError(f"{msg.type.name} data is not JSON: {exc}") from None
         if len(body) > MAX_JSON_BYTES:
             raise WireError(f"{msg.type.name} body of {len(body)} bytes exceeds {MAX_JSON_BYTES}")
         return HEADER.pack(MAGIC, PROTOCOL_VERSION, msg.type, 0, msg.round, len(body)) + body
@@ -161,10 +175,13 @@ def encode(msg: Message) -> bytes:
             msg.start_pos, len(msg.tokens), msg.n_draft, msg.dtype, msg.hidden_size, msg.n_q,
             s.temperature, s.top_k, s.top_p, s.seed,
         )
+        _, _, _, _, _, _, temp, _, top_p, _ = FORWARD_FIXED.unpack(fixed)  # as float32, like the peer
+        _check_sampling(temp, top_p)
         body = b"".join((fixed, _int32s(msg.tokens, "tokens"), msg.hidden, msg.q_indices, msg.q_probs))
         flags = FLAG_VERDICT if msg.want_verdict else 0
         return HEADER.pack(MAGIC, PROTOCOL_VERSION, MsgType.FORWARD, flags, msg.round, len(body)) + body
     if isinstance(msg, Verdict):
+        _check_verdict(msg.n_accepted, len(msg.tokens))
         fixed = VERDICT_FIXED.pack(msg.start_pos, msg.n_accepted, len(msg.tokens), msg.tail_us)
         body = fixed + _int32s(msg.tokens, "tokens")
         return HEADER.pack(MAGIC, PROTOCOL_VERSION, MsgType.VERDICT, 0, msg.round, len(body)) + body
@@ -186,6 +203,16 @@ def _check_forward(n_tokens: int, n_draft: int, hidden_size: int, n_q: int) -> N
         raise WireError(f"FORWARD hidden size {hidden_size} out of range")
     if not 0 <= n_q <= MAX_Q_ENTRIES:
         raise WireError(f"FORWARD with {n_q} distribution entries per draft")
+
+
+def _check_sampling(temperature: float, top_p: float) -> None:
+    if not (0.0 <= temperature < float("inf") and 0.0 < top_p <= 1.0):  # also refuses NaN
+        raise WireError("FORWARD sampling parameters out of range")
+
+
+def _check_verdict(n_accepted: int, n_tokens: int) -> None:
+    if not 1 <= n_tokens <= MAX_DRAFT + 1 or n_accepted != n_tokens - 1:
+        raise WireError(f"VERDICT with {n_accepted} accepted and {n_tokens} tokens")
 
 
 def _check_forward_sizes(msg: Forward) -> None:
@@ -228,7 +255,7 @@ def _decode_control(mtype: MsgType, rnd: int, body: memoryview) -> Control:
         raise WireError(f"{mtype.name} body too large")
     try:
         data = json.loads(bytes(body).decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+    except (ValueError, RecursionError) as exc:  # ValueError: bad UTF-8, bad JSON, too many digits
         raise WireError(f"{mtype.name} body is not JSON: {exc}") from None
     if not isinstance(data, dict):
         raise WireError(f"{mtype.name} body must be a JSON object")
@@ -247,8 +274,7 @@ def _decode_forward(flags: int, rnd: int, body: memoryview) -> Forward:
     sizes = (4 * n_tok, n_tok * hsize * dtype.itemsize, 4 * n_draft * n_q, 4 * n_draft * n_q)
     if FORWARD_FIXED.size + sum(sizes) != len(body):
         raise WireError("FORWARD body length does not match its header")
-    if not (temp == temp and temp >= 0.0 and 0.0 < top_p <= 1.0) or temp == float("inf"):
-        raise WireError("FORWARD sampling parameters out of range")
+    _check_sampling(temp, top_p)
     off = FORWARD_FIXED.size
     parts = []
     for size in sizes:
@@ -266,8 +292,7 @@ def _decode_verdict(rnd: int, body: memoryview) -> Verdict:
     if len(body) < VERDICT_FIXED.size:
         raise WireError("VERDICT body too short")
     start, n_acc, n_tok, tail_us = VERDICT_FIXED.unpack_from(body)
-    if not 1 <= n_tok <= MAX_DRAFT + 1 or n_acc != n_tok - 1:
-        raise WireError(f"VERDICT with {n_acc} accepted and {n_tok} tokens")
+    _check_verdict(n_acc, n_tok)
     if VERDICT_FIXED.size + 4 * n_tok != len(body):
         raise WireError("VERDICT body length does not match its header")
     tokens = struct.unpack(f"<{n_tok}i", bytes(body[VERDICT_FIXED.size:]))

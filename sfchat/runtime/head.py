@@ -35,7 +35,6 @@ from sfchat.runtime.slices import ModelSlice
 PREFILL_CHUNK = 512
 WIRE_DTYPES = {torch.float32: wire.DType.FLOAT32, torch.float16: wire.DType.FLOAT16,
                torch.bfloat16: wire.DType.BFLOAT16}
-DRAFT_SALT = 0x5F3759DF
 
 
 class LinkError(Exception):
@@ -64,6 +63,7 @@ class HeadEngine:
         self.tokens: list[int] = []
         self.round_id = 0
         self.device = head.device
+        self.vocab = head.config.vocab_size
         self.wire_dtype = WIRE_DTYPES[head.dtype]
 
     # -- handshake -----------------------------------------------------------------------------
@@ -118,7 +118,7 @@ class HeadEngine:
         n = len(self.tokens)
         drafts, q_idx, q_prob = [], None, None
         if self.drafter is not None:
-            gen = sampling.round_generator(s.seed ^ DRAFT_SALT, n, self.device) if s.temperature > 0 else None
+            gen = sampling.round_generator(s.seed, n, "draft", self.drafter.device) if s.temperature > 0 else None
             drafts, q_idx, q_prob = self.drafter.propose(self.tokens, s, gen)
         t1 = time.perf_counter()
 
@@ -142,9 +142,11 @@ class HeadEngine:
         return RoundOutcome(tuple(committed), verdict.n_accepted, finish, stats)
 
     def _send_forward(self, piece, start, n_draft, want_verdict, s, q_idx, q_prob) -> None:
-        ids = torch.tensor(piece, dtype=torch.long, device=self.device)
+        # A draft from a larger draft vocabulary has no embedding row here; any row will do: the
+        # tail rejects such a draft (p = 0), so nothing computed from this position is committed.
+        ids = torch.tensor(piece, dtype=torch.long, device=self.device).clamp_(max=self.vocab - 1)
         positions = torch.arange(start, start + len(piece), device=self.device)
-        hidden = self.head(ids, positions)
+        hidden = self.head.run(ids, positions)
         self.head.kv.note(start, piece)
         n_q = q_idx.shape[1] if q_idx is not None and n_draft else 0
         frame = wire.Forward(

@@ -12,6 +12,7 @@ the token budget, the context window or a cancel, and yields ``ReplyStarted``, o
 
 from __future__ import annotations
 
+import secrets
 import sys
 import time
 from typing import Callable, Iterator
@@ -20,11 +21,11 @@ import torch
 
 from sfchat import UserError
 from sfchat.config import Settings
-from sfchat.events import LoadProgress, ReplyFinished, ReplyStarted, RuntimeReady, TokensCommitted
+from sfchat.events import LinkState, LoadProgress, ReplyFinished, ReplyStarted, RuntimeReady, TokensCommitted
 from sfchat.runtime.draft import Drafter
 from sfchat.runtime.head import HeadEngine
 from sfchat.runtime.links import MemoryLink
-from sfchat.runtime.slices import ModelSlice, n_layers, pick_dtype
+from sfchat.runtime.slices import ModelSlice, architecture, n_layers, pick_dtype
 from sfchat.runtime.source import ModelSource
 from sfchat.runtime.tail import DTYPE_NAMES, Verifier
 from sfchat.wire import Sampling
@@ -77,14 +78,38 @@ class TextStream:
     def __init__(self, tokenizer):
         self.tokenizer, self.ids, self.text = tokenizer, [], ""
 
-    def push(self, ids) -> str:
+    def push(self, ids, final: bool = False) -> str:
         self.ids.extend(ids)
         text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        if text.endswith("\ufffd"):
+        if text.endswith("\ufffd") and not final:  # wait for the rest of the character
             return ""
         delta = text[len(self.text):] if text.startswith(self.text) else text
         self.text = text
         return delta
+
+
+def make_sampling(temperature: float, top_k: int, top_p: float, seed: int | None) -> Sampling:
+    """Sampling settings of one reply; without a seed every reply draws fresh randomness."""
+    return Sampling(float(temperature), int(top_k), float(top_p),
+                    secrets.randbits(63) if seed is None else int(seed) & (2 ** 64 - 1))
+
+
+def connect_relay(s: Settings, on_event: Callable = lambda e: None):
+    """The head's relay link once a tail is present (None in local mode), reporting LinkState."""
+    if not s.relay:
+        on_event(LinkState("local"))
+        return None
+    from sfchat.relay_link import RelayLink
+
+    if not s.token:
+        raise UserError("--relay needs the relay token: --token T or SFCHAT_TOKEN")
+    link = RelayLink(s.relay, s.token, s.session, "head")
+    if not link.peer_present:
+        on_event(LinkState("waiting", f"waiting for a tail on session {s.session!r}: run "
+                                      f"sfchat --tail --relay {s.relay} --token ... --session {s.session}"))
+        link.wait_peer()
+    on_event(LinkState("connected", s.relay))
+    return link
 
 
 def _progress(on_event: Callable, node: str):
@@ -146,6 +171,7 @@ class ChatSession:
     @classmethod
     def load(cls, s: Settings, on_event: Callable = lambda e: None, link=None) -> "ChatSession":
         src = ModelSource.open(s.model, s.revision, _progress(on_event, "head"))
+        architecture(src.config)  # refuse an unsupported model before fetching anything else
         tokenizer = load_tokenizer(src, s.revision)
         dsrc = None
         if uses_draft(s):
@@ -184,7 +210,7 @@ class ChatSession:
             finish = out.finish
             elapsed = time.perf_counter() - t_start
             ttft = ttft or elapsed
-            yield TokensCommitted(stream.push(out.tokens), out.tokens, out.stats, elapsed)
+            yield TokensCommitted(stream.push(out.tokens, final=finish is not None), out.tokens, out.stats, elapsed)
         total = time.perf_counter() - t_start
         steady = rounds[1:]
         steady_s = sum(r.round_ms for r in steady) / 1e3

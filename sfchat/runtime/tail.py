@@ -117,6 +117,9 @@ class Verifier:
         split = int(ident["split"])
         if not 0 <= split <= L:
             raise UserError(f"split {split} out of range 0..{L}")
+        limit = (getattr(src.config, "max_position_embeddings", 0) or 1 << 20) + wire.MAX_DRAFT + 1
+        if int(ident["max_len"]) > limit:  # a head must not make the tail allocate without bound
+            raise UserError(f"a context of {ident['max_len']} positions exceeds the model's {limit}")
         dtype = pick_dtype(self.device, ident["dtype"])
         self.log(f"loading {ident['model']} layers [{split}, {L}) as {DTYPE_NAMES[dtype]} on {self.device}")
         return ModelSlice.load(src, split, L, embed=False, head=True, dtype=dtype, device=self.device,
