@@ -24,7 +24,8 @@ FLAG_FIELDS = {  # flag dest -> Settings field
     "k": "k", "split": "split", "device": "device", "draft_device": "draft_device", "dtype": "dtype",
     "max_context": "max_context", "max_new_tokens": "max_new_tokens", "temperature": "temperature",
     "top_k": "top_k", "top_p": "top_p", "seed": "seed", "system": "system", "relay": "relay",
-    "token": "token", "session": "session", "history": "history",
+    "token": "token", "session": "session", "history": "history", "round_timeout": "round_timeout",
+    "reconnect_timeout": "reconnect_timeout",
 }
 
 
@@ -67,6 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--token", help="relay token (or SFCHAT_TOKEN)")
     g.add_argument("--session", help="session name shared by head and tail (default 'default')")
     g.add_argument("--tail", action="store_true", help="run as the tail node (verifier) behind --relay")
+    g.add_argument("--round-timeout", type=float,
+                   help="seconds without a verdict before the head reconnects (default 60)")
+    g.add_argument("--reconnect-timeout", type=float,
+                   help="seconds the head keeps trying to get a tail back before giving up (default 300)")
     g = p.add_argument_group("files")
     g.add_argument("--config", type=Path, help="TOML settings file (default: the platform config dir)")
     g.add_argument("--history", help="chat history SQLite file (default: the platform data dir)")
@@ -88,11 +93,18 @@ def one_shot(s: Settings, prompt: str, as_json: bool) -> int:
     from sfchat.events import LinkState, ReplyFinished, TokensCommitted
     from sfchat.runtime.session import ChatSession, connect_relay, make_sampling
 
-    def report(ev):
-        if isinstance(ev, LinkState) and ev.state == "waiting":
-            print(f"sfchat: {ev.detail}", file=sys.stderr)
+    troubled = []
 
-    session = ChatSession.load(s, link=connect_relay(s, report))
+    def report(ev):  # link trouble (and its end) is worth a line on stderr even in --json mode
+        if not isinstance(ev, LinkState):
+            return
+        if ev.state in ("waiting", "reconnecting", "stalled"):
+            troubled.append(ev.state)
+        elif not (ev.state == "connected" and troubled):
+            return
+        print(f"sfchat: link {ev.state}: {ev.detail}", file=sys.stderr, flush=True)
+
+    session = ChatSession.load(s, report, connect_relay(s, report))
     messages = ([{"role": "system", "content": s.system}] if s.system else []) + [{"role": "user", "content": prompt}]
     ids = session.encode(messages, s.chat_template)
     sampling = make_sampling(s.temperature, s.top_k, s.top_p, s.seed)

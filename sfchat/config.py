@@ -46,6 +46,8 @@ class Settings:
     relay: str | None = None
     token: str | None = None
     session: str = "default"
+    round_timeout: float = 60.0  # seconds without a verdict before the head reconnects
+    reconnect_timeout: float = 300.0  # how long the head keeps trying to get a tail back
     history: str | None = None  # SQLite file; default under the platformdirs data dir
 
     def validate(self) -> "Settings":
@@ -59,6 +61,8 @@ class Settings:
             raise UserError("--temperature must be >= 0")
         if self.top_k < 0:
             raise UserError("--top-k must be >= 0 (0 disables it)")
+        if self.round_timeout <= 0 or self.reconnect_timeout < 0:
+            raise UserError("--round-timeout must be > 0 and --reconnect-timeout >= 0")
         if not 0 < self.top_p <= 1:
             raise UserError("--top-p must be in (0, 1]")
         return self

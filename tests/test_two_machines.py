@@ -65,10 +65,10 @@ def relay():
         p.wait(10)
 
 
-def local_tokens(model, draft, k):
+def local_tokens(model, draft, k, n=24):
     session = ChatSession.load(Settings(model=str(model), draft=str(draft), k=k, device="cpu"))
     ids = session.encode([{"role": "user", "content": PROMPT}])
-    return [e for e in session.reply(ids, 24, Sampling()) if isinstance(e, ReplyFinished)][0]
+    return [e for e in session.reply(ids, n, Sampling()) if isinstance(e, ReplyFinished)][0]
 
 
 def test_relay_mode_equals_local_mode_and_serves_heads_in_turn(zoo, relay):

@@ -13,6 +13,12 @@ over its link. ``begin(prompt_ids)`` sets the context; each ``round(...)`` is on
 3. the VERDICT's tokens are committed, cut at the first EOS, at ``max_new_tokens`` and at
    the context window.
 
+In relay mode a lost link (tail gone, relay gone, no verdict within the round timeout) is
+re-established with backoff: the round is redone after a fresh HELLO, and because the new tail
+holds no context the head's own cache is marked stale so that the ordinary prefill path sends
+the committed tokens again. Committed tokens never change; verdicts carry round ids and a stale
+one is ignored.
+
 Rewind needs no bookkeeping beyond the KV caches' ``written`` logs: the next round writes at
 the first position whose cached token differs from the committed context, on the head and —
 because the tail writes exactly what the head sends — on the tail too. Local and relay modes
@@ -26,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from sfchat import UserError, wire
-from sfchat.events import RoundStats
+from sfchat.events import LinkState, RoundStats
 from sfchat.relay_link import LinkClosed, PeerGone
 from sfchat.runtime import sampling
 from sfchat.runtime.draft import Drafter
@@ -37,8 +43,15 @@ WIRE_DTYPES = {torch.float32: wire.DType.FLOAT32, torch.float16: wire.DType.FLOA
                torch.bfloat16: wire.DType.BFLOAT16}
 
 
+STALL_NOTICE_S = 3.0  # a round without a verdict for this long is reported as stalled
+
+
 class LinkError(Exception):
-    """The tail answered with an ERROR or broke the protocol."""
+    """The tail answered with an ERROR or broke the protocol: not retried."""
+
+
+class LinkLost(LinkError):
+    """The link to the tail is gone or stalled past the round timeout: retried by reconnecting."""
 
 
 @dataclass(frozen=True)
@@ -55,11 +68,17 @@ def hidden_bytes(h: torch.Tensor) -> bytes:
 
 class HeadEngine:
     def __init__(self, head: ModelSlice, drafter: Drafter | None, link, *, max_context: int,
-                 timeout: float | None = None):
+                 on_event=lambda event: None, reconnect=None, round_timeout: float = 60.0,
+                 reconnect_timeout: float = 300.0):
+        """``reconnect(timeout) -> link`` makes a new link to a tail (relay mode); without it a
+        lost link is an error. ``on_event`` receives LinkState changes."""
         self.head, self.drafter, self.link = head, drafter, link
         self.k = drafter.k if drafter is not None else 0
         self.max_context = max_context
-        self.timeout = timeout
+        self.on_event, self.reconnect = on_event, reconnect
+        self.round_timeout, self.reconnect_timeout = round_timeout, reconnect_timeout
+        self.hello: dict = {}
+        self.on_progress = None
         self.tokens: list[int] = []
         self.round_id = 0
         self.device = head.device
@@ -69,7 +88,8 @@ class HeadEngine:
     # -- handshake -----------------------------------------------------------------------------
     def connect(self, hello: dict, on_progress=None) -> dict:
         """Send HELLO and wait for READY; PROGRESS frames go to ``on_progress(data)``."""
-        self.link.send(wire.encode(wire.Control(wire.MsgType.HELLO, hello)))
+        self.hello, self.on_progress = hello, on_progress
+        self._send(wire.encode(wire.Control(wire.MsgType.HELLO, hello)))
         while True:
             msg = self._recv()
             if isinstance(msg, wire.Control) and msg.type is wire.MsgType.READY:
@@ -80,20 +100,49 @@ class HeadEngine:
                 continue
             raise LinkError(f"unexpected {msg!r} while waiting for the tail to be ready")
 
-    def _recv(self):
+    def _send(self, frame: bytes) -> None:
         try:
-            frame = self.link.recv(self.timeout)
+            self.link.send(frame)
+        except (LinkClosed, ConnectionError) as exc:
+            raise LinkLost(f"the link to the tail was lost: {exc}") from None
+
+    def _recv(self, timeout: float | None = None):
+        """Next message from the tail; TimeoutError passes through for the caller to judge."""
+        try:
+            frame = self.link.recv(timeout)
         except PeerGone:
-            raise LinkError("the tail left the session") from None
-        except (LinkClosed, TimeoutError) as exc:
-            raise LinkError(f"the link to the tail failed: {exc or type(exc).__name__}") from None
+            raise LinkLost("the tail left the session") from None
+        except (LinkClosed, ConnectionError) as exc:
+            raise LinkLost(f"the link to the tail was lost: {exc}") from None
         try:
             msg = wire.decode(frame)
         except wire.WireError as exc:
             raise LinkError(f"the tail sent a malformed frame: {exc}") from None
         if isinstance(msg, wire.Control) and msg.type is wire.MsgType.ERROR:
-            raise LinkError(f"tail: {msg.data.get('message', 'unknown error')}")
+            error = LinkLost if msg.data.get("resync") else LinkError  # a tail that lost our context
+            raise error(f"tail: {msg.data.get('message', 'unknown error')}")
         return msg
+
+    def _recover(self, cause: LinkLost) -> None:
+        """Reconnect with backoff, re-HELLO, and make the next round re-send the whole context."""
+        self.on_event(LinkState("reconnecting", str(cause)))
+        deadline = time.monotonic() + self.reconnect_timeout
+        delay = 0.5
+        while True:
+            self.link.close()
+            try:
+                self.link = self.reconnect(max(deadline - time.monotonic(), 1.0))
+                self.connect(self.hello, self.on_progress)
+                break
+            except (LinkError, UserError, TimeoutError) as exc:
+                if time.monotonic() + delay > deadline:
+                    raise LinkLost(f"gave up after {self.reconnect_timeout:.0f} s of reconnecting: {exc}") from None
+                time.sleep(delay)
+                delay = min(delay * 2, 5.0)
+        # A tail that answered a HELLO holds no context: writing from position 0 re-primes it
+        # with the committed tokens (never changed by a fault) through the ordinary prefill path.
+        self.head.kv.reset()
+        self.on_event(LinkState("connected", "reconnected; the context was sent again"))
 
     def reset(self) -> None:
         """Forget the conversation (a new chat): every cached position becomes stale."""
@@ -114,6 +163,16 @@ class HeadEngine:
         return min(self.head.kv.reusable(self.tokens), len(self.tokens) - 1)
 
     def round(self, s: wire.Sampling, eos_ids: set[int], budget: int) -> RoundOutcome:
+        """One round; a lost link is re-established and the round redone (relay mode)."""
+        while True:
+            try:
+                return self._round(s, eos_ids, budget)
+            except LinkLost as exc:
+                if self.reconnect is None:
+                    raise
+                self._recover(exc)
+
+    def _round(self, s: wire.Sampling, eos_ids: set[int], budget: int) -> RoundOutcome:
         t0 = time.perf_counter()
         n = len(self.tokens)
         drafts, q_idx, q_prob = [], None, None
@@ -156,11 +215,23 @@ class HeadEngine:
             q_indices=q_idx.to(torch.int32).cpu().numpy().tobytes() if n_q else b"",
             q_probs=q_prob.to(torch.float32).cpu().numpy().tobytes() if n_q else b"",
         )
-        self.link.send(wire.encode(frame))
+        self._send(wire.encode(frame))
 
     def _await_verdict(self) -> wire.Verdict:
+        waited = 0.0
         while True:
-            msg = self._recv()
+            try:
+                msg = self._recv(STALL_NOTICE_S)
+            except TimeoutError:
+                waited += STALL_NOTICE_S
+                if waited == STALL_NOTICE_S:
+                    self.on_event(LinkState("stalled", f"no verdict for {waited:.0f} s; waiting"))
+                if waited >= self.round_timeout:
+                    raise LinkLost(f"no verdict for {waited:.0f} s") from None
+                continue
+            if waited:
+                self.on_event(LinkState("connected", f"the link recovered after {waited:.0f} s"))
+                waited = 0.0
             if isinstance(msg, wire.Verdict):
                 if msg.round == self.round_id:
                     return msg

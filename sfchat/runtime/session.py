@@ -94,7 +94,7 @@ def make_sampling(temperature: float, top_k: int, top_p: float, seed: int | None
                     secrets.randbits(63) if seed is None else int(seed) & (2 ** 64 - 1))
 
 
-def connect_relay(s: Settings, on_event: Callable = lambda e: None):
+def connect_relay(s: Settings, on_event: Callable = lambda e: None, wait_timeout: float | None = None):
     """The head's relay link once a tail is present (None in local mode), reporting LinkState."""
     if not s.relay:
         on_event(LinkState("local"))
@@ -107,7 +107,11 @@ def connect_relay(s: Settings, on_event: Callable = lambda e: None):
     if not link.peer_present:
         on_event(LinkState("waiting", f"waiting for a tail on session {s.session!r}: run "
                                       f"sfchat --tail --relay {s.relay} --token ... --session {s.session}"))
-        link.wait_peer()
+        try:
+            link.wait_peer(wait_timeout)
+        except BaseException:
+            link.close()
+            raise
     on_event(LinkState("connected", s.relay))
     return link
 
@@ -152,7 +156,9 @@ def build_engine(s: Settings, on_event: Callable = lambda e: None, link=None,
     mode = "relay" if link is not None else "local"
     if link is None:
         link = MemoryLink(Verifier(device))
-    engine = HeadEngine(head, drafter, link, max_context=max_context)
+    reconnect = (lambda timeout: connect_relay(s, on_event, timeout)) if mode == "relay" else None
+    engine = HeadEngine(head, drafter, link, max_context=max_context, on_event=on_event, reconnect=reconnect,
+                        round_timeout=s.round_timeout, reconnect_timeout=s.reconnect_timeout)
     hello = {"model": s.model, "revision": s.revision, "split": split, "dtype": DTYPE_NAMES[dtype],
              "max_len": kv_len, "n_layers": L, "hidden_size": src.config.hidden_size, "k": k,
              "graphs": s.cuda_graphs}

@@ -61,8 +61,10 @@ class Verifier:
         else:
             self._fail(emit, f"unexpected {type(msg).__name__} {getattr(msg, 'type', '')} from the head")
 
-    def _fail(self, emit, message: str):
-        emit(wire.encode(wire.Control(wire.MsgType.ERROR, {"message": message})))
+    def _fail(self, emit, message: str, resync: bool = False):
+        """Answer ERROR and stop; ``resync`` tells the head that this tail lost (or never had)
+        its context, which a fresh HELLO and a re-sent context repair."""
+        emit(wire.encode(wire.Control(wire.MsgType.ERROR, {"message": message, "resync": resync})))
         raise TailError(message)
 
     def _hello(self, data: dict, emit) -> None:
@@ -127,7 +129,7 @@ class Verifier:
 
     def _forward(self, msg: wire.Forward, emit) -> None:
         if self.model is None:
-            self._fail(emit, "FORWARD before HELLO")
+            self._fail(emit, "FORWARD before HELLO", resync=True)
         m = self.model
         n = len(msg.tokens)
         if msg.hidden_size != m.config.hidden_size or msg.dtype.name.lower() != DTYPE_NAMES[m.dtype]:
@@ -137,7 +139,7 @@ class Verifier:
             self._fail(emit, f"positions up to {msg.start_pos + n} exceed the context of {m.kv.max_len}")
         if msg.start_pos > len(m.kv.written):
             self._fail(emit, f"context hole: the tail holds {len(m.kv.written)} positions, the head "
-                             f"wrote at {msg.start_pos} (did the tail restart?)")
+                             f"wrote at {msg.start_pos} (did the tail restart?)", resync=True)
         t0 = time.perf_counter()
         hidden = tensor_from_bytes(msg.hidden, m.dtype, n, msg.hidden_size, self.device)
         positions = torch.arange(msg.start_pos, msg.start_pos + n, device=self.device)

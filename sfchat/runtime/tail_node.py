@@ -4,7 +4,8 @@ Contract: ``serve(settings)`` dials the relay as the session's tail, waits for a
 every frame to the ``Verifier`` and sends its replies back. A head that leaves (or breaks the
 protocol) ends only that conversation: the tail keeps its loaded model (a next head with the
 same hello reuses it) and waits for the next head. A stats line is logged now and then.
-Returns only on a fatal link error or Ctrl+C.
+A lost relay connection is re-dialled with backoff, forever: the tail is meant to be left
+running in a notebook. Returns only on Ctrl+C (or, in tests, after one head with ``once``).
 """
 
 from __future__ import annotations
@@ -31,17 +32,29 @@ def serve(s: Settings, once: bool = False) -> int:
     if not s.token:
         raise UserError("--tail needs the relay token: --token T or SFCHAT_TOKEN")
     verifier = Verifier(resolve_device(s.device), log=log)
+    link = RelayLink(s.relay, s.token, s.session, "tail")  # a first failure is the user's to fix
     while True:
-        link = RelayLink(s.relay, s.token, s.session, "tail")
         log(f"connected to {s.relay} as the tail of session {s.session!r}; waiting for a head")
         try:
             _serve_link(link, verifier, once)
             return 0
         except LinkClosed as exc:
             log(f"relay connection lost: {exc}; reconnecting")
-            time.sleep(1.0)
         finally:
             link.close()
+        link = _reconnect(s)
+
+
+def _reconnect(s: Settings) -> RelayLink:
+    """Dial the relay again with backoff until it answers (a restarted relay, a WAN outage)."""
+    delay = 0.5
+    while True:
+        try:
+            return RelayLink(s.relay, s.token, s.session, "tail")
+        except UserError as exc:
+            log(f"relay not reachable ({exc}); retrying in {delay:.1f} s")
+            time.sleep(delay)
+            delay = min(delay * 2, 10.0)
 
 
 def _serve_link(link: RelayLink, verifier: Verifier, once: bool) -> None:

@@ -1,0 +1,124 @@
+"""WAN faults on loopback with real processes: the reply survives and equals an undisturbed run."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from test_two_machines import ENV, PROMPT, TOKEN, local_tokens, start_relay
+
+N_NEW = 40
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def relay_on(port: int, *extra):
+    proc, url = start_relay("--port", str(port), *extra)
+    return proc, url
+
+
+def tail_proc(url: str, session: str):
+    return subprocess.Popen([sys.executable, "-m", "sfchat.cli", "--tail", "--relay", url, "--token", TOKEN,
+                             "--session", session, "--device", "cpu"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ENV)
+
+
+def head_proc(url: str, session: str, model):
+    return subprocess.Popen([sys.executable, "-m", "sfchat.cli", "--relay", url, "--token", TOKEN, "--session",
+                             session, "--model", str(model), "--draft", "none", "--prompt", PROMPT,
+                             "--max-new-tokens", str(N_NEW), "--device", "cpu", "--json",
+                             "--reconnect-timeout", "90"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+
+
+def wait_for_line(stream, needle: str, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = stream.readline()
+        if needle in line:
+            return
+        if not line:
+            time.sleep(0.05)
+    raise AssertionError(f"no line containing {needle!r}")
+
+
+def finish(head) -> tuple[dict, str]:
+    out, err = head.communicate(timeout=240)
+    assert head.returncode == 0, err
+    return json.loads(out), err
+
+
+@pytest.fixture
+def procs():
+    started = []
+    yield started
+    for p in started:
+        if p.poll() is None:
+            p.kill()
+        p.wait(10)
+
+
+@pytest.fixture(scope="module")
+def undisturbed(zoo):
+    return list(local_tokens(zoo["qwen3-untied"], "none", 0, N_NEW).token_ids)
+
+
+def test_tail_killed_mid_reply_and_replaced(zoo, procs, undisturbed):
+    relay, url = start_relay("--emulate-rtt-ms", "150")
+    first = tail_proc(url, "kill")
+    procs += [relay, first]
+    head = head_proc(url, "kill", zoo["qwen3-untied"])
+    procs.append(head)
+    wait_for_line(first.stderr, "ready:")
+    time.sleep(2.0)  # a few rounds into the reply
+    first.send_signal(signal.SIGKILL)
+    procs.append(tail_proc(url, "kill"))
+    out, err = finish(head)
+    assert "reconnecting" in err
+    assert out["finish_reason"] == "length" and out["token_ids"] == undisturbed
+
+
+def test_relay_restarted_mid_reply(zoo, procs, undisturbed):
+    port = free_port()
+    relay, url = relay_on(port, "--emulate-rtt-ms", "150")
+    tail = tail_proc(url, "restart")
+    procs += [relay, tail]
+    head = head_proc(url, "restart", zoo["qwen3-untied"])
+    procs.append(head)
+    wait_for_line(tail.stderr, "ready:")
+    time.sleep(2.0)
+    relay.send_signal(signal.SIGKILL)
+    relay.wait(10)
+    time.sleep(1.0)
+    again, _ = relay_on(port, "--emulate-rtt-ms", "150")
+    procs.append(again)
+    out, err = finish(head)
+    assert "reconnecting" in err
+    assert out["token_ids"] == undisturbed
+
+
+def test_stalled_link_is_waited_out(zoo, procs, undisturbed):
+    relay, url = start_relay("--emulate-rtt-ms", "100")
+    tail = tail_proc(url, "stall")
+    procs += [relay, tail]
+    head = head_proc(url, "stall", zoo["qwen3-untied"])
+    procs.append(head)
+    wait_for_line(tail.stderr, "ready:")
+    time.sleep(1.5)
+    os.kill(relay.pid, signal.SIGSTOP)  # the relay host freezes: nothing moves for a while
+    time.sleep(5.0)
+    os.kill(relay.pid, signal.SIGCONT)
+    out, err = finish(head)
+    assert "stalled" in err and "reconnecting" not in err
+    assert out["token_ids"] == undisturbed
