@@ -1,0 +1,220 @@
+"""Chat history in one SQLite file (stdlib ``sqlite3``, WAL journal).
+
+Contract: ``History`` stores chats and their messages and nothing else; it knows no
+tokenizer, model or UI. The thread that opens a ``History`` owns its connection (the TUI's
+thread), as sqlite3 connections are not shared across threads here.
+
+Durability: the journal is WAL with ``synchronous=NORMAL``, so a commit survives an
+application crash (it is in the WAL file) and at worst the last commits are lost on a power
+cut. Callers save a prompt before generation starts and a streaming reply about once a
+second; a reply row still in status "streaming" when a ``History`` is opened was cut off by a
+crash, and is marked "interrupted" then.
+
+Times are Unix seconds (float) as ``time.time()`` gives them.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+STATUSES = ("complete", "streaming", "cancelled", "interrupted")
+ROLES = ("user", "assistant", "system")
+TITLE_CHARS = 60
+
+_SCHEMA = f"""
+CREATE TABLE IF NOT EXISTS chats (
+    id          INTEGER PRIMARY KEY,
+    title       TEXT NOT NULL,
+    created_at  REAL NOT NULL,
+    updated_at  REAL NOT NULL,
+    model       TEXT NOT NULL DEFAULT ''
+);
+CREATE TABLE IF NOT EXISTS messages (
+    id          INTEGER PRIMARY KEY,
+    chat_id     INTEGER NOT NULL REFERENCES chats(id) ON DELETE CASCADE,
+    seq         INTEGER NOT NULL,
+    role        TEXT NOT NULL CHECK (role IN {ROLES!r}),
+    content     TEXT NOT NULL,
+    status      TEXT NOT NULL CHECK (status IN {STATUSES!r}),
+    created_at  REAL NOT NULL,
+    updated_at  REAL NOT NULL,
+    stats_json  TEXT,
+    UNIQUE (chat_id, seq)
+);
+CREATE INDEX IF NOT EXISTS chats_by_update ON chats(updated_at);
+"""
+_SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True)
+class ChatSummary:
+    """One row of the chat list."""
+
+    id: int
+    title: str
+    created_at: float
+    updated_at: float
+    model: str
+    n_messages: int
+
+
+@dataclass(frozen=True)
+class Message:
+    """One stored message; ``stats`` is the reply's figures (None for prompts)."""
+
+    id: int
+    chat_id: int
+    seq: int
+    role: str
+    content: str
+    status: str
+    created_at: float
+    updated_at: float
+    stats: dict[str, Any] | None
+
+
+def default_history_path() -> Path:
+    """Where the history lives unless the configuration says otherwise."""
+    from platformdirs import user_data_dir
+
+    return Path(user_data_dir("sfchat")) / "history.sqlite3"
+
+
+def title_from_prompt(prompt: str) -> str:
+    """A chat's title: the first non-blank line of its first prompt, shortened."""
+    line = next((s.strip() for s in prompt.splitlines() if s.strip()), "")
+    if not line:
+        return "(empty prompt)"
+    return line if len(line) <= TITLE_CHARS else line[: TITLE_CHARS - 1].rstrip() + "…"
+
+
+class History:
+    """The chat store. Use it from the thread that created it."""
+
+    def __init__(self, path: str | Path) -> None:
+        if str(path) != ":memory:":
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+        self.path = str(path)
+        self._conn = sqlite3.connect(self.path)
+        self._conn.row_factory = sqlite3.Row
+        self._conn.execute("PRAGMA journal_mode=WAL")
+        self._conn.execute("PRAGMA synchronous=NORMAL")
+        self._conn.execute("PRAGMA foreign_keys=ON")
+        with self._conn:
+            self._conn.executescript(_SCHEMA)
+            self._conn.execute(f"PRAGMA user_version={_SCHEMA_VERSION}")
+            # Whatever is still "streaming" now was being written when a previous run died.
+            self.recovered = self._conn.execute(
+                "UPDATE messages SET status='interrupted' WHERE status='streaming'"
+            ).rowcount
+
+    @property
+    def journal_mode(self) -> str:
+        return self._conn.execute("PRAGMA journal_mode").fetchone()[0]
+
+    def new_chat(self, title: str, model: str = "") -> int:
+        now = time.time()
+        with self._conn:
+            cur = self._conn.execute(
+                "INSERT INTO chats(title, created_at, updated_at, model) VALUES (?, ?, ?, ?)",
+                (title, now, now, model),
+            )
+        return int(cur.lastrowid)
+
+    def add_message(
+        self,
+        chat_id: int,
+        role: str,
+        content: str,
+        status: str = "complete",
+        stats: dict[str, Any] | None = None,
+    ) -> int:
+        """Append a message to a chat (next ``seq``) and return its id."""
+        _check_status(status)
+        now = time.time()
+        with self._conn:
+            seq = self._conn.execute(
+                "SELECT COALESCE(MAX(seq), -1) + 1 FROM messages WHERE chat_id=?", (chat_id,)
+            ).fetchone()[0]
+            cur = self._conn.execute(
+                "INSERT INTO messages(chat_id, seq, role, content, status, created_at, updated_at,"
+                " stats_json) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (chat_id, seq, role, content, status, now, now, _dump(stats)),
+            )
+            self._conn.execute("UPDATE chats SET updated_at=? WHERE id=?", (now, chat_id))
+        return int(cur.lastrowid)
+
+    def update_message(
+        self,
+        msg_id: int,
+        content: str,
+        status: str | None = None,
+        stats: dict[str, Any] | None = None,
+    ) -> None:
+        """Replace a message's content; status and stats change only when given."""
+        if status is not None:
+            _check_status(status)
+        now = time.time()
+        with self._conn:
+            self._conn.execute(
+                "UPDATE messages SET content=?, status=COALESCE(?, status),"
+                " stats_json=COALESCE(?, stats_json), updated_at=? WHERE id=?",
+                (content, status, _dump(stats), now, msg_id),
+            )
+            self._conn.execute(
+                "UPDATE chats SET updated_at=? WHERE id=(SELECT chat_id FROM messages WHERE id=?)",
+                (now, msg_id),
+            )
+
+    def list_chats(self, limit: int = 200) -> list[ChatSummary]:
+        """Chats, most recently updated first."""
+        rows = self._conn.execute(
+            "SELECT c.id, c.title, c.created_at, c.updated_at, c.model,"
+            " (SELECT COUNT(*) FROM messages m WHERE m.chat_id=c.id) AS n"
+            " FROM chats c ORDER BY c.updated_at DESC, c.id DESC LIMIT ?",
+            (limit,),
+        ).fetchall()
+        return [ChatSummary(r["id"], r["title"], r["created_at"], r["updated_at"], r["model"], r["n"])
+                for r in rows]
+
+    def load_chat(self, chat_id: int) -> list[Message]:
+        """A chat's messages in conversation order."""
+        rows = self._conn.execute(
+            "SELECT * FROM messages WHERE chat_id=? ORDER BY seq", (chat_id,)
+        ).fetchall()
+        return [
+            Message(r["id"], r["chat_id"], r["seq"], r["role"], r["content"], r["status"],
+                    r["created_at"], r["updated_at"],
+                    json.loads(r["stats_json"]) if r["stats_json"] else None)
+            for r in rows
+        ]
+
+    def recent_prompts(self, limit: int = 100) -> list[str]:
+        """The user's latest prompts across all chats, oldest first (for prompt recall)."""
+        rows = self._conn.execute(
+            "SELECT content FROM messages WHERE role='user' ORDER BY created_at DESC, id DESC"
+            " LIMIT ?",
+            (limit,),
+        ).fetchall()
+        return [r[0] for r in reversed(rows)]
+
+    def delete_chat(self, chat_id: int) -> None:
+        with self._conn:
+            self._conn.execute("DELETE FROM chats WHERE id=?", (chat_id,))
+
+    def close(self) -> None:
+        self._conn.close()
+
+
+def _check_status(status: str) -> None:
+    if status not in STATUSES:
+        raise ValueError(f"unknown message status {status!r}; expected one of {STATUSES}")
+
+
+def _dump(stats: dict[str, Any] | None) -> str | None:
+    return None if stats is None else json.dumps(stats, separators=(",", ":"))

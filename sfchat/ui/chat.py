@@ -1,0 +1,162 @@
+"""The chat transcript: prompts, streaming Markdown replies and notices.
+
+Contract: ``ChatView`` shows what it is told and owns no conversation state. A streaming
+``ReplyMessage`` buffers the text it is given and renders it only when ``flush`` is called
+(the app does that on a ~15 Hz timer), because re-parsing Markdown once per token would be
+the slowest part of the whole chat on a fast link. At most one ``Markdown.append`` is in flight:
+a tick that finds the previous one still rendering leaves the text queued for the next tick,
+so a slow terminal gets fewer, larger updates instead of a growing backlog. Text from the model
+or the user is always shown literally: it never passes through Textual markup.
+"""
+
+from __future__ import annotations
+
+from textual.app import ComposeResult
+from textual.await_complete import AwaitComplete
+from textual.containers import Vertical, VerticalScroll
+from textual.content import Content
+from textual.widget import Widget
+from textual.widgets import Markdown, Static
+
+# How a reply that did not end normally is marked, after its text.
+STATUS_MARKS = {"cancelled": "[cancelled]", "interrupted": "[interrupted]"}
+FINISH_NOTES = {
+    "length": "stopped at the max_new_tokens limit",
+    "context": "context window full",
+}
+
+
+class UserMessage(Static):
+    """A prompt as the user typed it."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__(Content(text))
+
+
+class Notice(Static):
+    """A line from the application itself: loading, errors, context exhausted."""
+
+    def __init__(self, text: str, severity: str = "information") -> None:
+        super().__init__(Content(text), classes=f"-{severity}")
+
+
+class ReplyMessage(Vertical):
+    """One assistant reply; streams while ``status`` is "streaming"."""
+
+    def __init__(self, text: str = "", status: str = "streaming") -> None:
+        super().__init__(classes=f"-{status}")
+        self.status = status
+        self._initial = text
+        self._pending: list[str] = []
+        self._rendering: AwaitComplete | None = None
+
+    def compose(self) -> ComposeResult:
+        yield Markdown(self._initial)
+        yield Static(classes="reply-info")
+
+    @property
+    def markdown(self) -> Markdown:
+        return self.query_one(Markdown)
+
+    def append(self, text: str) -> None:
+        """Queue text for the next ``flush``."""
+        self._pending.append(text)
+
+    def flush(self) -> None:
+        """Start rendering the queued text, unless the previous render is still running."""
+        if not self._pending or (self._rendering is not None and not self._rendering.is_done):
+            return
+        chunk = "".join(self._pending)
+        self._pending.clear()
+        # Markdown.append re-parses only the last block; it runs as a task of its own.
+        self._rendering = self.markdown.append(chunk)
+
+    def set_info(self, text: str) -> None:
+        self._show_info(Content(text))
+
+    def _show_info(self, content: Content) -> None:
+        info = self.query_one(".reply-info", Static)
+        info.update(content)
+        info.display = bool(content)
+
+    async def finish(self, text: str, status: str, info: str = "") -> None:
+        """Show the final text, exactly as given, and how the reply ended."""
+        self._pending.clear()
+        if self._rendering is not None:
+            await self._rendering
+            self._rendering = None
+        shown = self.markdown.source
+        if text.startswith(shown):
+            if text != shown:
+                await self.markdown.append(text[len(shown):])
+        else:
+            await self.markdown.update(text)
+        self.set_status(status, info)
+
+    def set_status(self, status: str, info: str = "") -> None:
+        self.remove_class(f"-{self.status}")
+        self.status = status
+        self.add_class(f"-{status}")
+        mark = STATUS_MARKS.get(status)
+        parts: list[str | tuple[str, str]] = []
+        if mark:
+            parts.append((mark, "bold $warning"))
+        if info:
+            parts.extend(["  " if mark else "", info])
+        self._show_info(Content.assemble(*parts))
+
+
+def reply_summary(stats: dict | None) -> str:
+    """One line under a finished reply: its size and speed."""
+    if not stats:
+        return ""
+    parts = [f"{stats.get('tokens', 0)} tokens"]
+    if stats.get("tps"):
+        parts.append(f"{stats['tps']:.1f} tok/s")
+    if stats.get("tokens_per_round"):
+        parts.append(f"{stats['tokens_per_round']:.2f} tok/round")
+    note = FINISH_NOTES.get(stats.get("finish_reason", ""))
+    if note:
+        parts.append(note)
+    return " · ".join(parts)
+
+
+class ChatView(VerticalScroll, can_focus=False):
+    """The scrolling transcript; sticks to the bottom while new text arrives."""
+
+    EMPTY_TEXT = ("Type a message below. Enter sends · Shift+Enter, Alt+Enter or Ctrl+J "
+                  "for a newline · Up/Down recall earlier prompts.")
+
+    def compose(self) -> ComposeResult:
+        yield Static(Content(self.EMPTY_TEXT), id="empty-hint")
+
+    def on_mount(self) -> None:
+        self.anchor()
+
+    async def clear(self) -> None:
+        await self.remove_children()
+        await self.mount(Static(Content(self.EMPTY_TEXT), id="empty-hint"))
+        self.anchor()
+
+    async def _add(self, widget: Widget) -> None:
+        await self.remove_children("#empty-hint")
+        await self.mount(widget)
+        self.anchor()
+
+    async def add_user(self, text: str) -> UserMessage:
+        widget = UserMessage(text)
+        await self._add(widget)
+        return widget
+
+    async def add_reply(self, text: str = "", status: str = "streaming",
+                        info: str = "") -> ReplyMessage:
+        widget = ReplyMessage(text, status)
+        await self._add(widget)
+        if status != "streaming" or info:
+            widget.set_status(status, info)
+        return widget
+
+    async def add_notice(self, text: str, severity: str = "information") -> Notice:
+        widget = Notice(text, severity)
+        await self._add(widget)
+        return widget

@@ -1,0 +1,158 @@
+"""The conversation on screen and its persistence in the history.
+
+Contract: ``ChatSession`` is the single place that turns what happens to a conversation
+(prompt sent, reply started / streamed / finished / failed, chat opened, new chat) into
+``History`` writes and into the message list the runtime is given. It knows nothing of
+widgets or of the runtime itself.
+
+Write discipline (what a crash may lose): the prompt is stored before the runtime sees it;
+the reply row is created with status "streaming" when the reply starts, rewritten at most
+once per ``SAVE_INTERVAL_S`` while it streams, and written a last time when it ends.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from sfchat.events import ReplyFinished
+from sfchat.history import History, Message, title_from_prompt
+
+SAVE_INTERVAL_S = 1.0
+
+
+@dataclass
+class Turn:
+    """One message of the conversation as the session holds it."""
+
+    role: str
+    content: str
+    status: str = "complete"
+    stats: dict[str, Any] | None = None
+
+
+def reply_stats(event: ReplyFinished) -> dict[str, Any]:
+    """The figures of a finished reply worth keeping next to it (no text, no token ids)."""
+    return {
+        "finish_reason": event.finish_reason,
+        "tokens": len(event.token_ids),
+        "prompt_tokens": event.prompt_tokens,
+        "rounds": event.rounds,
+        "tokens_per_round": event.tokens_per_round,
+        "accepted_histogram": list(event.accepted_histogram),
+        "tps": event.tps,
+        "ttft_s": event.ttft_s,
+        "prefill_s": event.prefill_s,
+        "round_ms": event.round_ms,
+        "rtt_ms": event.rtt_ms,
+        "draft_ms": event.draft_ms,
+        "head_ms": event.head_ms,
+        "tail_ms": event.tail_ms,
+    }
+
+
+class ChatSession:
+    """The open chat: its turns, the reply in progress, and their rows in the history."""
+
+    def __init__(self, history: History, model: str = "",
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.history = history
+        self.model = model
+        self._clock = clock
+        self.chat_id: int | None = None
+        self.title = ""
+        self.turns: list[Turn] = []
+        self._reply: Turn | None = None
+        self._reply_id: int | None = None
+        self._saved_at = 0.0
+
+    @property
+    def replying(self) -> bool:
+        """True from ``send`` until the reply finishes or fails."""
+        return self._reply is not None
+
+    def new(self) -> None:
+        self.chat_id, self.title, self.turns = None, "", []
+        self._reply = self._reply_id = None
+
+    def open(self, chat_id: int, title: str) -> list[Message]:
+        """Make a stored chat the open one; the next prompt continues it."""
+        messages = self.history.load_chat(chat_id)
+        self.new()
+        self.chat_id, self.title = chat_id, title
+        self.turns = [Turn(m.role, m.content, m.status, m.stats) for m in messages]
+        return messages
+
+    def send(self, prompt: str) -> list[dict[str, str]]:
+        """Store the prompt and return the conversation to submit, ending with it."""
+        if self.chat_id is None:
+            self.title = title_from_prompt(prompt)
+            self.chat_id = self.history.new_chat(self.title, self.model)
+        self.history.add_message(self.chat_id, "user", prompt)
+        self.turns.append(Turn("user", prompt))
+        self._reply = Turn("assistant", "", "streaming")
+        self._reply_id = None
+        # Every earlier reply is context, cut-off ones included (the user saw that text);
+        # only replies that produced nothing at all are left out.
+        return [{"role": t.role, "content": t.content} for t in self.turns
+                if t.content or t.role != "assistant"]
+
+    def reply_started(self) -> None:
+        if self._reply is None or self._reply_id is not None:
+            return
+        assert self.chat_id is not None
+        self._reply_id = self.history.add_message(self.chat_id, "assistant", "", "streaming")
+        self._saved_at = self._clock()
+
+    def reply_text(self, text: str) -> None:
+        """Add streamed text; stored when the last save is old enough."""
+        if self._reply is None:
+            return
+        self._reply.content += text
+        if self._reply_id is None:
+            self.reply_started()
+        elif self._clock() - self._saved_at >= SAVE_INTERVAL_S:
+            self.history.update_message(self._reply_id, self._reply.content)
+            self._saved_at = self._clock()
+
+    def reply_finished(self, event: ReplyFinished) -> Turn | None:
+        """Store the reply as the runtime reports it in full; returns the finished turn."""
+        if self._reply is None:
+            return None
+        reply = self._reply
+        reply.content = event.text or reply.content
+        reply.status = "cancelled" if event.finish_reason == "cancelled" else "complete"
+        reply.stats = reply_stats(event)
+        self._close_reply(reply)
+        return reply
+
+    def reply_failed(self) -> Turn | None:
+        """The runtime gave up on the reply: keep what arrived, marked interrupted."""
+        if self._reply is None:
+            return None
+        reply = self._reply
+        reply.status = "interrupted"
+        if self._reply_id is None and not reply.content:
+            # Nothing was produced: no empty reply row, the prompt stands alone.
+            self._reply = None
+            return reply
+        self._close_reply(reply)
+        return reply
+
+    def _close_reply(self, reply: Turn) -> None:
+        assert self.chat_id is not None
+        if self._reply_id is None:
+            self._reply_id = self.history.add_message(
+                self.chat_id, "assistant", reply.content, reply.status, reply.stats)
+        else:
+            self.history.update_message(self._reply_id, reply.content, reply.status, reply.stats)
+        self.turns.append(reply)
+        self._reply = self._reply_id = None
+
+    def last_reply(self) -> str | None:
+        """Text of the newest reply, the one streaming included."""
+        if self._reply is not None and self._reply.content:
+            return self._reply.content
+        return next((t.content for t in reversed(self.turns) if t.role == "assistant"), None)

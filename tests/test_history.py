@@ -1,0 +1,139 @@
+"""The SQLite chat history and the session that writes to it."""
+
+from __future__ import annotations
+
+import sqlite3
+
+import pytest
+
+from sfchat.events import ReplyFinished
+from sfchat.history import History, default_history_path, title_from_prompt
+from sfchat.ui.session import SAVE_INTERVAL_S, ChatSession
+
+
+def finished(text: str, reason: str = "eos") -> ReplyFinished:
+    return ReplyFinished(reason, text, (1, 2, 3), 10, 2, 1.5, (1, 1), 9.0, 0.2, 0.1,
+                         100.0, 80.0, 5.0, 3.0, 4.0)
+
+
+def other_connection(path) -> sqlite3.Connection:
+    """A second reader, as another process would see the file."""
+    return sqlite3.connect(path)
+
+
+def test_wal_mode_and_schema(tmp_path):
+    path = tmp_path / "sub" / "h.sqlite3"  # parent folders are created
+    history = History(path)
+    assert history.journal_mode == "wal"
+    assert history._conn.execute("PRAGMA synchronous").fetchone()[0] == 1  # NORMAL
+    assert history._conn.execute("PRAGMA foreign_keys").fetchone()[0] == 1
+    cols = {r[1] for r in history._conn.execute("PRAGMA table_info(messages)")}
+    assert cols == {"id", "chat_id", "seq", "role", "content", "status", "created_at",
+                    "updated_at", "stats_json"}
+    history.close()
+
+
+def test_default_path_and_titles():
+    assert default_history_path().name == "history.sqlite3"
+    assert title_from_prompt("\n  first line \nsecond") == "first line"
+    long = title_from_prompt("word " * 40)
+    assert len(long) <= 60 and long.endswith("…")
+    assert title_from_prompt("   ") == "(empty prompt)"
+
+
+def test_list_and_load_order(tmp_path):
+    history = History(tmp_path / "h.sqlite3")
+    a = history.new_chat("a", "m")
+    b = history.new_chat("b", "m")
+    for i in range(3):
+        history.add_message(a, "user" if i % 2 == 0 else "assistant", f"a{i}")
+    history.add_message(b, "user", "b0")
+    assert [c.title for c in history.list_chats()] == ["b", "a"]
+    history.add_message(a, "assistant", "a3")  # a is now the most recently updated
+    chats = history.list_chats()
+    assert [(c.title, c.n_messages) for c in chats] == [("a", 4), ("b", 1)]
+    msgs = history.load_chat(a)
+    assert [m.seq for m in msgs] == [0, 1, 2, 3]
+    assert [m.content for m in msgs] == ["a0", "a1", "a2", "a3"]
+    assert history.recent_prompts() == ["a0", "a2", "b0"]
+    history.delete_chat(b)
+    assert [c.title for c in history.list_chats()] == ["a"]
+    assert history.list_chats(limit=0) == []
+    with pytest.raises(ValueError):
+        history.add_message(a, "user", "x", status="bogus")
+    history.close()
+
+
+def test_session_writes_prompt_first_and_reply_while_streaming(tmp_path):
+    path = tmp_path / "h.sqlite3"
+    now = [100.0]
+    session = ChatSession(History(path), model="m", clock=lambda: now[0])
+    reader = other_connection(path)
+
+    def rows():
+        return reader.execute("SELECT role, content, status FROM messages ORDER BY seq").fetchall()
+
+    messages = session.send("Hello?\nmore")
+    assert messages == [{"role": "user", "content": "Hello?\nmore"}]
+    assert rows() == [("user", "Hello?\nmore", "complete")]  # stored before generation
+    assert reader.execute("SELECT title, model FROM chats").fetchall() == [("Hello?", "m")]
+
+    session.reply_started()
+    assert rows()[1] == ("assistant", "", "streaming")
+    session.reply_text("Hi")
+    assert rows()[1] == ("assistant", "", "streaming")  # throttled: not yet a second old
+    now[0] += SAVE_INTERVAL_S
+    session.reply_text(" there")
+    assert rows()[1] == ("assistant", "Hi there", "streaming")
+    session.reply_text(" friend")
+    turn = session.reply_finished(finished("Hi there friend"))
+    assert turn.status == "complete"
+    assert rows()[1] == ("assistant", "Hi there friend", "complete")
+    stats = session.history.load_chat(session.chat_id)[1].stats
+    assert stats["finish_reason"] == "eos" and stats["tokens"] == 3
+
+    # The next prompt continues the same chat with the whole conversation.
+    assert session.send("And?") == [
+        {"role": "user", "content": "Hello?\nmore"},
+        {"role": "assistant", "content": "Hi there friend"},
+        {"role": "user", "content": "And?"},
+    ]
+    session.reply_started()
+    session.reply_finished(finished("Partial", "cancelled"))
+    assert rows()[-1] == ("assistant", "Partial", "cancelled")
+    assert reader.execute("SELECT COUNT(*) FROM chats").fetchone()[0] == 1
+    reader.close()
+    session.history.close()
+
+
+def test_crash_while_streaming_is_recovered_as_interrupted(tmp_path):
+    path = tmp_path / "h.sqlite3"
+    now = [0.0]
+    session = ChatSession(History(path), clock=lambda: now[0])
+    session.send("q")
+    session.reply_started()
+    session.reply_text("half")
+    now[0] += 5
+    session.reply_text(" done")
+    # The process dies here: no finish, no close.
+    del session
+
+    reopened = History(path)
+    assert reopened.recovered == 1
+    chat = reopened.list_chats()[0]
+    reply = reopened.load_chat(chat.id)[1]
+    assert (reply.status, reply.content) == ("interrupted", "half done")
+    assert History(path).recovered == 0  # recovery happens once
+    resumed = ChatSession(reopened)
+    resumed.open(chat.id, chat.title)
+    assert resumed.send("again")[1] == {"role": "assistant", "content": "half done"}
+    reopened.close()
+
+
+def test_failure_before_any_text_leaves_no_empty_reply(tmp_path):
+    session = ChatSession(History(tmp_path / "h.sqlite3"))
+    session.send("q")
+    assert session.reply_failed().status == "interrupted"
+    assert not session.replying
+    assert [m.role for m in session.history.load_chat(session.chat_id)] == ["user"]
+    session.history.close()
