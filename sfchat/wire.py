@@ -42,7 +42,8 @@ MAGIC = b"SFCH"
 PROTOCOL_VERSION = 1
 
 HEADER = struct.Struct("<4sBBHII")
-FORWARD_FIXED = struct.Struct("<IIIBIIfIfQ")  # start, n_tok, n_draft, dtype, hidden, n_q, temp, top_k, top_p, seed
+FORWARD_FIXED = struct.Struct("<IIIBIIdIdQ")  # start, n_tok, n_draft, dtype, hidden, n_q, temp, top_k, top_p, seed
+# temperature and top_p travel as doubles: the tail must cut exactly where generate() would
 VERDICT_FIXED = struct.Struct("<IIII")  # start, n_accepted, n_tokens, tail_us
 
 FLAG_VERDICT = 0x1  # FORWARD: answer with a VERDICT
@@ -175,7 +176,7 @@ def _encode(msg: Message) -> bytes:
             msg.start_pos, len(msg.tokens), msg.n_draft, msg.dtype, msg.hidden_size, msg.n_q,
             s.temperature, s.top_k, s.top_p, s.seed,
         )
-        _, _, _, _, _, _, temp, _, top_p, _ = FORWARD_FIXED.unpack(fixed)  # as float32, like the peer
+        _, _, _, _, _, _, temp, _, top_p, _ = FORWARD_FIXED.unpack(fixed)  # as the peer will read them
         _check_sampling(temp, top_p)
         body = b"".join((fixed, _int32s(msg.tokens, "tokens"), msg.hidden, msg.q_indices, msg.q_probs))
         flags = FLAG_VERDICT if msg.want_verdict else 0
