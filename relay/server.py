@@ -14,10 +14,12 @@ Before upgrading, the relay answers with a plain HTTP status instead when:
 * the token is missing or wrong (compared with ``hmac.compare_digest``) -> 401;
 * the path, role or name is malformed -> 400;
 * the session already has a peer of that role -> 409, body ``session NAME already has a tail``;
-* the relay already holds ``--max-sessions`` sessions and this would open another -> 503.
+* the relay already holds ``--max-sessions`` sessions and this would open another, or
+  ``--max-connections`` connections -> 503.
 
 Two clients racing for the same slot can both pass the HTTP checks; the loser is then closed
-right after the upgrade with code 4409 (4503 for the session limit) and the same reason.
+right after the upgrade with code 4409 (4503 for the session or connection limit) and the same reason.
+Refusals are logged once per client address and kind, then not again for ten minutes.
 
 After the upgrade
 -----------------
@@ -33,8 +35,14 @@ After the upgrade
   per absence. Nothing is buffered for an absent peer. Events travel in the same ordered
   queue as frames, so ``peer_left`` follows the last frame of the departed peer.
 * A text message from a client closes that connection with 1003; a message over
-  ``--max-frame-mb`` closes it with 1009; a receiver that falls too far behind its bounded
-  queue is closed with 1013. Other connections and sessions are unaffected.
+  ``--max-frame-mb`` closes it with 1009; more than ``--max-frames-per-s`` frames or
+  ``--max-mb-per-s`` MiB per second (token buckets holding one second's worth, and at least
+  four maximal frames) close it with 1008; a receiver that falls too far behind its bounded
+  queue, or holds the most bytes when all queues together reach ``--max-buffer-mb``, is closed
+  with 1013; a connection that sends nothing for ``--idle-timeout`` minutes (keepalive pings and
+  pongs do not count) is closed with 4408. Other connections and sessions are unaffected.
+* The relay never parses a frame, so it needs no trust in their contents: head and tail seal
+  them end to end (``sfchat.secure_link``); the relay sees sizes and timing only.
 * Once the tail leaves, the session keeps its head and a new tail may join (and vice versa).
   A session disappears when both roles have left.
 * On SIGTERM or SIGINT the relay closes every connection with 1001 and exits 0.
@@ -54,6 +62,7 @@ import signal
 import socket
 import ssl
 import sys
+import time
 from dataclasses import dataclass
 from urllib.parse import parse_qs, urlsplit
 
@@ -63,10 +72,12 @@ from websockets.datastructures import Headers
 from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
 
-from relay.session import ROLES, Peer, Session, address, log
+from relay.session import ROLES, Budget, LogOnce, Peer, Session, address, close_firmly, host, log
 
 SESSION_PATH = re.compile(r"/session/([A-Za-z0-9._-]{1,64})")
 CLOSE_UNSUPPORTED_DATA = 1003
+CLOSE_POLICY = 1008
+CLOSE_IDLE = 4408
 CLOSE_SLOT_TAKEN = 4409
 CLOSE_RELAY_FULL = 4503
 
@@ -85,11 +96,35 @@ class RelayConfig:
     ssl: ssl.SSLContext | None = None
     emulate_rtt_ms: float = 0.0
     max_sessions: int = 64
+    max_connections: int = 256
     max_frame_bytes: int = 32 << 20
+    # Generous: a round is two frames of ~64 KB (Qwen2.5-7B, K=8), a prefill chunk a few MB.
+    max_frames_per_s: float = 2000.0
+    max_bytes_per_s: float = 512 << 20
+    max_buffer_bytes: int = 1 << 30  # every session's send queues together
+    idle_timeout: float = 30 * 60.0  # seconds without a message from the client; 0 = never
     ping_interval: float = 20.0  # generous: a WAN spike must not kill a long generation
     ping_timeout: float = 60.0
     close_timeout: float = 3.0  # bounds shutdown when a peer never answers the close frame
-    max_queue: int = 16  # websockets' per-connection receive buffer, in messages
+    open_timeout: float = 10.0  # a client that never finishes its handshake is dropped after this
+    max_queue: int = 4  # websockets' per-connection receive buffer, in frames (bounds memory)
+
+
+class TokenBucket:
+    """``rate`` units per second with room for ``burst``; ``take`` says whether ``n`` still fit."""
+
+    def __init__(self, rate: float, burst: float):
+        self.rate, self.burst = rate, burst
+        self.level, self.stamp = burst, time.monotonic()
+
+    def take(self, n: float) -> bool:
+        now = time.monotonic()
+        self.level = min(self.burst, self.level + (now - self.stamp) * self.rate)
+        self.stamp = now
+        if n > self.level:
+            return False
+        self.level -= n
+        return True
 
 
 class Relay:
@@ -98,13 +133,16 @@ class Relay:
     def __init__(self, config: RelayConfig):
         self.config = config
         self.sessions: dict[str, Session] = {}
+        self.connections: set[ServerConnection] = set()  # upgraded and not yet handled to the end
+        self.budget = Budget(config.max_buffer_bytes)
+        self.refused = LogOnce()
         self._server: Server | None = None
 
     async def start(self) -> None:
         c = self.config
         self._server = await ws_serve(
             self._handle, c.host, c.port, ssl=c.ssl, process_request=self._check_request,
-            compression=None, max_size=c.max_frame_bytes, max_queue=c.max_queue,
+            compression=None, max_size=c.max_frame_bytes, max_queue=c.max_queue, open_timeout=c.open_timeout,
             ping_interval=c.ping_interval, ping_timeout=c.ping_timeout, close_timeout=c.close_timeout,
         )
 
@@ -136,21 +174,21 @@ class Relay:
         if target.path == "/healthz":
             return ws.respond(200, "ok\n")
         if not self._token_ok(request.headers):
-            log.warning("refused %s for %r: bad or missing token", address(ws), request.path)
+            self.refused(host(ws), "401", "refused %s for %.80r: bad or missing token", address(ws), request.path)
             response = ws.respond(401, "relay refused the token\n")
             response.headers["WWW-Authenticate"] = 'Bearer realm="sfchat-relay"'
             return response
         match = SESSION_PATH.fullmatch(target.path)
         roles = parse_qs(target.query).get("role", [])
         if match is None or len(roles) != 1 or roles[0] not in ROLES:
-            log.warning("refused %s: bad request target %r", address(ws), request.path)
+            self.refused(host(ws), "400", "refused %s: bad request target %.80r", address(ws), request.path)
             return ws.respond(400, "expected /session/NAME?role=head|tail, "
                                    "NAME being 1..64 characters of [A-Za-z0-9._-]\n")
         name, role = match[1], roles[0]
         refusal = self._refusal(name, role)
         if refusal is not None:
             status, reason = refusal
-            log.warning("session %s: refused %s at %s: %s", name, role, address(ws), reason)
+            self.refused(host(ws), str(status), "session %s: refused %s at %s: %s", name, role, address(ws), reason)
             return ws.respond(status, reason + "\n")
         ws.sfchat_slot = (name, role)
         return None
@@ -164,6 +202,8 @@ class Relay:
             presented.strip().encode(), self.config.token.encode())
 
     def _refusal(self, name: str, role: str) -> tuple[int, str] | None:
+        if len(self.connections) >= self.config.max_connections:
+            return 503, f"relay is full ({self.config.max_connections} connections)"
         session = self.sessions.get(name)
         if session is not None and role in session.peers:
             return 409, f"session {name} already has a {role}"
@@ -177,12 +217,19 @@ class Relay:
         refusal = self._refusal(name, role)
         if refusal is not None:
             status, reason = refusal
-            log.warning("session %s: refused %s at %s: %s", name, role, address(ws), reason)
+            self.refused(host(ws), str(status), "session %s: refused %s at %s: %s", name, role, address(ws), reason)
             await ws.close(CLOSE_SLOT_TAKEN if status == 409 else CLOSE_RELAY_FULL, reason)
             return
+        self.connections.add(ws)
+        try:
+            await self._join(ws, name, role)
+        finally:
+            self.connections.discard(ws)
+
+    async def _join(self, ws: ServerConnection, name: str, role: str) -> None:
         session = self.sessions.setdefault(name, Session(name))
         # Room for a few maximal frames in flight, so one large prefill chunk never overflows.
-        peer = Peer(ws, role, name, max_queued_bytes=4 * self.config.max_frame_bytes)
+        peer = Peer(ws, role, name, max_queued_bytes=4 * self.config.max_frame_bytes, budget=self.budget)
         session.join(peer)
         log.info("session %s: %s joined from %s (%s)", name, role, peer.address,
                  "peer present" if len(session.peers) == 2 else "waiting for its peer")
@@ -197,14 +244,32 @@ class Relay:
                      ws.close_code, f": {ws.close_reason}" if ws.close_reason else "")
 
     async def _pump_from(self, ws: ServerConnection, session: Session, peer: Peer) -> None:
-        delay = self.config.emulate_rtt_ms / 2000.0
+        c = self.config
+        delay = c.emulate_rtt_ms / 2000.0
+        frames = TokenBucket(c.max_frames_per_s, c.max_frames_per_s)
+        volume = TokenBucket(c.max_bytes_per_s, max(c.max_bytes_per_s, 4 * c.max_frame_bytes))
+        loop = asyncio.get_running_loop()
+        idle = c.idle_timeout or None
         try:
-            async for message in ws:
-                if isinstance(message, str):
-                    await ws.close(CLOSE_UNSUPPORTED_DATA,
-                                   "text messages are reserved for the relay; send binary frames")
-                    return
-                session.forward(peer, message, delay)
+            async with asyncio.timeout_at(loop.time() + idle if idle else None) as quiet:
+                async for message in ws:
+                    if idle:
+                        quiet.reschedule(loop.time() + idle)
+                    if isinstance(message, str):
+                        await close_firmly(ws, CLOSE_UNSUPPORTED_DATA,
+                                           "text messages are reserved for the relay; send binary frames")
+                        return
+                    if not (frames.take(1) and volume.take(len(message))):
+                        self.refused(host(ws), "rate", "session %s: %s at %s exceeded %g frames/s or %g MiB/s",
+                                     session.name, peer.role, peer.address, c.max_frames_per_s,
+                                     c.max_bytes_per_s / (1 << 20))
+                        await close_firmly(ws, CLOSE_POLICY, "rate limit exceeded: this side sends too fast")
+                        return
+                    session.forward(peer, message, delay)
+        except TimeoutError:
+            self.refused(host(ws), "idle", "session %s: %s at %s sent nothing for %g min",
+                         session.name, peer.role, peer.address, idle / 60)
+            await close_firmly(ws, CLOSE_IDLE, f"idle for {idle / 60:g} min: closed by the relay")
         except ConnectionClosed:
             pass  # oversize frame, lost connection, shutdown: the close code says which
 
@@ -247,9 +312,21 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--keyfile", help="TLS private key (PEM), if not inside --certfile")
     p.add_argument("--emulate-rtt-ms", type=_bounded(float, 0.0), default=0.0, metavar="MS",
                    help="delay every forwarded frame by MS/2 each way, to rehearse a WAN locally")
-    p.add_argument("--max-sessions", type=_bounded(int, 1), default=64)
+    d = RelayConfig(token="")
+    p.add_argument("--max-sessions", type=_bounded(int, 1), default=d.max_sessions)
+    p.add_argument("--max-connections", type=_bounded(int, 2), default=d.max_connections,
+                   help=f"open websocket connections at most (default {d.max_connections})")
     p.add_argument("--max-frame-mb", type=_bounded(float, 0.001), default=32.0,
                    help="largest message accepted, in MiB (default 32)")
+    p.add_argument("--max-frames-per-s", type=_bounded(float, 1.0), default=d.max_frames_per_s,
+                   help=f"per connection; faster senders are closed (default {d.max_frames_per_s:g})")
+    p.add_argument("--max-mb-per-s", type=_bounded(float, 0.001), default=d.max_bytes_per_s / (1 << 20),
+                   help=f"per connection, in MiB; faster senders are closed (default {d.max_bytes_per_s >> 20})")
+    p.add_argument("--max-buffer-mb", type=_bounded(float, 1.0), default=d.max_buffer_bytes / (1 << 20),
+                   help=f"frames queued for all receivers together, in MiB (default {d.max_buffer_bytes >> 20})")
+    p.add_argument("--idle-timeout", type=_bounded(float, 0.0), default=d.idle_timeout / 60, metavar="MIN",
+                   help=f"close connections that send nothing for MIN minutes; 0 = never "
+                        f"(default {d.idle_timeout / 60:g})")
     p.add_argument("--log-level", default="INFO", type=str.upper,
                    choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return p
@@ -283,9 +360,9 @@ def _banner(relay: Relay, token_generated: bool) -> str:
         lines.append("token generated for this run; pass --token or set SFCHAT_TOKEN to keep one")
     if relay.config.emulate_rtt_ms:
         lines.append(f"emulating a round trip of {relay.config.emulate_rtt_ms:g} ms")
-    lines += ["run, with any NAME shared by both sides:",
-              f"  head:  sfchat {common}",
-              f"  tail:  sfchat --tail {common}"]
+    lines += ["run, with any NAME and a SECRET of your own shared by both sides (the relay never sees it):",
+              f"  head:  sfchat {common} --secret SECRET",
+              f"  tail:  sfchat --tail {common} --secret SECRET"]
     return "\n".join(lines)
 
 
@@ -317,6 +394,9 @@ def main(argv: list[str] | None = None) -> int:
             token=token, host=args.host, port=args.port,
             ssl=_tls_context(args.certfile, args.keyfile), emulate_rtt_ms=args.emulate_rtt_ms,
             max_sessions=args.max_sessions, max_frame_bytes=int(args.max_frame_mb * (1 << 20)),
+            max_connections=args.max_connections, max_frames_per_s=args.max_frames_per_s,
+            max_bytes_per_s=args.max_mb_per_s * (1 << 20), max_buffer_bytes=int(args.max_buffer_mb * (1 << 20)),
+            idle_timeout=args.idle_timeout * 60,
         )
         asyncio.run(_run(config, token_generated=not args.token))
     except StartupError as exc:

@@ -147,9 +147,10 @@ class RelayLink:
                 self._peer_present = True
             elif kind == "peer_left":
                 self._peer_present = False
-                self._inbox.put(PeerGone(f"the {event.get('role', 'other node')} left the session"))
+                role = event.get("role")
+                self._inbox.put(PeerGone(f"the {role if role in ROLES else 'other node'} left the session"))
             elif kind == "dropped":
-                log.warning("relay dropped frames: %s", event.get("reason", "no peer"))
+                log.warning("relay dropped frames: %s", _printable(str(event.get("reason", "no peer"))))
             self._state.notify_all()
 
     def _mark_closed(self, reason: str) -> None:
@@ -241,7 +242,7 @@ class RelayLink:
 
 def _refusal(url: str, exc: InvalidStatus) -> UserError:
     status = exc.response.status_code
-    body = exc.response.body.decode("utf-8", "replace").strip() if exc.response.body else ""
+    body = _printable(exc.response.body.decode("utf-8", "replace").strip()) if exc.response.body else ""
     if status == 401:
         return UserError(f"relay at {url} refused the token (HTTP 401): use the token it printed")
     if status in (400, 409, 503):
@@ -250,8 +251,13 @@ def _refusal(url: str, exc: InvalidStatus) -> UserError:
                      "is it an sfchat relay?")
 
 
+def _printable(text: str, limit: int = 200) -> str:
+    """Text from the relay, safe to show on a terminal: no control characters, bounded length."""
+    return "".join(c if c.isprintable() else "?" for c in text[:limit])
+
+
 def _describe_close(ws: ClientConnection) -> str:
     code, reason = ws.close_code, ws.close_reason
     if code is None or code == 1006:
         return "the connection to the relay was lost"
-    return f"link closed with code {code}" + (f": {reason}" if reason else "")
+    return f"link closed with code {code}" + (f": {_printable(reason)}" if reason else "")

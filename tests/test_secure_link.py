@@ -1,0 +1,301 @@
+"""SecureLink over an in-memory stand-in for the relay whose tap can read, alter, drop, reorder and
+replay frames: what an operator of the relay (or anyone on the path) could do."""
+
+from __future__ import annotations
+
+import queue
+import struct
+
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from sfchat import UserError
+from sfchat.relay_link import PeerGone
+from sfchat.secure_link import (
+    DATA_HEADER_BYTES, KEYX, MAGIC, OVERHEAD, IntegrityError, SecretMismatch, SecureLink, require_secret,
+)
+
+SECRET = "correct horse battery staple"
+
+
+class Relay:
+    """Joins a head and a tail like sfchat-relay; ``tap(sender_role, frame) -> frames`` may meddle."""
+
+    def __init__(self):
+        self.ends: dict[str, End] = {}
+        self.captured: list[tuple[str, bytes]] = []
+        self.tap = None
+
+    def join(self, role: str) -> "End":
+        end = End(self, role)
+        self.ends[role] = end
+        return end
+
+    def leave(self, role: str) -> None:
+        del self.ends[role]
+        other = self.ends.get("tail" if role == "head" else "head")
+        if other is not None:
+            other.inbox.put(PeerGone(f"the {role} left the session"))
+
+    def deliver(self, to_role: str, frame: bytes) -> None:
+        self.ends[to_role].inbox.put(frame)
+
+
+class End:
+    def __init__(self, relay: Relay, role: str):
+        self.relay, self.role, self.other = relay, role, "tail" if role == "head" else "head"
+        self.inbox: queue.Queue = queue.Queue()
+
+    @property
+    def peer_present(self) -> bool:
+        return self.other in self.relay.ends
+
+    def send(self, frame) -> None:
+        frame = bytes(frame)
+        self.relay.captured.append((self.role, frame))
+        if self.other not in self.relay.ends:
+            return  # dropped, as the relay does for an absent peer
+        for out in (self.relay.tap(self.role, frame) if self.relay.tap else [frame]):
+            self.relay.deliver(self.other, out)
+
+    def recv(self, timeout=None) -> bytes:
+        try:
+            item = self.inbox.get(timeout=timeout)
+        except queue.Empty:
+            raise TimeoutError("nothing") from None
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+    def wait_peer(self, timeout=None) -> None:
+        assert self.peer_present
+
+    def close(self) -> None:
+        pass
+
+
+def pair(relay: Relay | None = None, head_secret: str = SECRET, tail_secret: str = SECRET, session: str = "s1"):
+    relay = relay or Relay()
+    head = SecureLink(relay.join("head"), head_secret, session, "head")
+    tail = SecureLink(relay.join("tail"), tail_secret, session, "tail")
+    head.handshake(2)
+    tail.handshake(2)
+    return relay, head, tail
+
+
+def data_frames(relay: Relay, role: str) -> list[bytes]:
+    return [f for r, f in relay.captured if r == role and f[4] != KEYX]
+
+
+def test_frames_round_trip_both_ways_and_the_relay_sees_none_of_them():
+    relay, head, tail = pair()
+    down = [b"", b"x", bytes(range(256)) * 300] + [struct.pack("<9i", *range(i, i + 9)) for i in range(50)]
+    up = [b"verdict %d" % i for i in range(50)]
+    for frame in down:
+        head.send(frame)
+    assert [tail.recv(1) for _ in down] == down
+    for frame in up:
+        tail.send(frame)
+    assert [head.recv(1) for _ in up] == up
+    wire = b"".join(f for _, f in relay.captured)
+    assert bytes(range(256)) not in wire and b"verdict" not in wire
+    assert all(struct.pack("<9i", *range(i, i + 9)) not in wire for i in range(50))
+    assert [len(f) - OVERHEAD for f in data_frames(relay, "head")] == [len(f) for f in down]
+
+
+def test_frames_sent_before_the_key_exchange_are_held_then_delivered():
+    relay = Relay()
+    head = SecureLink(relay.join("head"), SECRET, "s1", "head")
+    head.send(b"hello before any tail")  # no peer: held, not dropped by the relay
+    assert relay.captured == []
+    tail = SecureLink(relay.join("tail"), SECRET, "s1", "tail")
+    with pytest.raises(TimeoutError):
+        tail.recv(0.05)  # the head has not seen the tail's key exchange yet
+    head.handshake(1)
+    assert tail.recv(1) == b"hello before any tail"
+
+
+@pytest.mark.parametrize("where", ["counter", "ciphertext", "tag"])
+def test_a_flipped_bit_is_an_integrity_error_that_ends_the_link(where):
+    relay, head, tail = pair()
+    head.send(b"first")
+    assert tail.recv(1) == b"first"
+    offset = {"counter": DATA_HEADER_BYTES - 1, "ciphertext": DATA_HEADER_BYTES + 2, "tag": -1}[where]
+
+    def flip(sender, frame):
+        damaged = bytearray(frame)
+        damaged[offset] ^= 0x10
+        return [bytes(damaged)]
+
+    relay.tap = flip
+    head.send(b"second frame")
+    with pytest.raises(IntegrityError, match="integrity check failed: the relay or the network altered"):
+        tail.recv(1)
+    relay.tap = None
+    head.send(b"third")
+    with pytest.raises(IntegrityError):  # final: the session is over
+        tail.recv(1)
+
+
+def test_a_replayed_frame_is_refused():
+    relay, head, tail = pair()
+    relay.tap = lambda sender, frame: [frame, frame]
+    head.send(b"pay 10")
+    assert tail.recv(1) == b"pay 10"
+    with pytest.raises(IntegrityError, match="replayed"):
+        tail.recv(1)
+
+
+def test_reordered_and_dropped_frames_are_refused():
+    relay, head, tail = pair()
+    held = []
+    relay.tap = lambda sender, frame: held.append(frame) or []
+    head.send(b"one")
+    head.send(b"two")
+    relay.deliver("tail", held[1])
+    with pytest.raises(IntegrityError, match="out of order"):
+        tail.recv(1)
+
+    relay, head, tail = pair()
+    head.send(b"kept")
+    assert tail.recv(1) == b"kept"
+    relay.tap = lambda sender, frame: []
+    head.send(b"dropped")
+    relay.tap = None
+    head.send(b"after the gap")
+    with pytest.raises(IntegrityError, match="expected #1"):
+        tail.recv(1)
+
+
+def test_frames_reflected_to_their_sender_are_refused():
+    relay, head, tail = pair()
+    head.send(b"to the tail")
+    relay.deliver("head", data_frames(relay, "head")[-1])
+    with pytest.raises(IntegrityError):
+        head.recv(1)
+
+
+@pytest.mark.parametrize("garbage", [b"", b"SFX", b"SFX1", b"SFX1\x02" + bytes(20), b"SFX1\x09" + bytes(40),
+                                     b"SFX1\x01" + bytes(10), bytes(1000)])
+def test_injected_garbage_is_an_integrity_error(garbage):
+    relay, head, tail = pair()
+    relay.deliver("tail", garbage)
+    with pytest.raises(IntegrityError):
+        tail.recv(1)
+
+
+def test_a_wrong_secret_is_reported_on_both_sides_at_the_first_frame():
+    relay = Relay()
+    head = SecureLink(relay.join("head"), SECRET, "s1", "head")
+    tail = SecureLink(relay.join("tail"), "another secret entirely", "s1", "tail")
+    with pytest.raises(SecretMismatch, match="the tail and head use different session secrets"):
+        head.handshake(1)
+    with pytest.raises(SecretMismatch, match="the head and tail use different session secrets"):
+        tail.handshake(1)
+
+
+def test_the_same_secret_in_another_session_does_not_verify():
+    relay = Relay()
+    head = SecureLink(relay.join("head"), SECRET, "one", "head")
+    tail = SecureLink(relay.join("tail"), SECRET, "two", "tail")
+    with pytest.raises(SecretMismatch):
+        head.handshake(1)
+    with pytest.raises(SecretMismatch):
+        tail.handshake(1)
+
+
+def test_a_plaintext_peer_is_a_clear_mismatch_before_keys_and_tampering_after():
+    relay = Relay()
+    head = SecureLink(relay.join("head"), SECRET, "s1", "head")
+    relay.join("tail").send(b"SFCH\x01\x06" + bytes(10))  # an unencrypted ERROR from an --insecure tail
+    with pytest.raises(SecretMismatch, match="unencrypted"):
+        head.handshake(1)
+    relay, head, tail = pair()
+    relay.deliver("tail", b"SFCH\x01\x04" + bytes(30))
+    with pytest.raises(IntegrityError, match="not sealed"):
+        tail.recv(1)
+
+
+def test_a_new_tail_gets_fresh_keys_and_the_old_tails_frames_are_refused():
+    relay, head, tail1 = pair()
+    head.send(b"to tail one")
+    assert tail1.recv(1) == b"to tail one"
+    tail1.send(b"from tail one")
+    assert head.recv(1) == b"from tail one"
+    old = [f for r, f in relay.captured if r == "tail"]  # tail one's key exchange and data frame
+
+    relay.leave("tail")
+    with pytest.raises(PeerGone):
+        head.recv(1)
+    tail2 = SecureLink(relay.join("tail"), SECRET, "s1", "tail")
+    head.send(b"to tail two")  # held until tail two's key exchange is read
+    with pytest.raises(TimeoutError):
+        head.recv(0.05)
+    assert tail2.recv(1) == b"to tail two"
+    tail2.send(b"from tail two")
+    assert head.recv(1) == b"from tail two"  # counters restarted at 0 on both sides
+
+    relay.deliver("head", old[-1])  # tail one's frame #0, replayed into the new pairing
+    with pytest.raises(IntegrityError):
+        head.recv(1)
+
+
+def test_an_old_pairing_replayed_before_the_new_peer_arrives_is_refused():
+    relay, head, tail1 = pair()
+    tail1.send(b"old verdict")
+    assert head.recv(1) == b"old verdict"
+    old = [f for r, f in relay.captured if r == "tail"]
+    relay.leave("tail")
+    with pytest.raises(PeerGone):
+        head.recv(1)
+    for frame in old:  # the relay plays the departed tail back: its key exchange, then its data
+        relay.ends["head"].inbox.put(frame)
+    with pytest.raises(IntegrityError):
+        head.recv(1)
+
+
+def test_a_second_key_exchange_within_a_pairing_is_refused():
+    relay, head, tail = pair()
+    other_relay, _, other_tail = pair(session="s1")
+    relay.deliver("head", [f for r, f in other_relay.captured if r == "tail"][0])
+    with pytest.raises(IntegrityError, match="changed keys"):
+        head.recv(1)
+
+
+def test_require_secret_policy():
+    require_secret("a long enough secret", False)
+    require_secret(None, True)
+    with pytest.raises(UserError, match="--secret S"):
+        require_secret(None, False)
+    with pytest.raises(UserError, match="at least 8"):
+        require_secret("short", False)
+    with pytest.raises(UserError, match="contradict"):
+        require_secret("a long enough secret", True)
+
+
+# -- fuzzing: whatever the relay delivers, only the link's own error comes out -----------------
+
+def fuzz(n: int):
+    return settings(max_examples=n, deadline=None, derandomize=True, database=None,
+                    suppress_health_check=[HealthCheck.too_slow])
+
+
+@fuzz(600)
+@given(st.one_of(st.binary(max_size=200), st.binary(max_size=40).map(lambda b: MAGIC + b)))
+def test_arbitrary_bytes_into_a_keyed_link(raw):
+    relay, head, tail = pair()
+    relay.deliver("tail", raw)
+    with pytest.raises(IntegrityError):
+        tail.recv(0.2)
+
+
+@fuzz(600)
+@given(st.binary(min_size=0, max_size=300), st.integers(0, 10_000), st.integers(1, 255), st.booleans())
+def test_mutated_genuine_frames(payload, position, xor, truncate):
+    relay, head, tail = pair()
+    relay.tap = lambda sender, frame: [frame[:position % len(frame)] if truncate else
+                                       bytes(b ^ (xor if i == position % len(frame) else 0)
+                                             for i, b in enumerate(frame))]
+    head.send(payload)
+    with pytest.raises(IntegrityError):
+        tail.recv(0.2)
