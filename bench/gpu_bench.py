@@ -41,6 +41,7 @@ TINY_TARGET = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, 
                    num_key_value_heads=2, vocab_size=512, tie_word_embeddings=False)
 TINY_DRAFT = dict(TINY_TARGET, num_hidden_layers=2, tie_word_embeddings=True)
 TOKEN = "bench-token"
+SECRET = "bench-session-secret"  # relay rows run end-to-end encrypted, as relay mode does by default
 DEVICE = "cuda"
 GREEDY = Sampling()
 
@@ -140,6 +141,7 @@ def run_rounds(engine, n: int) -> tuple[float, float]:
 def relay_figures(target: Path, draft: Path, k: int, rtt_ms: int, n: int, variants) -> dict:
     """Round ms per variant through sfchat-relay on loopback with a tail process on the GPU."""
     from sfchat.relay_link import RelayLink
+    from sfchat.secure_link import secure
 
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     relay = subprocess.Popen([sys.executable, "-m", "relay.server", "--host", "127.0.0.1", "--port", "0",
@@ -150,13 +152,14 @@ def relay_figures(target: Path, draft: Path, k: int, rtt_ms: int, n: int, varian
         m = re.search(r"listening on ws://[^:]+:(\d+)", relay.stdout.readline())
         url = f"ws://127.0.0.1:{m.group(1)}" if m else None
     tail = subprocess.Popen([sys.executable, "-m", "sfchat.cli", "--tail", "--relay", url, "--token", TOKEN,
-                             "--session", "bench", "--device", DEVICE], env=env,
+                             "--secret", SECRET, "--session", "bench", "--device", DEVICE], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     out = {}
     try:
         for variant in variants:
             link = RelayLink(url, TOKEN, "bench", "head")
             link.wait_peer(120)
+            link = secure(link, SECRET, "bench", "head")
             engine, _ = build_engine(settings(target, draft, k, variant), link=link)
             rounds_ms, _ = run_rounds(engine, n)
             out[variant] = rounds_ms

@@ -9,6 +9,7 @@ unexpected failure). Torch is imported only by the modes that need it, after par
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -25,7 +26,8 @@ FLAG_FIELDS = {  # flag dest -> Settings field
     "max_context": "max_context", "max_new_tokens": "max_new_tokens", "temperature": "temperature",
     "top_k": "top_k", "top_p": "top_p", "seed": "seed", "system": "system", "relay": "relay",
     "token": "token", "session": "session", "history": "history", "round_timeout": "round_timeout",
-    "reconnect_timeout": "reconnect_timeout",
+    "reconnect_timeout": "reconnect_timeout", "secret": "secret",
+    "load_in_4bit": "load_in_4bit", "draft_load_in_4bit": "draft_load_in_4bit",
 }
 
 
@@ -35,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="sfchat", argument_default=argparse.SUPPRESS,
         description="Chat with one language model split across two machines, with speculative decoding.",
         epilog="Settings may also come from the TOML file (see --config) and SFCHAT_TOKEN / SFCHAT_RELAY / "
-               "SFCHAT_SESSION; flags win.")
+               "SFCHAT_SESSION / SFCHAT_SECRET; flags win.")
     p.add_argument("--version", action="version", version=f"sfchat {__version__}")
     g = p.add_argument_group("models")
     g.add_argument("--model", help=f"target model: hub id or local directory (default {d.model})")
@@ -44,8 +46,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--draft-revision", help="hub revision of the draft model")
     g.add_argument("--k", type=int, help=f"draft tokens per round (default {d.k})")
     g.add_argument("--split", type=int, help="first layer run by the tail (default: half the layers)")
-    g.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when available)")
-    g.add_argument("--draft-device", help="device of the draft model (default: --device)")
+    g.add_argument("--device", help="cpu, cuda, cuda:N, or cuda:0,cuda:1 to spread the slice over two GPUs "
+                                    "(default: cuda when available)")
+    g.add_argument("--draft-device", help="device of the draft model (default: a second GPU when two are "
+                                          "visible, else --device)")
+    g.add_argument("--load-in-4bit", action="store_true",
+                   help="NF4 4-bit weights (bitsandbytes) for the target's layers, on head and tail")
+    g.add_argument("--draft-load-in-4bit", action="store_true", help="NF4 4-bit weights for the draft model")
     g.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"],
                    help="weights dtype (default auto: bf16, fp16 on GPUs without bf16, fp32 on CPU)")
     g.add_argument("--no-cuda-graphs", action="store_true",
@@ -68,6 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--token", help="relay token (or SFCHAT_TOKEN)")
     g.add_argument("--session", help="session name shared by head and tail (default 'default')")
     g.add_argument("--tail", action="store_true", help="run as the tail node (verifier) behind --relay")
+    g.add_argument("--secret", help="end-to-end session secret, the same on head and tail; the relay never "
+                                    "sees it (or SFCHAT_SECRET; asked for on a terminal when missing)")
+    g.add_argument("--insecure", action="store_true",
+                   help="relay mode without end-to-end encryption: the relay can read and alter the chat")
     g.add_argument("--round-timeout", type=float,
                    help="seconds without a verdict before the head reconnects (default 60)")
     g.add_argument("--reconnect-timeout", type=float,
@@ -86,7 +97,40 @@ def settings_from(args: argparse.Namespace) -> Settings:
         given["cuda_graphs"] = False
     if getattr(args, "no_compile_draft", False):
         given["compile_draft"] = False
+    if getattr(args, "insecure", False):
+        given["insecure"] = True
     return merged(given, getattr(args, "config", None))
+
+
+def ask_secret(s: Settings) -> Settings:
+    """Relay mode: ask for the end-to-end secret on a terminal when neither flag nor env gave one
+    (without a terminal, the link refuses with a message saying how to set it)."""
+    if s.relay and s.insecure:
+        print("sfchat: warning: --insecure: frames cross the relay unencrypted; whoever runs the relay "
+              "can read and alter the chat", file=sys.stderr)
+    if not s.relay or s.secret or s.insecure or not sys.stdin.isatty():
+        return s
+    import getpass
+
+    try:
+        secret = getpass.getpass("sfchat: session secret (the same on head and tail; the relay never sees it): ")
+    except EOFError:
+        secret = ""
+    return dataclasses.replace(s, secret=secret or None)
+
+
+def show_download(ev) -> None:
+    """A one-line download progress bar on stderr, when stderr is a terminal (one-shot mode)."""
+    from sfchat.events import LoadProgress
+
+    if not (isinstance(ev, LoadProgress) and ev.stage == "download" and ev.detail and ev.total > 1
+            and sys.stderr.isatty()):
+        return
+    width = 30
+    filled = width * ev.done // ev.total
+    end = "\n" if ev.done >= ev.total else ""
+    print(f"\r\x1b[Ksfchat: {ev.node} downloading {ev.detail} [{'#' * filled}{'.' * (width - filled)}] "
+          f"{ev.done / 2 ** 20:.0f}/{ev.total / 2 ** 20:.0f} MiB", end=end, file=sys.stderr, flush=True)
 
 
 def one_shot(s: Settings, prompt: str, as_json: bool) -> int:
@@ -96,6 +140,7 @@ def one_shot(s: Settings, prompt: str, as_json: bool) -> int:
     troubled = []
 
     def report(ev):  # link trouble (and its end) is worth a line on stderr even in --json mode
+        show_download(ev)
         if not isinstance(ev, LinkState):
             return
         if ev.state in ("waiting", "reconnecting", "stalled"):
@@ -127,7 +172,8 @@ def one_shot(s: Settings, prompt: str, as_json: bool) -> int:
             "tps": final.tps, "ttft_s": final.ttft_s, "round_ms": final.round_ms, "rtt_ms": final.rtt_ms,
             "draft_ms": final.draft_ms, "head_ms": final.head_ms, "tail_ms": final.tail_ms,
             "model": info.model, "draft": info.draft, "k": info.k, "split": info.split,
-            "n_layers": info.n_layers, "dtype": info.dtype, "device": info.device, "mode": info.mode,
+            "n_layers": info.n_layers, "dtype": info.dtype, "quant": info.quant, "device": info.device,
+            "mode": info.mode,
         }
         print(json.dumps(out))
     else:
@@ -139,7 +185,7 @@ def one_shot(s: Settings, prompt: str, as_json: bool) -> int:
 
 def run(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
-    s = settings_from(args)
+    s = ask_secret(settings_from(args))
     if getattr(args, "tail", False):
         from sfchat.runtime.tail_node import serve
 
@@ -183,8 +229,9 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("SFCHAT_DEBUG"):
             raise
         from sfchat.relay_link import LinkClosed
+        from sfchat.secure_link import IntegrityError
 
-        if isinstance(exc, (LinkError, LinkClosed, ConnectionError)):
+        if isinstance(exc, (LinkError, LinkClosed, ConnectionError, IntegrityError)):
             print(f"sfchat: error: link to the tail failed: {exc}", file=sys.stderr)
             return EXIT_LINK
         print(f"sfchat: internal error: {type(exc).__name__}: {exc} (set SFCHAT_DEBUG=1 for a traceback)",

@@ -3,8 +3,8 @@
 Contract: ``Settings`` is a plain dataclass of everything a run can be configured with.
 ``load_file(path)`` reads the TOML config (default: ``config.toml`` in the platformdirs user
 config dir) and rejects unknown keys and wrong types with a ``UserError`` naming the key.
-``SFCHAT_TOKEN``, ``SFCHAT_RELAY`` and ``SFCHAT_SESSION`` fill the relay settings when the
-flags do not. The CLI applies flags last. Torch-free.
+``SFCHAT_TOKEN``, ``SFCHAT_RELAY``, ``SFCHAT_SESSION`` and ``SFCHAT_SECRET`` fill the relay
+settings when the flags do not. The CLI applies flags last. Torch-free.
 """
 
 from __future__ import annotations
@@ -30,9 +30,11 @@ class Settings:
     draft_revision: str | None = None
     k: int = 8
     split: int | None = None  # default: half the layers
-    device: str | None = None  # default: cuda if available, else cpu
-    draft_device: str | None = None  # default: the head's device
+    device: str | None = None  # default: cuda if available, else cpu; "cuda:0,cuda:1" spreads a slice
+    draft_device: str | None = None  # default: a second GPU when there is one, else the head's device
     dtype: str = "auto"
+    load_in_4bit: bool = False  # NF4 target slices (head and tail)
+    draft_load_in_4bit: bool = False  # NF4 draft model
     max_context: int = 4096
     max_new_tokens: int = 1024
     temperature: float = 0.0
@@ -46,6 +48,8 @@ class Settings:
     relay: str | None = None
     token: str | None = None
     session: str = "default"
+    secret: str | None = None  # end-to-end session secret shared by head and tail (never sent to the relay)
+    insecure: bool = False  # relay mode without end-to-end encryption
     round_timeout: float = 60.0  # seconds without a verdict before the head reconnects
     reconnect_timeout: float = 300.0  # how long the head keeps trying to get a tail back
     history: str | None = None  # SQLite file; default under the platformdirs data dir
@@ -103,7 +107,8 @@ def load_file(path: Path | None = None, settings: Settings | None = None) -> Set
 
 
 def apply_env(settings: Settings) -> Settings:
-    for var, name in (("SFCHAT_TOKEN", "token"), ("SFCHAT_RELAY", "relay"), ("SFCHAT_SESSION", "session")):
+    for var, name in (("SFCHAT_TOKEN", "token"), ("SFCHAT_RELAY", "relay"), ("SFCHAT_SESSION", "session"),
+                      ("SFCHAT_SECRET", "secret")):
         if os.environ.get(var):
             setattr(settings, name, os.environ[var])
     return settings

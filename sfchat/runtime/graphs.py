@@ -46,7 +46,8 @@ def try_capture(what: str, fn, example_inputs, log=None):
     if not example_inputs[0].is_cuda:
         return None
     try:
-        return Graphed(fn, example_inputs)
+        with torch.cuda.device(example_inputs[0].device):  # a draft on cuda:1 captures on cuda:1's streams
+            return Graphed(fn, example_inputs)
     except Exception as exc:  # any capture failure must leave a working eager path behind
         message = f"CUDA graph capture of the {what} failed ({type(exc).__name__}: {exc}); running it eagerly"
         (log or (lambda m: warnings.warn(m, RuntimeWarning, stacklevel=2)))(message)

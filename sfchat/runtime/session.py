@@ -25,6 +25,7 @@ from sfchat.events import LinkState, LoadProgress, ReplyFinished, ReplyStarted, 
 from sfchat.runtime.draft import Drafter
 from sfchat.runtime.head import HeadEngine
 from sfchat.runtime.links import MemoryLink
+from sfchat.runtime.memory import check_head
 from sfchat.runtime.slices import ModelSlice, architecture, n_layers, pick_dtype
 from sfchat.runtime.source import ModelSource
 from sfchat.runtime.tail import DTYPE_NAMES, Verifier
@@ -46,6 +47,27 @@ def resolve_device(name: str | None) -> torch.device:
     elif dev.type != "cpu":
         raise UserError(f"unsupported device {name!r} (use cpu, cuda or cuda:N)")
     return dev
+
+
+def resolve_devices(name: str | None) -> list[torch.device]:
+    """One device, or the GPUs of this node that one slice spreads over ("cuda:0,cuda:1")."""
+    devices = [resolve_device(part.strip()) for part in (name or "").split(",")] if name and "," in name \
+        else [resolve_device(name)]
+    if len(devices) > 1:
+        if any(d.type != "cuda" for d in devices):
+            raise UserError(f"--device {name!r}: only GPUs can share a slice (for example cuda:0,cuda:1)")
+        if len({d.index or 0 for d in devices}) != len(devices):
+            raise UserError(f"--device {name!r} names the same GPU twice")
+    return devices
+
+
+def default_draft_device(devices: list[torch.device]) -> torch.device:
+    """The draft's device: a GPU the target slice does not use when there is one (a T4 pair)."""
+    if devices[0].type != "cuda":
+        return devices[0]
+    used = {d.index or 0 for d in devices}
+    spare = [i for i in range(torch.cuda.device_count()) if i not in used]
+    return torch.device("cuda", spare[0]) if spare else devices[-1]
 
 
 def load_tokenizer(src: ModelSource, revision: str | None):
@@ -100,19 +122,24 @@ def connect_relay(s: Settings, on_event: Callable = lambda e: None, wait_timeout
         on_event(LinkState("local"))
         return None
     from sfchat.relay_link import RelayLink
+    from sfchat.secure_link import require_secret, secure
 
     if not s.token:
         raise UserError("--relay needs the relay token: --token T or SFCHAT_TOKEN")
+    require_secret(s.secret, s.insecure)
     link = RelayLink(s.relay, s.token, s.session, "head")
     if not link.peer_present:
         on_event(LinkState("waiting", f"waiting for a tail on session {s.session!r}: run "
-                                      f"sfchat --tail --relay {s.relay} --token ... --session {s.session}"))
+                                      f"sfchat --tail --relay {s.relay} --token ... --session {s.session} "
+                                      f"{'--secret ...' if s.secret else '--insecure'}"))
         try:
             link.wait_peer(wait_timeout)
         except BaseException:
             link.close()
             raise
-    on_event(LinkState("connected", s.relay))
+    if s.secret:  # end to end: the relay forwards sealed frames it cannot read or alter
+        link = secure(link, s.secret, s.session, "head")
+    on_event(LinkState("connected", s.relay if s.secret else f"{s.relay} (unencrypted: --insecure)"))
     return link
 
 
@@ -129,8 +156,10 @@ def build_engine(s: Settings, on_event: Callable = lambda e: None, link=None,
     """Load draft and head slice, capture graphs, connect to the tail: (HeadEngine, RuntimeReady).
 
     Token ids only: no tokenizer is needed (benchmarks use random-weight checkpoints)."""
-    device = resolve_device(s.device)
-    draft_device = resolve_device(s.draft_device) if s.draft_device else device
+    devices = resolve_devices(s.device)
+    device = devices[0]
+    draft_device = resolve_device(s.draft_device) if s.draft_device else default_draft_device(devices)
+    quant, dquant = ("nf4" if s.load_in_4bit else "none"), ("nf4" if s.draft_load_in_4bit else "none")
     src = src or ModelSource.open(s.model, s.revision, _progress(on_event, "head"))
     L = n_layers(src.config)
     split = L // 2 if s.split is None else s.split
@@ -145,27 +174,32 @@ def build_engine(s: Settings, on_event: Callable = lambda e: None, link=None,
     drafter = None
     if k:
         dsrc = dsrc or ModelSource.open(s.draft, s.draft_revision, _progress(on_event, "draft"))
+    draft_dtype = pick_dtype(draft_device, s.dtype)
+    check_head(src.config, split, devices=devices, dtype=dtype, quant=quant, max_len=kv_len, k=k,
+               draft=(dsrc.config, draft_device, draft_dtype, dquant) if k else None, local=link is None)
+    if k:
         dmodel = ModelSlice.load(dsrc, 0, n_layers(dsrc.config), embed=True, head=True,
-                                 dtype=pick_dtype(draft_device, s.dtype), device=draft_device,
-                                 max_len=kv_len, progress=_progress(on_event, "draft"))
+                                 dtype=draft_dtype, device=draft_device, max_len=kv_len,
+                                 progress=_progress(on_event, "draft"), quant=dquant)
         drafter = Drafter(dmodel, k)
     head = ModelSlice.load(src, 0, split, embed=True, head=False, dtype=dtype, device=device,
-                           max_len=kv_len, progress=_progress(on_event, "head"))
+                           max_len=kv_len, progress=_progress(on_event, "head"), quant=quant, devices=devices)
     if s.cuda_graphs and (device.type == "cuda" or draft_device.type == "cuda"):
         capture_graphs(head, drafter, k, s.compile_draft, _progress(on_event, "head"))
     mode = "relay" if link is not None else "local"
     if link is None:
-        link = MemoryLink(Verifier(device))
+        link = MemoryLink(Verifier(device, devices=devices))
     reconnect = (lambda timeout: connect_relay(s, on_event, timeout)) if mode == "relay" else None
     engine = HeadEngine(head, drafter, link, max_context=max_context, on_event=on_event, reconnect=reconnect,
                         round_timeout=s.round_timeout, reconnect_timeout=s.reconnect_timeout)
     hello = {"model": s.model, "revision": s.revision, "split": split, "dtype": DTYPE_NAMES[dtype],
              "max_len": kv_len, "n_layers": L, "hidden_size": src.config.hidden_size, "k": k,
-             "graphs": s.cuda_graphs}
+             "graphs": s.cuda_graphs, "quant": quant}
     engine.connect(hello, lambda d: on_event(LoadProgress("tail", d.get("stage", ""), d.get("done", 0),
                                                           d.get("total", 0), d.get("detail", ""))))
     info = RuntimeReady(model=s.model, draft=s.draft if k else "none", split=split, n_layers=L,
-                        dtype=DTYPE_NAMES[dtype], k=k, device=str(device), mode=mode, max_context=max_context)
+                        dtype=DTYPE_NAMES[dtype], k=k, device=",".join(map(str, devices)), mode=mode,
+                        max_context=max_context, quant=quant)
     on_event(info)
     return engine, info
 

@@ -13,6 +13,12 @@ embedding, else hidden states ``(n, H)``; ``positions`` the absolute positions `
 It returns hidden states ``(n, H)``, or — for a slice with the head — logits ``(n_logits, V)``
 of the last ``n_logits`` positions. The draft model is simply the slice ``[0, L)`` with both
 ends. The slice does not know which tokens are drafts, nor anything about the wire.
+
+``quant="nf4"`` loads the decoder layers' linear weights as 4-bit NF4 (``quant.py``), one layer
+at a time. ``devices`` (two GPUs of one node) spreads the layers evenly over them: each layer
+and its KV cache live on one device, the hidden states move at the boundary, the embedding sits
+on the first device and norm + lm_head on the last; inputs and outputs stay on the first device
+(``self.device``). Such a slice runs eagerly: a CUDA graph belongs to one device.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from torch import nn
 from sfchat import UserError
 from sfchat.runtime.graphs import Graphed, try_capture
 from sfchat.runtime.kv import StaticKV
+from sfchat.runtime.quant import check_mode, quantize_linears
 from sfchat.runtime.source import ModelSource, Progress, _no_progress
 
 # model_type -> (module, decoder layer, rms norm, rotary embedding)
@@ -63,9 +70,15 @@ def n_layers(config) -> int:
     return int(config.num_hidden_layers)
 
 
+def spread(n: int, devices: list[torch.device]) -> list[torch.device]:
+    """The device of each of ``n`` consecutive layers: contiguous, as even as possible."""
+    return [devices[i * len(devices) // n] for i in range(n)] if n else []
+
+
 class ModelSlice(nn.Module):
     def __init__(self, config, lo: int, hi: int, *, embed: bool, head: bool,
-                 dtype: torch.dtype, device: torch.device, max_len: int):
+                 dtype: torch.dtype, device: torch.device, max_len: int,
+                 devices: list[torch.device] | None = None):
         super().__init__()
         layer_cls, norm_cls, rotary_cls = architecture(config)
         types = getattr(config, "layer_types", None) or []
@@ -74,17 +87,26 @@ class ModelSlice(nn.Module):
         config._attn_implementation = "sdpa"
         self.config, self.lo, self.hi = config, lo, hi
         self.dtype, self.device = dtype, device
+        self.layer_devices = spread(hi - lo, list(devices or [device]))
+        self.last_device = self.layer_devices[-1] if self.layer_devices else device
         with torch.device("meta"):
             self.layers = nn.ModuleList(layer_cls(config, i) for i in range(lo, hi))
             self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size) if embed else None
             self.norm = norm_cls(config.hidden_size, eps=config.rms_norm_eps) if head else None
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False) if head else None
-        for local, layer in enumerate(self.layers):
-            layer.self_attn.layer_idx = local  # the slice's KV cache is indexed locally
         # inv_freq is a non-persistent buffer: build the rotary embedding on the real device
         self.rotary = rotary_cls(config=config).to(device)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self.kv = StaticKV(hi - lo, config.num_key_value_heads, head_dim, max_len, dtype, device)
+        # one KV cache per device, indexed by the layer's slot on that device; ``self.kv`` (the
+        # first) also keeps the slice's bookkeeping of which tokens its slots hold
+        self.groups: list[tuple[torch.device, StaticKV, list[nn.Module]]] = []
+        for dev in dict.fromkeys(self.layer_devices or [device]):
+            layers = [layer for layer, d in zip(self.layers, self.layer_devices) if d == dev]
+            for local, layer in enumerate(layers):
+                layer.self_attn.layer_idx = local
+            self.groups.append((dev, StaticKV(len(layers), config.num_key_value_heads, head_dim, max_len,
+                                              dtype, dev), layers))
+        self.kv = self.groups[0][1]
         params = inspect.signature(layer_cls.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self.graphs: dict[tuple[int, int], Graphed] = {}
@@ -102,11 +124,20 @@ class ModelSlice(nn.Module):
             names["model.norm.weight"] = (self.norm, "weight")
         return names
 
+    def device_of(self, module: nn.Module) -> torch.device:
+        for layer, dev in zip(self.layers, self.layer_devices):
+            if module is layer:
+                return dev
+        return self.last_device if module is self.norm or module is self.lm_head else self.device
+
     @classmethod
     def load(cls, source: ModelSource, lo: int, hi: int, *, embed: bool, head: bool,
              dtype: torch.dtype, device: torch.device, max_len: int,
-             progress: Progress = _no_progress) -> "ModelSlice":
-        sl = cls(source.config, lo, hi, embed=embed, head=head, dtype=dtype, device=device, max_len=max_len)
+             progress: Progress = _no_progress, quant: str = "none",
+             devices: list[torch.device] | None = None) -> "ModelSlice":
+        check_mode(quant)
+        sl = cls(source.config, lo, hi, embed=embed, head=head, dtype=dtype, device=device, max_len=max_len,
+                 devices=devices)
         wanted = sl.tensor_names()
         head_name = None
         if head:
@@ -114,15 +145,24 @@ class ModelSlice(nn.Module):
             head_name = "model.embed_tokens.weight" if tied else "lm_head.weight"
         names = list(wanted) + ([head_name] if head_name and head_name not in wanted else [])
         state: dict[nn.Module, dict[str, torch.Tensor]] = {}
+        expected: dict[nn.Module, int] = {}
+        for module, _ in wanted.values():
+            expected[module] = expected.get(module, 0) + 1
+        layers = set(sl.layers)
+        single = len(sl.groups) == 1
         dev = str(device) if device.type != "cuda" else f"cuda:{device.index or 0}"
-        for name, tensor in source.read(names, dev, progress):
-            tensor = tensor.to(dtype)
-            if name == head_name:
-                sl.lm_head.weight = nn.Parameter(tensor, requires_grad=False)
+        for name, tensor in source.read(names, dev if single else "cpu", progress):
             if name in wanted:
                 module, attr = wanted[name]
+                tensor = tensor.to(sl.device_of(module)).to(dtype)
                 state.setdefault(module, {})[attr] = tensor
-        for module, sd in state.items():
+                if len(state[module]) == expected[module]:  # complete: load it (and quantise a layer) now
+                    module.load_state_dict(state.pop(module), strict=True, assign=True)
+                    if quant == "nf4" and module in layers:
+                        quantize_linears(module, dtype)
+            if name == head_name:  # a tied head shares the embedding's tensor when on the same device
+                sl.lm_head.weight = nn.Parameter(tensor.to(sl.last_device).to(dtype), requires_grad=False)
+        for module, sd in state.items():  # incomplete modules: strict loading names what is missing
             module.load_state_dict(sd, strict=True, assign=True)
         for p in sl.parameters():
             p.requires_grad_(False)
@@ -134,6 +174,11 @@ class ModelSlice(nn.Module):
     # -- compute -------------------------------------------------------------------------------
     def capture(self, n_tokens: int, n_logits: int = 0, log=None) -> bool:
         """Capture the ``n_tokens`` forward as a CUDA graph (before any conversation)."""
+        if len(self.groups) > 1:
+            if log is not None:
+                log(f"layers [{self.lo}, {self.hi}) span {len(self.groups)} GPUs: their forward runs eagerly "
+                    "(a CUDA graph belongs to one device)")
+            return False
         if self.embed_tokens is not None:
             x = torch.zeros(n_tokens, dtype=torch.long, device=self.device)
         else:
@@ -158,14 +203,17 @@ class ModelSlice(nn.Module):
         h = self.embed_tokens(x) if self.embed_tokens is not None else x.to(self.dtype)
         h = h[None]
         pos = positions[None]
-        mask = self.kv.begin(positions)
         rope = self.rotary(h, pos)
-        kw = {self._cache_kw: self.kv}
-        for layer in self.layers:
-            h = layer(h, attention_mask=mask, position_ids=pos, position_embeddings=rope, **kw)
-            if isinstance(h, tuple):  # older transformers return (hidden,)
-                h = h[0]
+        for dev, kv, layers in self.groups:
+            if len(self.groups) > 1 and h.device != dev:  # the next layers live on the node's other GPU
+                h, pos, rope = h.to(dev), pos.to(dev), tuple(r.to(dev) for r in rope)
+            mask = kv.begin(pos[0])
+            kw = {self._cache_kw: kv}
+            for layer in layers:
+                h = layer(h, attention_mask=mask, position_ids=pos, position_embeddings=rope, **kw)
+                if isinstance(h, tuple):  # older transformers return (hidden,)
+                    h = h[0]
         if self.lm_head is None:
-            return h[0]
+            return h[0].to(self.device)
         h = self.norm(h[0, -n_logits:])
-        return self.lm_head(h).float()
+        return self.lm_head(h).float().to(self.device)

@@ -7,6 +7,8 @@ the parsed ``config`` (transformers ``AutoConfig``), the checkpoint's weight map
 shard file name), and ``fetch(names)``, which returns local paths for only the shard files that
 hold the requested tensors, downloading just those (the hub cache is honoured, and
 ``HF_HUB_OFFLINE=1`` works when the files are cached). Only safetensors checkpoints are read.
+Progress: ``("download", bytes, file bytes, "name (i/n)")`` while a shard downloads (0 for an
+unknown size), ``("load", tensors, n, name)`` while tensors are read.
 
 Failures a user can fix (missing directory, unknown repo, gated repo, no network, no
 safetensors) raise ``sfchat.UserError`` with the fix in the message. This module knows nothing
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -35,21 +38,51 @@ def _no_progress(stage: str, done: int, total: int, detail: str) -> None:
     return None
 
 
-def _hub_error(name: str, exc: Exception) -> UserError:
-    from huggingface_hub import errors
+def _hub_error(name: str, exc: Exception, revision: str | None = None) -> UserError:
+    from huggingface_hub import constants, errors
 
     if isinstance(exc, errors.GatedRepoError):
-        return UserError(f"model {name!r} is gated: accept its licence on the hub and log in "
-                         "(`hf auth login` or set HF_TOKEN)")
+        return UserError(f"model {name!r} is gated: accept its licence on https://huggingface.co/{name} and log "
+                         "in with a token (`hf auth login`, or set HF_TOKEN; on Kaggle add HF_TOKEN as a secret)")
+    if isinstance(exc, errors.RevisionNotFoundError):
+        return UserError(f"revision {revision!r} not found for model {name!r} (check --revision)")
     if isinstance(exc, errors.RepositoryNotFoundError):
         return UserError(f"model {name!r} was not found on the Hugging Face hub (check the id, or "
                          "log in if it is private); a local model must be an existing directory")
-    if isinstance(exc, errors.RevisionNotFoundError):
-        return UserError(f"revision not found for model {name!r}")
     if isinstance(exc, errors.LocalEntryNotFoundError):
-        return UserError(f"model {name!r} is not in the local cache and the hub cannot be reached "
-                         "(connect to the internet, or unset HF_HUB_OFFLINE, or pass a local directory)")
+        if constants.HF_HUB_OFFLINE:
+            return UserError(f"model {name!r} is not in the local cache and HF_HUB_OFFLINE=1 forbids downloading "
+                             "it: unset HF_HUB_OFFLINE (with network), or pass a local directory")
+        return UserError(f"model {name!r} is not in the local cache and the hub cannot be reached: check the "
+                         "network (on Kaggle, turn the notebook's Internet setting on), or pass a local directory")
     return UserError(f"cannot fetch model {name!r}: {exc}")
+
+
+def _bar_class(report: Callable[[int, int], None]):
+    """A silent tqdm class for ``hf_hub_download(tqdm_class=...)`` that reports bytes to ``report``.
+
+    Only the first bar of a download reports: the xet transfer path opens a second bar counting
+    network bytes, which would make the figure jump."""
+    from tqdm.std import tqdm
+
+    class DownloadBar(tqdm):
+        claimed = False
+
+        def __init__(self, *args, **kwargs):
+            kwargs.pop("name", None)
+            kwargs["disable"] = True
+            super().__init__(*args, **kwargs)
+            self.reports, DownloadBar.claimed = not DownloadBar.claimed, True
+            self.count, self.last = kwargs.get("initial") or 0, 0.0
+
+        def update(self, n=1):
+            self.count += n or 0
+            now = time.monotonic()
+            if self.reports and (now - self.last >= 0.2 or (self.total and self.count >= self.total)):
+                self.last = now
+                report(self.count, int(self.total or 0))
+
+    return DownloadBar
 
 
 @dataclass
@@ -76,7 +109,7 @@ class ModelSource:
         progress("download", 1, 1, "config")
         return src
 
-    def file(self, filename: str, optional: bool = False) -> Path:
+    def file(self, filename: str, optional: bool = False, report: Callable[[int, int], None] | None = None) -> Path:
         """Local path of one repository file (downloaded to the hub cache when needed).
 
         Raises FileNotFoundError when the repository has no such file. An uncached file while
@@ -89,16 +122,17 @@ class ModelSource:
             return p
         from huggingface_hub import errors, hf_hub_download
 
+        extra = {"tqdm_class": _bar_class(report)} if report is not None else {}
         try:
-            return Path(hf_hub_download(self.name, filename, revision=self.revision))
+            return Path(hf_hub_download(self.name, filename, revision=self.revision, **extra))
         except errors.LocalEntryNotFoundError as exc:
             if optional:
                 raise FileNotFoundError(filename) from None
-            raise _hub_error(self.name, exc) from None
+            raise _hub_error(self.name, exc, self.revision) from None
         except errors.RemoteEntryNotFoundError:
             raise FileNotFoundError(filename) from None
         except (errors.HfHubHTTPError, errors.HFValidationError, OSError) as exc:
-            raise _hub_error(self.name, exc) from None
+            raise _hub_error(self.name, exc, self.revision) from None
 
     @property
     def tokenizer_location(self) -> str:
@@ -141,9 +175,10 @@ class ModelSource:
         files = sorted({self.weight_map[n] for n in names})
         paths = {}
         for i, f in enumerate(files):
-            progress("download", i, len(files), f)
+            detail = f"{f} ({i + 1}/{len(files)})"
+            progress("download", 0, 0, detail)
             try:
-                paths[f] = self.file(f)
+                paths[f] = self.file(f, report=lambda done, total, d=detail: progress("download", done, total, d))
             except FileNotFoundError:
                 raise UserError(f"checkpoint {self.name!r} is missing shard {f}") from None
         progress("download", len(files), len(files), "")

@@ -21,6 +21,8 @@ import torch
 
 from sfchat import UserError, wire
 from sfchat.runtime import sampling
+from sfchat.runtime.memory import check_tail
+from sfchat.runtime.quant import QUANT_MODES
 from sfchat.runtime.slices import ModelSlice, n_layers, pick_dtype
 from sfchat.runtime.source import ModelSource
 
@@ -39,8 +41,9 @@ def tensor_from_bytes(raw: bytes, dtype: torch.dtype, rows: int, cols: int, devi
 
 
 class Verifier:
-    def __init__(self, device: torch.device, log=None):
+    def __init__(self, device: torch.device, log=None, devices: list[torch.device] | None = None):
         self.device = device
+        self.devices = list(devices or [device])  # two GPUs of this node may share the slice
         self.log = log or (lambda msg: None)
         self.model: ModelSlice | None = None
         self.identity: dict | None = None
@@ -70,7 +73,13 @@ class Verifier:
     def _hello(self, data: dict, emit) -> None:
         try:
             identity = {k: data[k] for k in ("model", "revision", "split", "dtype", "max_len")}
+            identity["quant"] = data.get("quant", "none")  # a head without 4-bit support sends none
+            if identity["quant"] not in QUANT_MODES:
+                raise ValueError(f"unknown quantisation {identity['quant']!r} (this tail knows "
+                                 f"{', '.join(QUANT_MODES)})")
             k = int(data.get("k", 0))
+            if not 0 <= k <= wire.MAX_DRAFT:  # K+1 sizes the verify graph: never allocate on a head's word
+                raise ValueError(f"k={k} out of range 0..{wire.MAX_DRAFT}")
             n_layers_head, hidden = int(data["n_layers"]), int(data["hidden_size"])
             types = {"model": str, "revision": (str, type(None)), "split": int, "dtype": str, "max_len": int}
             bad = [key for key, t in types.items() if not isinstance(identity[key], t)]
@@ -83,7 +92,7 @@ class Verifier:
         if not reused:
             self.model = self.identity = None
             try:
-                self.model = self._load(identity, emit)
+                self.model = self._load(identity, emit, k)
             except UserError as exc:
                 self._fail(emit, f"tail cannot load {identity['model']!r}: {exc}")
             self.identity = identity  # even if refused below: the identity names the model now held
@@ -104,17 +113,25 @@ class Verifier:
         self.log(f"ready: {identity['model']} layers [{identity['split']}, {n_layers(cfg)}) on {self.device}")
         emit(wire.encode(wire.Control(wire.MsgType.READY, ready)))
 
-    def _load(self, ident: dict, emit) -> ModelSlice:
+    def _load(self, ident: dict, emit, k: int = 0) -> ModelSlice:
         last = [0.0]
 
         def progress(stage, done, total, detail):
+            if stage == "download" and total == 0 and detail:  # a shard starts: worth a line on the tail too
+                self.log(f"fetching {detail}")
             now = time.monotonic()
             if done == total or now - last[0] > 0.1:
                 last[0] = now
                 emit(wire.encode(wire.Control(wire.MsgType.PROGRESS, {
                     "stage": stage, "done": done, "total": total, "detail": detail})))
 
-        src = ModelSource.open(ident["model"], ident["revision"], progress)
+        try:
+            src = ModelSource.open(ident["model"], ident["revision"], progress)
+        except UserError as exc:
+            if str(exc).startswith("model directory"):  # the head runs a local copy: so must the tail
+                raise UserError(f"{exc} on the tail machine (the head named a local directory: give the "
+                                "head a hub id, or the same directory on both machines)") from None
+            raise
         L = n_layers(src.config)
         split = int(ident["split"])
         if not 0 <= split <= L:
@@ -123,9 +140,14 @@ class Verifier:
         if int(ident["max_len"]) > limit:  # a head must not make the tail allocate without bound
             raise UserError(f"a context of {ident['max_len']} positions exceeds the model's {limit}")
         dtype = pick_dtype(self.device, ident["dtype"])
-        self.log(f"loading {ident['model']} layers [{split}, {L}) as {DTYPE_NAMES[dtype]} on {self.device}")
+        quant = ident["quant"]
+        where = ",".join(map(str, self.devices))
+        check_tail(src.config, split, devices=self.devices, dtype=dtype, quant=quant, max_len=int(ident["max_len"]),
+                   k=k)
+        self.log(f"loading {ident['model']} layers [{split}, {L}) as {DTYPE_NAMES[dtype]}"
+                 f"{' with NF4 weights' if quant == 'nf4' else ''} on {where}")
         return ModelSlice.load(src, split, L, embed=False, head=True, dtype=dtype, device=self.device,
-                               max_len=int(ident["max_len"]), progress=progress)
+                               max_len=int(ident["max_len"]), progress=progress, quant=quant, devices=self.devices)
 
     def _forward(self, msg: wire.Forward, emit) -> None:
         if self.model is None:
