@@ -178,6 +178,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=48)
     ap.add_argument("--rtt", type=int, nargs="*", default=[0, 86])
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS),
+                    help="columns to measure (default: all)")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU: a quick check of the script")
     args = ap.parse_args()
     global DEVICE
@@ -198,18 +200,19 @@ def main() -> None:
         if args.out:
             args.out.write_text(json.dumps(res, indent=1))
 
-    for variant in VARIANTS:
+    for variant in args.variants:
         res[variant] = component_figures(root / "target", root / "draft", k, variant, n)
         print(f"components ({variant}) done", file=sys.stderr, flush=True)
         save()
-    for variant in ("compiled",):  # draft = target: every draft should be accepted
+    for variant in [v for v in ("compiled",) if v in args.variants]:  # draft = target: all accepted
         engine, _ = build_engine(settings(root / "target", root / "target", k, variant))
         ms, tpr = run_rounds(engine, max(n // 4, 8))
         res[variant].update(self_round_ms=ms, self_tokens_per_round=tpr)
         del engine
         save()
     for rtt in args.rtt:
-        for variant, ms in relay_figures(root / "target", root / "draft", k, rtt, n, ("eager", "compiled")).items():
+        for variant, ms in relay_figures(root / "target", root / "draft", k, rtt, n,
+                                           [v for v in ("eager", "compiled", "graphed") if v in args.variants][:2]).items():
             res[variant][f"relay{rtt}_ms"] = ms
         print(f"relay at {rtt} ms done", file=sys.stderr, flush=True)
         save()
@@ -218,7 +221,7 @@ def main() -> None:
 
 def print_table(res: dict, k: int, rtts: list[int]) -> None:
     def cell(variant, key, fmt="{:.2f}", scale=None):
-        value = res[variant].get(key)
+        value = res.get(variant, {}).get(key)
         if value is None:
             return "-"
         return fmt.format(scale(value, res[variant]) if scale else value)

@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from sfchat import UserError
 from sfchat.config import Settings
-from sfchat.events import ReplyFinished, ReplyStarted, TokensCommitted
+from sfchat.events import ReplyStarted, TokensCommitted
 from sfchat.runtime.session import ChatSession
 from sfchat.wire import Sampling
 
