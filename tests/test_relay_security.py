@@ -17,7 +17,7 @@ from sfchat.config import Settings
 from sfchat.events import LinkState, ReplyFinished
 from sfchat.relay_link import RelayLink
 from sfchat.secure_link import DATA, IntegrityError, SecureLink, secure
-from test_relay_link import TOKEN, ThreadedRelay
+from test_relay_link import TOKEN, relay  # noqa: F401  (the relay fixture)
 from test_two_machines import PROMPT
 
 SECRET = "relay-security-test-secret"
@@ -25,14 +25,6 @@ TOKENS = tuple(range(151_000, 151_009))  # a verify round's t0 + 8 drafts
 PATTERN = b"<known hidden-state pattern 0123456789abcdef>"
 HIDDEN = 448
 INTEGRITY = "integrity check failed: the relay or the network altered, reordered or replayed a frame"
-
-
-@pytest.fixture
-def relay():
-    server = ThreadedRelay()
-    yield server
-    server.stop()
-    server.dispose()
 
 
 class Tap:
