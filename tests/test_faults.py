@@ -23,11 +23,6 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def relay_on(port: int, *extra):
-    proc, url = start_relay("--port", str(port), *extra)
-    return proc, url
-
-
 def tail_proc(url: str, session: str):
     return subprocess.Popen([sys.executable, "-m", "sfchat.cli", "--tail", "--relay", url, "--token", TOKEN,
                              "--secret", SECRET, "--session", session, "--device", "cpu"],
@@ -74,14 +69,19 @@ def undisturbed(zoo):
     return list(local_tokens(zoo["qwen3-untied"], "none", 0, N_NEW).token_ids)
 
 
+def reply_under_way(zoo, procs, relay_args, session: str, seconds: float):
+    """Relay, tail and a one-shot head, ``seconds`` into the reply: (relay, url, tail, head)."""
+    relay, url = start_relay(*relay_args)
+    tail = tail_proc(url, session)
+    head = head_proc(url, session, zoo["qwen3-untied"])
+    procs += [relay, tail, head]
+    wait_for_line(tail.stderr, "ready:")
+    time.sleep(seconds)
+    return relay, url, tail, head
+
+
 def test_tail_killed_mid_reply_and_replaced(zoo, procs, undisturbed):
-    relay, url = start_relay("--emulate-rtt-ms", "150")
-    first = tail_proc(url, "kill")
-    procs += [relay, first]
-    head = head_proc(url, "kill", zoo["qwen3-untied"])
-    procs.append(head)
-    wait_for_line(first.stderr, "ready:")
-    time.sleep(2.0)  # a few rounds into the reply
+    _, url, first, head = reply_under_way(zoo, procs, ("--emulate-rtt-ms", "150"), "kill", 2.0)
     first.send_signal(signal.SIGKILL)
     procs.append(tail_proc(url, "kill"))
     out, err = finish(head)
@@ -91,17 +91,11 @@ def test_tail_killed_mid_reply_and_replaced(zoo, procs, undisturbed):
 
 def test_relay_restarted_mid_reply(zoo, procs, undisturbed):
     port = free_port()
-    relay, url = relay_on(port, "--emulate-rtt-ms", "150")
-    tail = tail_proc(url, "restart")
-    procs += [relay, tail]
-    head = head_proc(url, "restart", zoo["qwen3-untied"])
-    procs.append(head)
-    wait_for_line(tail.stderr, "ready:")
-    time.sleep(2.0)
+    relay, _, _, head = reply_under_way(zoo, procs, ("--port", str(port), "--emulate-rtt-ms", "150"), "restart", 2.0)
     relay.send_signal(signal.SIGKILL)
     relay.wait(10)
     time.sleep(1.0)
-    again, _ = relay_on(port, "--emulate-rtt-ms", "150")
+    again, _ = start_relay("--port", str(port), "--emulate-rtt-ms", "150")
     procs.append(again)
     out, err = finish(head)
     assert "reconnecting" in err
@@ -109,13 +103,7 @@ def test_relay_restarted_mid_reply(zoo, procs, undisturbed):
 
 
 def test_stalled_link_is_waited_out(zoo, procs, undisturbed):
-    relay, url = start_relay("--emulate-rtt-ms", "100")
-    tail = tail_proc(url, "stall")
-    procs += [relay, tail]
-    head = head_proc(url, "stall", zoo["qwen3-untied"])
-    procs.append(head)
-    wait_for_line(tail.stderr, "ready:")
-    time.sleep(1.5)
+    relay, _, _, head = reply_under_way(zoo, procs, ("--emulate-rtt-ms", "100"), "stall", 1.5)
     os.kill(relay.pid, signal.SIGSTOP)  # the relay host freezes: nothing moves for a while
     time.sleep(5.0)
     os.kill(relay.pid, signal.SIGCONT)

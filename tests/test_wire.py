@@ -194,7 +194,7 @@ VALID_FORWARD = encode(EXAMPLES[6])
 DECODE_REJECTIONS = [
     (b"", "shorter than the header"),
     (VALID_FORWARD[:HEADER.size - 1], "shorter than the header"),
-    (b"XXXX" + VALID_FORWARD[4:], "bad magic"),
+    (b"ZZZZ" + VALID_FORWARD[4:], "bad magic"),
     (frame(MsgType.HELLO, b"{}", version=2), "protocol version 2 is not supported"),
     (frame(MsgType.HELLO, b"{}", version=0), "version 0"),
     (frame(99, b"{}"), "unknown message type 99"),
