@@ -62,13 +62,22 @@ class StaticKV:
         self.written.extend(int(t) for t in tokens)
 
     def reusable(self, tokens) -> int:
-        """Length of the longest prefix of ``tokens`` whose KV is already in the cache."""
-        n = 0
-        for a, b in zip(self.written, tokens):
-            if a != b:
-                break
-            n += 1
-        return n
+        """Length of the longest prefix of ``tokens`` whose KV is already in the cache.
+
+        Called every round over the whole context: prefix equality is monotone, so a binary
+        search of list-slice comparisons (done in C) replaces a Python loop over every token."""
+        tokens = list(tokens)
+        n = min(len(self.written), len(tokens))
+        if self.written[:n] == tokens[:n]:
+            return n
+        lo, hi = 0, n  # written[:lo] matches, written[:hi] does not
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if self.written[lo:mid] == tokens[lo:mid]:
+                lo = mid
+            else:
+                hi = mid
+        return lo
 
     def reset(self) -> None:
         self.written.clear()
