@@ -138,6 +138,14 @@ def test_relay_shutdown_closes_the_link(relay, links):
         head.recv(5)  # and stays closed
     with pytest.raises(LinkClosed):
         head.send(b"anyone?")
+    # The tail learns of the shutdown on its own connection, maybe after hearing the head left.
+    with pytest.raises(LinkClosed):
+        for _ in range(3):
+            try:
+                tail.recv(5)
+            except PeerGone:
+                pass
+    assert not tail.peer_present
     with pytest.raises(LinkClosed):
         tail.wait_peer(5)
 
