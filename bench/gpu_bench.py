@@ -120,10 +120,11 @@ def component_figures(target: Path, draft: Path, k: int, variant: str, n: int) -
     p = len(tokens)
     ids = torch.tensor(tokens[-(k + 1):], device=DEVICE)
     pos = torch.arange(p, p + k + 1, device=DEVICE)
-    out["head_ms"] = cuda_ms(lambda: head.run(ids, pos), n)
-    hidden = head.run(ids, pos).clone()
+    end = p + k + 1  # the engine's forwards attend over the window that holds the context
+    out["head_ms"] = cuda_ms(lambda: head.run(ids, pos, end=end), n)
+    hidden = head.run(ids, pos, end=end).clone()
     drafts = ids[1:]
-    out["tail_ms"] = cuda_ms(lambda: sampling.verify(tail.run(hidden, pos, k + 1), drafts, GREEDY,
+    out["tail_ms"] = cuda_ms(lambda: sampling.verify(tail.run(hidden, pos, k + 1, end=end), drafts, GREEDY,
                                                      torch.empty(k, 0), torch.empty(k, 0), None), n)
     out["round_ms"], out["tokens_per_round"] = run_rounds(engine, n)
     engine.link.close()

@@ -67,13 +67,13 @@ def measure(name, src, lo, hi, embed, head, quant, dtype, k, ctx):
     if embed and head:  # the draft: its K-step round, captured before any context as the engine does
         drafter = Drafter(sl, k)
         row["graphed"] = drafter.capture(log=logs.append)
-        graph, drafter.graph = drafter.graph, None
+        graphs, drafter.graphs = drafter.graphs, {}
         tokens = list(range(100, 100 + n + 1))
         drafter.propose(tokens[:-1], Sampling(), None)  # the prefill
         eager = drafter.propose(tokens, Sampling(), None)[0]
-        drafter.graph = graph
+        drafter.graphs = graphs
         again = drafter.propose(tokens, Sampling(), None)[0]  # same context, now replayed
-        row["bit-identical"] = again == eager if graph is not None else "-"
+        row["bit-identical"] = again == eager if graphs else "-"
         row["ms"] = ms(lambda: drafter.propose(tokens, Sampling(), None))
     else:
         nl = k + 1 if head else 0

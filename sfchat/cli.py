@@ -172,7 +172,8 @@ def one_shot(s: Settings, prompt: str, as_json: bool) -> int:
             "tps": final.tps, "ttft_s": final.ttft_s, "round_ms": final.round_ms, "rtt_ms": final.rtt_ms,
             "draft_ms": final.draft_ms, "head_ms": final.head_ms, "tail_ms": final.tail_ms,
             "model": info.model, "draft": info.draft, "k": info.k, "split": info.split,
-            "n_layers": info.n_layers, "dtype": info.dtype, "quant": info.quant, "device": info.device,
+            "n_layers": info.n_layers, "dtype": info.dtype, "tail_dtype": info.tail_dtype or info.dtype,
+            "quant": info.quant, "device": info.device,
             "mode": info.mode,
         }
         print(json.dumps(out))

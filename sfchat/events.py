@@ -35,6 +35,7 @@ class RuntimeReady:
     mode: str  # "local" or "relay"
     max_context: int
     quant: str = "none"  # "nf4" when the target's layers are 4-bit
+    tail_dtype: str = ""  # what the tail computes in ("" when it is ``dtype``)
 
 
 @dataclass(frozen=True)

@@ -160,3 +160,21 @@ def test_chat_template_is_applied(zoo):
     assert text.startswith("<|im_start|>user\nhello world") and text.endswith("<|im_start|>assistant\n")
     raw = session.encode(PROMPT, chat_template=False)
     assert tok.decode(raw) == PROMPT[0]["content"]
+
+
+@pytest.mark.parametrize("draft", ["draft", "qwen3-tied"])
+@pytest.mark.parametrize("k", [1, 5])
+def test_parity_while_the_context_grows_through_attention_windows(zoo, monkeypatch, draft, k):
+    """Windows of 8, 16, 32 ... slots: a reply of 48 tokens crosses several of them in the draft,
+    the head and the tail, mid-round included, and still equals generate(), in a follow-up too."""
+    from sfchat.runtime import kv
+
+    monkeypatch.setattr(kv, "MIN_WINDOW", 8)
+    target = zoo["qwen3-tied"]
+    session = load(target, zoo[draft], k)
+    assert session.engine.head.kv.windows[:3] == [8, 16, 32]
+    ids = session.encode(PROMPT)
+    fin = run(session, ids, 48)
+    assert list(fin.token_ids) == reference(target, ids, 48)
+    follow = ids + list(fin.token_ids) + ids[-3:]
+    assert list(run(session, follow, 16).token_ids) == reference(target, follow, 16)

@@ -46,13 +46,13 @@ def test_graphed_draft_round_equals_eager(zoo):
     drafter = Drafter(model, 6)
     assert drafter.capture()
     tokens = list(range(5, 40))
-    eager_graph, drafter.graph = drafter.graph, None
+    graphs, drafter.graphs = drafter.graphs, {}
     first, _, _ = drafter.propose(tokens, Sampling(), None)
     tokens.append(first[0])
     eager, _, _ = drafter.propose(tokens, Sampling(), None)
     drafter.reset()
     drafter.propose(tokens[:-1], Sampling(), None)
-    drafter.graph = eager_graph
+    drafter.graphs = graphs
     graphed, _, _ = drafter.propose(tokens, Sampling(), None)
     assert graphed == eager
 
@@ -64,9 +64,44 @@ def test_graphed_engine_keeps_greedy_parity(zoo, k):
     path = zoo["qwen2-tied"]
     session = ChatSession.load(Settings(model=str(path), draft=str(zoo["draft"]), k=k, device="cuda",
                                         dtype="float32"))
-    assert session.engine.head.graphs and session.engine.drafter.graph is not None
+    assert session.engine.head.graphs and session.engine.drafter.graphs
     ids = session.encode([{"role": "user", "content": "hello world"}])
     fin = [e for e in session.reply(ids, 24, Sampling()) if isinstance(e, ReplyFinished)][0]
     model = AutoModelForCausalLM.from_pretrained(path).cuda().eval()
     ref = model.generate(torch.tensor([ids], device="cuda"), max_new_tokens=24, do_sample=False, pad_token_id=0)
     assert list(fin.token_ids) == ref[0, len(ids):].tolist()
+
+
+def test_each_attention_window_has_its_graph_and_matches_eager(zoo, monkeypatch):
+    from sfchat.runtime import kv
+    from sfchat.runtime.draft import Drafter
+
+    monkeypatch.setattr(kv, "MIN_WINDOW", 16)
+    src = ModelSource.open(str(zoo["qwen2-untied"]))
+    dev = torch.device("cuda")
+    tail = ModelSlice.load(src, 2, 4, embed=False, head=True, dtype=torch.bfloat16, device=dev, max_len=64)
+    k = 4
+    assert tail.capture(k + 1, k + 1) and sorted(tail.graphs[(k + 1, k + 1)]) == [16, 32, 64]
+    hidden = torch.randn(60, 64, device=dev).to(torch.bfloat16)
+    tail.forward(hidden[:55], torch.arange(55, device=dev), 1)
+    for first in (3, 20, 40, 55):  # windows 16, 32, 64, 64
+        pos = torch.arange(first, first + k + 1, device=dev)
+        x = hidden[first:first + k + 1]
+        window = tail.kv.window_for(first + k + 1)
+        eager = tail.forward(x, pos, k + 1, window).clone()
+        assert torch.equal(tail.run(x, pos, k + 1, end=first + k + 1), eager)
+    drafter = Drafter(ModelSlice.load(ModelSource.open(str(zoo["draft"])), 0, 2, embed=True, head=True,
+                                      dtype=torch.bfloat16, device=dev, max_len=64), k)
+    assert drafter.capture() and sorted(drafter.graphs) == [16, 32, 64]
+    tokens = list(range(5, 30))  # rounds in the 32 window, then the 64 one
+    graphs = drafter.graphs
+    for _ in range(6):
+        results = []
+        for replay in (False, True):  # the same round from the same cache, eagerly then replayed
+            drafter.reset()
+            drafter.graphs = {}
+            drafter.propose(tokens[:-1], Sampling(), None)
+            drafter.graphs = graphs if replay else {}
+            results.append(drafter.propose(tokens, Sampling(), None)[0])
+        assert results[0] == results[1]
+        tokens += results[0][:3]

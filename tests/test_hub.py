@@ -12,6 +12,7 @@ import torch
 from huggingface_hub import constants, errors
 
 from sfchat import UserError, wire
+from sfchat.runtime import source
 from sfchat.runtime.source import ModelSource
 from sfchat.runtime.tail import TailError, Verifier
 
@@ -94,6 +95,12 @@ def test_hub_refusals_name_the_fix(monkeypatch, cls, message):
         ModelSource.open("acme/nope", "v9")
 
 
+@pytest.fixture(autouse=True)
+def hub_reachable(monkeypatch):
+    """Tests below decide whether the hub answers; the machine running them may have no network."""
+    monkeypatch.setattr(source, "hub_unreachable", lambda: None)
+
+
 def test_no_network_and_nothing_cached(monkeypatch):
     monkeypatch.setattr(huggingface_hub, "hf_hub_download",
                         raising(errors.LocalEntryNotFoundError("cannot reach the hub, nothing cached")))
@@ -123,3 +130,57 @@ def test_a_tail_told_of_a_directory_it_does_not_have(tmp_path):
         Verifier(torch.device("cpu")).handle(wire.encode(wire.Control(wire.MsgType.HELLO, hello)), out.append)
     assert json.loads(json.dumps(wire.decode(out[-1]).data))["message"].startswith("tail cannot load")
 
+
+
+@pytest.fixture
+def unprobed(monkeypatch):
+    """The real probe, not yet run in this process, with connections counted."""
+    monkeypatch.undo()  # drop hub_reachable's stand-in
+    monkeypatch.setattr(source, "_probe_result", [])
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    for var in source.PROXY_VARIABLES:
+        monkeypatch.delenv(var, raising=False)
+    tries = []
+
+    def no_dns(address, timeout=None):
+        tries.append(address)
+        raise OSError(-2, "Name or service not known")
+
+    monkeypatch.setattr(source.socket, "create_connection", no_dns)
+    return tries
+
+
+def test_an_unreachable_hub_means_the_cache_only_and_an_error_at_once(unprobed, monkeypatch, sharded, capsys):
+    """No retries for half a minute: one probe, then local_files_only for every file."""
+    import time
+
+    calls = []
+
+    def cache_only(repo_id, filename, revision=None, local_files_only=False, **kw):
+        calls.append(local_files_only)
+        if repo_id == "acme/cached" and local_files_only and (sharded / filename).exists():
+            return str(sharded / filename)
+        raise errors.LocalEntryNotFoundError(f"{filename} is not cached")
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", cache_only)
+    t0 = time.perf_counter()
+    with pytest.raises(UserError, match=r"'acme/nope' is not in the local cache and the hub cannot be reached "
+                                        r"\(cannot connect to huggingface.co:443: Name or service not known\): "
+                                        r"check the network"):
+        ModelSource.open("acme/nope")
+    assert time.perf_counter() - t0 < 2
+    src = ModelSource.open("acme/cached")
+    assert src.local_files_only and src.weight_map and calls and all(calls)
+    assert "hub cannot be reached (cannot connect to huggingface.co:443" in capsys.readouterr().err
+    assert unprobed == [("huggingface.co", 443)]  # probed once for the whole process
+
+
+def test_the_probe_is_skipped_behind_a_proxy_or_when_offline_is_asked_for(unprobed, monkeypatch):
+    monkeypatch.setenv("HTTPS_PROXY", "http://proxy.example:3128")
+    assert source.hub_unreachable() is None
+    monkeypatch.delenv("HTTPS_PROXY")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    assert source.hub_unreachable() is None
+    assert unprobed == []
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    assert "Name or service not known" in source.hub_unreachable()

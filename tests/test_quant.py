@@ -169,5 +169,5 @@ def test_graphed_engine_with_nf4_target_and_draft_keeps_greedy_parity(zoo):
     quantize_linears(model.model.layers, torch.float32)
     ref = model.generate(torch.tensor([ids], device="cuda"), max_new_tokens=24, do_sample=False, pad_token_id=0)
     assert list(fin.token_ids) == ref[0, len(ids):].tolist()
-    print(f"\nNF4 on CUDA: head graphs {sorted(session.engine.head.graphs)}, draft graph "
-          f"{session.engine.drafter.graph is not None}, tail graphs {sorted(session.engine.link.verifier.model.graphs)}")
+    print(f"\nNF4 on CUDA: head graphs {sorted(session.engine.head.graphs)}, draft graphs "
+          f"{sorted(session.engine.drafter.graphs)}, tail graphs {sorted(session.engine.link.verifier.model.graphs)}")

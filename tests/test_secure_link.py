@@ -12,8 +12,11 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from sfchat import UserError
 from sfchat.relay_link import PeerGone
 from sfchat.secure_link import (
-    DATA_HEADER_BYTES, KEYX, MAGIC, OVERHEAD, IntegrityError, SecretMismatch, SecureLink, require_secret,
+    DATA_HEADER_BYTES, KEYX, MAGIC, MIN_PADDED, OVERHEAD, IntegrityError, SecretMismatch, SecureLink, padded_size,
+    require_secret,
 )
+from sfchat import secure_link
+from sfchat.wire import MAX_DRAFT, Verdict, encode
 
 SECRET = "correct horse battery staple"
 
@@ -100,7 +103,30 @@ def test_frames_round_trip_both_ways_and_the_relay_sees_none_of_them():
     wire = b"".join(f for _, f in relay.captured)
     assert bytes(range(256)) not in wire and b"verdict" not in wire
     assert all(struct.pack("<9i", *range(i, i + 9)) not in wire for i in range(50))
-    assert [len(f) - OVERHEAD for f in data_frames(relay, "head")] == [len(f) for f in down]
+    assert [len(f) - OVERHEAD for f in data_frames(relay, "head")] == [padded_size(len(f) + 1) for f in down]
+
+
+def test_padding_hides_verdict_contents_and_rounds_big_frames_up_by_less_than_an_eighth():
+    relay, head, tail = pair()
+    verdicts = [encode(Verdict(7, 100, n, tuple(range(n + 1)), 1234)) for n in range(MAX_DRAFT + 1)]
+    assert len({len(v) for v in verdicts}) == MAX_DRAFT + 1
+    for v in verdicts:
+        tail.send(v)
+    assert [head.recv(1) for _ in verdicts] == verdicts
+    assert {len(f) for f in data_frames(relay, "tail")} == {MIN_PADDED + OVERHEAD}  # one size for all
+    sizes = [padded_size(n) for n in range(1, 1 << 18)]
+    assert all(n <= size < max(MIN_PADDED + 1, n * 9 / 8) for n, size in enumerate(sizes, 1))
+    # eight lengths per power of two (the ninth is the next power itself)
+    assert set(sizes[(1 << 16) - 1:(1 << 17) - 1]) == {(8 + i) << 13 for i in range(9)}
+    assert padded_size(64_606) == 65_536  # a K=8 verify FORWARD of Qwen2.5-7B, with its pad mark
+
+
+def test_an_authentic_frame_with_broken_padding_is_refused(monkeypatch):
+    relay, head, tail = pair()
+    monkeypatch.setattr(secure_link, "_pad", bytes)  # a peer that seals without padding
+    head.send(b"no pad mark")
+    with pytest.raises(IntegrityError, match="badly padded"):
+        tail.recv(1)
 
 
 def test_frames_sent_before_the_key_exchange_are_held_then_delivered():

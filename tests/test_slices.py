@@ -190,7 +190,9 @@ def test_static_kv_writes_masks_and_bookkeeping():
     assert (mask[0, 0][~visible] == torch.finfo(torch.float32).min).all()
     k = torch.arange(1, 7, dtype=torch.float32).view(1, 1, 3, 2)
     keys, values = kv.update(k, -k, 1)
-    assert keys is kv.keys[1] and values is kv.values[1]  # the whole buffers, no copies
+    # all slots by default, as views of the buffers (no copies)
+    assert keys.shape == kv.keys[1].shape and keys.data_ptr() == kv.keys[1].data_ptr()
+    assert values.data_ptr() == kv.values[1].data_ptr()
     assert torch.equal(keys[0, 0, :3], k[0, 0]) and torch.equal(values[0, 0, :3], -k[0, 0])
     assert not keys[0, 0, 3:].any() and not kv.keys[0].any()
     kv.note(0, [10, 11, 12])
@@ -309,3 +311,45 @@ def test_checkpoints_sfchat_cannot_read(zoo, tmp_path, monkeypatch):
     for name in ("./nope", str(tmp_path / "nope"), "a/b/c"):
         with pytest.raises(UserError, match=f"model directory {re.escape(repr(name))} does not exist"):
             ModelSource.open(name)
+
+
+def test_attention_windows_cover_each_forward_with_the_fewest_slots(monkeypatch):
+    from sfchat.runtime import kv as kv_module
+    from sfchat.runtime.kv import windows_for
+
+    assert windows_for(4105) == [512, 1024, 2048, 4096, 4105]
+    assert windows_for(512) == [512] and windows_for(100) == [100] and windows_for(2048) == [512, 1024, 2048]
+    assert windows_for(40, min_window=8) == [8, 16, 32, 40]
+    monkeypatch.setattr(kv_module, "MIN_WINDOW", 4)
+    kv = StaticKV(1, 1, 2, 20, torch.float32, CPU)
+    assert kv.windows == [4, 8, 16, 20]
+    assert [kv.window_for(e) for e in (1, 4, 5, 8, 9, 16, 17, 20)] == [4, 4, 8, 8, 16, 16, 20, 20]
+    for bad in (0, 21):
+        with pytest.raises(ValueError, match=f"ending at position {bad} does not fit a cache of 20 slots"):
+            kv.window_for(bad)
+    mask = kv.begin(torch.tensor([5, 6]), kv.window_for(7))
+    assert mask.shape == (1, 1, 2, 8)
+    assert torch.equal(mask[0, 0] == 0, torch.arange(8)[None, :] <= torch.tensor([5, 6])[:, None])
+    keys, values = kv.update(torch.ones(1, 1, 2, 2), torch.ones(1, 1, 2, 2), 0)
+    assert keys.shape == values.shape == (1, 1, 8, 2) and keys.data_ptr() == kv.keys[0].data_ptr()
+    assert kv.keys[0][0, 0, 5:7].eq(1).all() and not kv.keys[0][0, 0, 7:].any()
+
+
+@pytest.mark.parametrize("family", ["qwen2-untied", "llama-tied"])
+def test_a_windowed_forward_equals_the_full_one(zoo, family, monkeypatch):
+    """Masked slots add nothing: attending over 8 slots instead of 64 changes no output beyond
+    float rounding, for prefill and for a verify-shaped forward."""
+    from sfchat.runtime import kv as kv_module
+
+    monkeypatch.setattr(kv_module, "MIN_WINDOW", 8)
+    src = ModelSource.open(str(zoo[family]))
+    full = ModelSlice.load(src, 0, 4, embed=True, head=True, dtype=torch.float32, device=CPU, max_len=64)
+    assert full.kv.windows == [8, 16, 32, 64]
+    ids = torch.tensor([3, 17, 42, 99, 5, 250, 7, 11, 13, 19, 23])
+    ref = full.forward(ids, torch.arange(11), 11)
+    for end in (6, 11):  # window 8, then 16
+        got = full.run(ids[:end], torch.arange(end), end, end=end)
+        assert torch.allclose(got, ref[:end], atol=1e-5, rtol=1e-5)
+    full.run(ids[:6], torch.arange(6), 1, end=6)  # the context, then 5 positions like a verify
+    got = full.run(ids[6:], torch.arange(6, 11), 5, end=11)
+    assert torch.allclose(got, ref[6:], atol=1e-5, rtol=1e-5)

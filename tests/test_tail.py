@@ -141,3 +141,41 @@ def test_tail_refuses_a_context_hole_and_mismatched_hidden_states(tail_case):
     assert replies(v, prefill, fails=False) == []
     after = encode(Forward(3, n + 1, msg.tokens[:1], msg.hidden[: 64 * 4], DType.FLOAT32, 64))
     assert "context hole" in replies(v, after, fails=True)
+
+
+def test_runnable_dtype_swaps_bf16_for_fp16_only_on_a_gpu_without_bf16(monkeypatch):
+    from sfchat.runtime.slices import runnable_dtype
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: False)  # a T4
+    assert runnable_dtype(cuda, torch.bfloat16) is torch.float16
+    assert runnable_dtype(cuda, torch.float32) is torch.float32
+    assert runnable_dtype(cpu, torch.bfloat16) is torch.bfloat16
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)  # an A100
+    assert runnable_dtype(cuda, torch.bfloat16) is torch.bfloat16
+
+
+def test_a_tail_computing_in_another_dtype_converts_the_heads_hidden_states(tail_case, monkeypatch):
+    """A bf16 head and a tail whose GPU lacks bf16: the tail loads in its own dtype (here float32,
+    standing in for a T4's float16), says so, and converts every FORWARD's bf16 hidden states."""
+    import sfchat.runtime.tail as tail_module
+
+    good, _, ref, fwd = tail_case
+    monkeypatch.setattr(tail_module, "runnable_dtype",
+                        lambda device, dtype: torch.float32 if dtype is torch.bfloat16 else dtype)
+    logged = []
+    v = Verifier(torch.device("cpu"), log=logged.append)
+    ready = replies(v, hello_for(good, dtype="bfloat16"), fails=False)
+    assert ready[-1].data["dtype"] == "float32" and v.model.dtype is torch.float32
+    assert any("no native bfloat16: computing in float32" in line for line in logged), logged
+    msg = decode(fwd)
+    n = len(msg.tokens)
+    bf16 = torch.frombuffer(bytearray(msg.hidden), dtype=torch.float32).view(n, 64).to(torch.bfloat16)
+    sent = encode(Forward(1, 0, msg.tokens, hidden_bytes(bf16), DType.BFLOAT16, 64, n_draft=K))
+    (verdict,) = replies(v, sent, fails=False)
+    assert list(verdict.tokens) == ref
+    # the tail's own dtype is accepted too; anything else is still refused
+    (verdict,) = replies(v, fwd, fails=False)
+    assert list(verdict.tokens) == ref
+    half = encode(Forward(1, 0, msg.tokens, bytes(n * 64 * 2), DType.FLOAT16, 64, n_draft=K))
+    assert "hidden states of size 64/float16 do not match the tail's 64/float32" in replies(v, half, fails=True)

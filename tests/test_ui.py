@@ -360,3 +360,13 @@ def test_ui_import_is_torch_free():
             "bad = [m for m in sys.modules if m == 'torch' or m.startswith('sfchat.runtime')]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[1])
+
+
+def test_the_dtype_label_names_a_tail_that_computes_in_another_dtype():
+    from dataclasses import replace
+
+    from sfchat.ui.metrics import weights
+
+    assert weights(READY) == "bf16"
+    assert weights(replace(READY, dtype="bfloat16", tail_dtype="float16")) == "bfloat16/float16"
+    assert weights(replace(READY, tail_dtype="float16", quant="nf4")) == "bf16/float16+nf4"

@@ -9,7 +9,9 @@ itself: whatever prefix of ``tokens`` is already cached is reused (multi-turn, r
 drafts), the rest is fed first. In the steady state the feed is exactly the last two committed
 tokens (re-writing one already-cached position): this covers both "some drafts rejected"
 (one new token) and "all K accepted" (d_K was never fed to the draft, plus the bonus), and it
-gives every round the same shapes, which is what lets the round be captured in a CUDA graph.
+gives every round the same shapes, which is what lets the round be captured in a CUDA graph
+(one per attention window, see ``kv.StaticKV.windows``; a compiled draft has one graph, over
+all slots, so that it is compiled once).
 
 The drafter knows nothing about the target, the wire or acceptance.
 """
@@ -19,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from sfchat.runtime import sampling
-from sfchat.runtime.graphs import try_capture
+from sfchat.runtime.graphs import Graphed, pick, try_capture
 from sfchat.runtime.slices import ModelSlice
 from sfchat.wire import Sampling
 
@@ -33,10 +35,12 @@ class Drafter:
         self.device = model.device
         self.vocab = model.config.vocab_size
         self.two = torch.arange(2, device=self.device)
-        self.graph = None
+        self.graphs: dict[int, Graphed] = {}  # attention window -> the greedy round's graph
 
     def capture(self, log=None, compile: bool = False) -> bool:
-        """Capture the steady-state greedy round (2-token feed + K-1 steps) as one CUDA graph.
+        """Capture the steady-state greedy round (2-token feed + K-1 steps) as one CUDA graph per
+        attention window (one graph over all slots when compiled: each window would be compiled
+        anew, and a compiled round over all slots still beats an uncompiled one over few).
 
         With ``compile``, the draft's forward is first compiled by torch.compile (Inductor fuses
         the many small elementwise kernels of a small model's decode step); the compiled code
@@ -47,15 +51,20 @@ class Drafter:
             forward = torch.compile(self.model.forward, dynamic=False)
         ids = torch.zeros(2, dtype=torch.long, device=self.device)
         start = torch.zeros(1, dtype=torch.long, device=self.device)
-        self.graph = try_capture(f"draft's {self.k}-step round", lambda a, b: self._graphed_round(a, b, forward),
-                                 (ids, start), log)
-        return self.graph is not None
+        kv = self.model.kv
+        for window in [kv.max_len] if compile else [w for w in kv.windows if w > self.k]:
+            graph = try_capture(f"draft's {self.k}-step round over {window} slots",
+                                lambda a, b, w=window: self._graphed_round(a, b, forward, w), (ids, start), log)
+            if graph is None:
+                break  # warned once; rounds without a graph run eagerly
+            self.graphs[window] = graph
+        return bool(self.graphs)
 
-    def _graphed_round(self, ids: torch.Tensor, start: torch.Tensor, forward):
-        logits = forward(ids, start + self.two, n_logits=1)
-        return self._steps(logits, start + 2, GREEDY, 0, None, forward)
+    def _graphed_round(self, ids: torch.Tensor, start: torch.Tensor, forward, window: int):
+        logits = forward(ids, start + self.two, n_logits=1, window=window)
+        return self._steps(logits, start + 2, GREEDY, 0, None, forward, window)
 
-    def _steps(self, logits, next_pos: torch.Tensor, s: Sampling, n_q: int, generator, forward):
+    def _steps(self, logits, next_pos: torch.Tensor, s: Sampling, n_q: int, generator, forward, window: int):
         """K drafts from the logits after the context; no host sync, so it can be graphed."""
         picks, q_idx, q_prob = [], [], []
         for i in range(self.k):
@@ -64,37 +73,41 @@ class Drafter:
             q_idx.append(qi)
             q_prob.append(qp)
             if i + 1 < self.k:
-                logits = forward(tok, next_pos + i, n_logits=1)
+                logits = forward(tok, next_pos + i, n_logits=1, window=window)
         return torch.cat(picks), torch.cat(q_idx), torch.cat(q_prob)
 
     def reset(self) -> None:
         self.model.kv.reset()
 
-    def _feed(self, tokens: list[int], start: int) -> torch.Tensor:
-        """Run ``tokens`` at positions ``start...``; logits of the last position, (1, V)."""
+    def _feed(self, tokens: list[int], start: int, window: int) -> torch.Tensor:
+        """Run ``tokens`` at positions ``start...`` over ``window`` slots (the round's, so that an
+        eager round computes exactly what its graph would); logits of the last position, (1, V)."""
         logits = None
         for i in range(0, len(tokens), PREFILL_CHUNK):
             piece = tokens[i:i + PREFILL_CHUNK]
             # a token the draft's (possibly smaller) vocabulary lacks can only hurt acceptance
             ids = torch.tensor(piece, dtype=torch.long, device=self.device).clamp_(max=self.vocab - 1)
             pos = torch.arange(start + i, start + i + len(piece), device=self.device)
-            logits = self.model(ids, pos, n_logits=1)
+            logits = self.model.forward(ids, pos, 1, window)
         self.model.kv.note(start, tokens)
         return logits
 
     def propose(self, tokens: list[int], s: Sampling, generator: torch.Generator | None):
         """K drafts after ``tokens``: (list of ids, q_idx (K, n_q) int32, q_prob (K, n_q) float32)."""
         n = len(tokens)
-        start = min(self.model.kv.reusable(tokens), n - 1, max(n - 2, 0))
-        if self.graph is not None and s.temperature == 0 and n - start == 2:
+        kv = self.model.kv
+        start = min(kv.reusable(tokens), n - 1, max(n - 2, 0))
+        window = kv.window_for(n + self.k - 1)  # the last step feeds position n + K - 2
+        graph = pick(self.graphs, window) if s.temperature == 0 and n - start == 2 else None
+        if graph is not None:
             ids = torch.tensor(tokens[-2:], dtype=torch.long).clamp_(max=self.vocab - 1)
-            picks, q_idx, q_prob = self.graph(ids, torch.tensor([start]))
-            self.model.kv.note(start, tokens[-2:])
+            picks, q_idx, q_prob = graph(ids, torch.tensor([start]))
+            kv.note(start, tokens[-2:])
         else:
-            logits = self._feed(tokens[start:], start)
+            logits = self._feed(tokens[start:], start, window)
             n_q = self.n_q if s.temperature > 0 else 0
             next_pos = torch.tensor([n], device=self.device)
-            picks, q_idx, q_prob = self._steps(logits, next_pos, s, n_q, generator, self.model.forward)
+            picks, q_idx, q_prob = self._steps(logits, next_pos, s, n_q, generator, self.model.forward, window)
         drafts = picks.tolist()  # the round's one host sync on the draft side
         self.model.kv.note(n, drafts[:-1])
         return drafts, q_idx, q_prob

@@ -12,6 +12,9 @@ Warm-up and capture really execute ``fn``: callers capture before any conversati
 the KV slots those calls write are not yet part of any context (they are overwritten later).
 ``try_capture`` turns a failure into ``None`` plus one warning, so callers fall back to eager.
 Graph state is thread-local: capture and replay on the thread that owns CUDA.
+
+A forward is captured once per attention window (see ``kv.StaticKV.windows``); ``pick`` finds
+the graph of the smallest captured window that holds a forward's positions.
 """
 
 from __future__ import annotations
@@ -53,3 +56,9 @@ def try_capture(what: str, fn, example_inputs, log=None):
         (log or (lambda m: warnings.warn(m, RuntimeWarning, stacklevel=2)))(message)
         torch.cuda.synchronize()
         return None
+
+
+def pick(graphs: dict[int, Graphed], window: int) -> Graphed | None:
+    """The graph captured for the smallest window of at least ``window`` slots, or None."""
+    fits = [w for w in graphs if w >= window]
+    return graphs[min(fits)] if fits else None

@@ -205,7 +205,7 @@ class HeadEngine:
         # tail rejects such a draft (p = 0), so nothing computed from this position is committed.
         ids = torch.tensor(piece, dtype=torch.long, device=self.device).clamp_(max=self.vocab - 1)
         positions = torch.arange(start, start + len(piece), device=self.device)
-        hidden = self.head.run(ids, positions)
+        hidden = self.head.run(ids, positions, end=start + len(piece))
         self.head.kv.note(start, piece)
         n_q = q_idx.shape[1] if q_idx is not None and n_draft else 0
         frame = wire.Forward(

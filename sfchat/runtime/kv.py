@@ -5,12 +5,17 @@ Contract
 * Buffers are allocated once (``max_len`` slots per layer) and never reallocated, so the
   forwards that use them can be captured in CUDA graphs.
 * Before a forward, the caller sets the absolute positions of the new tokens with
-  ``begin(positions)``; transformers' attention modules then call ``update(k, v, layer_idx)``,
-  which writes the new keys/values at those positions (``index_copy_``) and returns the whole
-  buffers. ``mask`` is the matching additive mask: query at position p sees slots 0..p and
-  nothing else, so slots beyond the committed context (rejected drafts, stale turns) are
-  invisible without being cleared. Rewind is free: the next forward simply writes at an
-  earlier position.
+  ``begin(positions, window)``; transformers' attention modules then call
+  ``update(k, v, layer_idx)``, which writes the new keys/values at those positions
+  (``index_copy_``) and returns the first ``window`` slots of the buffers (views, no copy).
+  ``mask`` is the matching additive mask: query at position p sees slots 0..p and nothing
+  else, so slots beyond the committed context (rejected drafts, stale turns) are invisible
+  without being cleared. Rewind is free: the next forward simply writes at an earlier position.
+* Attention work grows with the window, not with the context, so a forward attends over the
+  smallest of ``windows`` (powers of two from ``MIN_WINDOW``, then ``max_len``) that holds its
+  last position: ``window_for(end)``. A fixed set of windows keeps the shapes fixed, so each
+  can have its CUDA graph; a masked slot adds exactly nothing to the attention, so the window
+  changes no result beyond floating-point summation order.
 * ``written`` records which token id sits at each slot, so ``reusable(tokens)`` can tell how
   much of a new context is already cached (multi-turn reuse, draft catch-up).
 
@@ -20,7 +25,21 @@ of transformers call (``update``), not a subclass of transformers' ``Cache``.
 
 from __future__ import annotations
 
+import bisect
+
 import torch
+
+MIN_WINDOW = 512  # below this many slots a narrower attention saves nothing measurable on a GPU
+
+
+def windows_for(max_len: int, min_window: int | None = None) -> list[int]:
+    """The attention windows of a cache of ``max_len`` slots, ascending, ending at ``max_len``."""
+    w = min_window or MIN_WINDOW
+    out = []
+    while w < max_len:
+        out.append(w)
+        w *= 2
+    return out + [max_len]
 
 
 class StaticKV:
@@ -35,13 +54,23 @@ class StaticKV:
         self.dtype = dtype
         self.positions = torch.zeros(1, dtype=torch.long, device=device)
         self.mask = torch.zeros(1, 1, 1, max_len, dtype=dtype, device=device)
+        self.windows = windows_for(max_len)
+        self.window = max_len
         self.written: list[int] = []
 
     # -- used by the forward that owns this cache ---------------------------------------------
-    def begin(self, positions: torch.Tensor) -> torch.Tensor:
-        """Set the positions of the next forward; returns the (1, 1, n, max_len) additive mask."""
+    def window_for(self, end: int) -> int:
+        """The smallest window holding positions ``0 .. end - 1``."""
+        if not 0 < end <= self.max_len:
+            raise ValueError(f"a forward ending at position {end} does not fit a cache of {self.max_len} slots")
+        return self.windows[bisect.bisect_left(self.windows, end)]
+
+    def begin(self, positions: torch.Tensor, window: int | None = None) -> torch.Tensor:
+        """Set the positions of the next forward and the slots it attends over (``window``,
+        default all; every position must lie inside it): the (1, 1, n, window) additive mask."""
         self.positions = positions
-        visible = self.slots[None, :] <= positions[:, None]
+        self.window = window or self.max_len
+        visible = self.slots[None, :self.window] <= positions[:, None]
         zero = torch.zeros((), dtype=self.dtype, device=positions.device)
         self.mask = torch.where(visible, zero, torch.full_like(zero, self.neg))[None, None]
         return self.mask
@@ -51,7 +80,7 @@ class StaticKV:
         k, v = self.keys[layer_idx], self.values[layer_idx]
         k.index_copy_(2, self.positions, key_states.to(k.dtype))
         v.index_copy_(2, self.positions, value_states.to(v.dtype))
-        return k, v
+        return k[:, :, :self.window], v[:, :, :self.window]
 
     # -- bookkeeping of what the slots hold ------------------------------------------------------
     def note(self, start: int, tokens) -> None:

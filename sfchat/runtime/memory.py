@@ -6,7 +6,9 @@ Contract
 estimates, in bytes, what ``ModelSlice.load`` of layers ``[lo, hi)`` will hold: the weights
 (dense in ``dtype``, or NF4 for the decoder layers' linear weights), the static KV cache of
 ``max_len`` positions, and a workspace for the forwards (a 512-token prefill chunk, the K+1
-verify and its CUDA graph, the logits, allocator slack). Parameter counts are exact: one decoder
+verify, the logits, allocator slack, and the memory pools of the CUDA graphs: one per attention
+window of the KV cache, ``GRAPH_POOL_BYTES`` each, from 232 MiB measured for the six windows of
+a Qwen2.5-7B half's 9-token verify on an H200, bf16, 8201 slots). Parameter counts are exact: one decoder
 layer is built on the meta device and counted (biases and q/k norms included). The workspace is
 a deliberately generous estimate, checked against torch's peak allocation on an H200
 (``bench/nf4_memory_bench.py``, fp16, 4105 slots: 4-5 % above the peak for a Qwen2.5-7B half,
@@ -30,11 +32,13 @@ import torch
 from torch import nn
 
 from sfchat import UserError
+from sfchat.runtime.kv import windows_for
 from sfchat.runtime.quant import NF4_BYTES_PER_WEIGHT
 from sfchat.runtime.slices import architecture
 
 PREFILL_CHUNK = 512  # as the head engine and the drafter feed a long context
-FIXED_SLACK = 256 << 20  # cuBLAS workspaces, allocator rounding, graph pools
+FIXED_SLACK = 256 << 20  # cuBLAS workspaces, allocator rounding
+GRAPH_POOL_BYTES = 40 << 20  # one captured forward's private memory pool (allocator segments)
 GIB = 1 << 30
 
 
@@ -100,7 +104,8 @@ def slice_need(config, lo: int, hi: int, *, embed: bool, head: bool, dtype: torc
     attn = chunk * max_len * (b + 3 * 4 * heads) + 2 * heads * max_len * hd * b if n else 0
     logits = (k + 1) * V * (4 * 3 + b) if head else 0  # float logits, softmax and sampling copies
     loading = linear * b if quant == "nf4" and n else 0  # one layer dense before it is quantised
-    work = act + attn + logits + loading + FIXED_SLACK + weights // 20  # + 5%: allocator rounding, fragments
+    graphs = GRAPH_POOL_BYTES * len(windows_for(max_len))
+    work = act + attn + logits + loading + graphs + FIXED_SLACK + weights // 20  # + 5%: rounding, fragments
     return Need(weights, kv, int(work))
 
 

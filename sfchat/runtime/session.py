@@ -74,7 +74,8 @@ def load_tokenizer(src: ModelSource, revision: str | None):
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(src.tokenizer_location, revision=revision)
+        return AutoTokenizer.from_pretrained(src.tokenizer_location, revision=revision,
+                                             local_files_only=src.local_files_only)
     except (OSError, ValueError, TypeError) as exc:
         raise UserError(f"cannot load the tokenizer of {src.name!r}: {exc}") from None
 
@@ -84,7 +85,8 @@ def eos_ids(src: ModelSource, tokenizer) -> set[int]:
 
     ids: set[int] = set()
     try:
-        gen = GenerationConfig.from_pretrained(src.tokenizer_location, revision=src.revision)
+        gen = GenerationConfig.from_pretrained(src.tokenizer_location, revision=src.revision,
+                                               local_files_only=src.local_files_only)
         eos = gen.eos_token_id
         ids |= set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
     except OSError:
@@ -195,11 +197,12 @@ def build_engine(s: Settings, on_event: Callable = lambda e: None, link=None,
     hello = {"model": s.model, "revision": s.revision, "split": split, "dtype": DTYPE_NAMES[dtype],
              "max_len": kv_len, "n_layers": L, "hidden_size": src.config.hidden_size, "k": k,
              "graphs": s.cuda_graphs, "quant": quant}
-    engine.connect(hello, lambda d: on_event(LoadProgress("tail", d.get("stage", ""), d.get("done", 0),
+    ready = engine.connect(hello, lambda d: on_event(LoadProgress("tail", d.get("stage", ""), d.get("done", 0),
                                                           d.get("total", 0), d.get("detail", ""))))
     info = RuntimeReady(model=s.model, draft=s.draft if k else "none", split=split, n_layers=L,
                         dtype=DTYPE_NAMES[dtype], k=k, device=",".join(map(str, devices)), mode=mode,
-                        max_context=max_context, quant=quant)
+                        max_context=max_context, quant=quant,
+                        tail_dtype="" if ready.get("dtype") in (None, DTYPE_NAMES[dtype]) else str(ready["dtype"]))
     on_event(info)
     return engine, info
 

@@ -8,11 +8,15 @@ their tensors (plus the embedding when ``embed``, the final norm and lm_head whe
 from the checkpoint's shard files, and owns a ``StaticKV`` for exactly those layers. Tied
 checkpoints have no ``lm_head.weight``: the embedding matrix is used for it.
 
-``forward(x, positions, n_logits)``: ``x`` is token ids ``(n,)`` when the slice has the
-embedding, else hidden states ``(n, H)``; ``positions`` the absolute positions ``(n,)``.
-It returns hidden states ``(n, H)``, or — for a slice with the head — logits ``(n_logits, V)``
-of the last ``n_logits`` positions. The draft model is simply the slice ``[0, L)`` with both
-ends. The slice does not know which tokens are drafts, nor anything about the wire.
+``forward(x, positions, n_logits, window)``: ``x`` is token ids ``(n,)`` when the slice has the
+embedding, else hidden states ``(n, H)``; ``positions`` the absolute positions ``(n,)``;
+``window`` the KV slots attended over (all by default). It returns hidden states ``(n, H)``,
+or — for a slice with the head — logits ``(n_logits, V)`` of the last ``n_logits`` positions.
+``run(x, positions, n_logits, end=...)`` is the same forward over the smallest window holding
+``end`` (the host-side end of ``positions``), replayed from a CUDA graph when one was captured
+for that shape (``capture`` captures one per window). The draft model is simply the slice
+``[0, L)`` with both ends. The slice does not know which tokens are drafts, nor anything about
+the wire.
 
 ``quant="nf4"`` loads the decoder layers' linear weights as 4-bit NF4 (``quant.py``), one layer
 at a time. ``devices`` (two GPUs of one node) spreads the layers evenly over them: each layer
@@ -30,7 +34,7 @@ import torch
 from torch import nn
 
 from sfchat import UserError
-from sfchat.runtime.graphs import Graphed, try_capture
+from sfchat.runtime.graphs import Graphed, pick, try_capture
 from sfchat.runtime.kv import StaticKV
 from sfchat.runtime.quant import check_mode, quantize_linears
 from sfchat.runtime.source import ModelSource, Progress, _no_progress
@@ -54,6 +58,15 @@ def pick_dtype(device: torch.device, override: str | None = None) -> torch.dtype
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported(including_emulation=False) else torch.float16
     return torch.float32
+
+
+def runnable_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
+    """``dtype``, or float16 where it is bfloat16 on a GPU without native bf16 (a T4 asked by
+    its peer to match a bf16 machine: emulated bf16 would run several times slower)."""
+    if dtype == torch.bfloat16 and device.type == "cuda" and not torch.cuda.is_bf16_supported(
+            including_emulation=False):
+        return torch.float16
+    return dtype
 
 
 def architecture(config):
@@ -109,7 +122,7 @@ class ModelSlice(nn.Module):
         self.kv = self.groups[0][1]
         params = inspect.signature(layer_cls.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
-        self.graphs: dict[tuple[int, int], Graphed] = {}
+        self.graphs: dict[tuple[int, int], dict[int, Graphed]] = {}  # (tokens, logits) -> window -> graph
 
     # -- loading -------------------------------------------------------------------------------
     def tensor_names(self) -> dict[str, tuple[nn.Module, str]]:
@@ -173,7 +186,8 @@ class ModelSlice(nn.Module):
 
     # -- compute -------------------------------------------------------------------------------
     def capture(self, n_tokens: int, n_logits: int = 0, log=None) -> bool:
-        """Capture the ``n_tokens`` forward as a CUDA graph (before any conversation)."""
+        """Capture the ``n_tokens`` forward as CUDA graphs, one per attention window that can
+        hold it (before any conversation); False when none could be captured."""
         if len(self.groups) > 1:
             if log is not None:
                 log(f"layers [{self.lo}, {self.hi}) span {len(self.groups)} GPUs: their forward runs eagerly "
@@ -185,21 +199,27 @@ class ModelSlice(nn.Module):
             x = torch.zeros(n_tokens, self.config.hidden_size, dtype=self.dtype, device=self.device)
         positions = torch.arange(n_tokens, device=self.device)
         key = (n_tokens, n_logits if self.lm_head is not None else 0)
-        graph = try_capture(f"{n_tokens}-token forward of layers [{self.lo}, {self.hi})",
-                            lambda a, b: self.forward(a, b, n_logits), (x, positions), log)
-        if graph is not None:
-            self.graphs[key] = graph
-        return graph is not None
+        for window in (w for w in self.kv.windows if w >= n_tokens):
+            graph = try_capture(f"{n_tokens}-token forward of layers [{self.lo}, {self.hi}) over {window} slots",
+                                lambda a, b, w=window: self.forward(a, b, n_logits, w), (x, positions), log)
+            if graph is None:
+                break  # warned once; the windows without a graph run eagerly
+            self.graphs.setdefault(key, {})[window] = graph
+        return key in self.graphs
 
-    def run(self, x: torch.Tensor, positions: torch.Tensor, n_logits: int = 0) -> torch.Tensor:
-        """``forward``, replayed from a captured graph when one fits the shape."""
-        graph = self.graphs.get((x.shape[0], n_logits if self.lm_head is not None else 0))
+    def run(self, x: torch.Tensor, positions: torch.Tensor, n_logits: int = 0, *, end: int | None = None
+            ) -> torch.Tensor:
+        """``forward`` over the smallest window holding positions below ``end`` (all slots when
+        None), replayed from a captured graph when one fits the shape."""
+        window = self.kv.window_for(end) if end is not None else self.kv.max_len
+        graph = pick(self.graphs.get((x.shape[0], n_logits if self.lm_head is not None else 0), {}), window)
         if graph is not None:
             return graph(x, positions)
-        return self.forward(x, positions, n_logits)
+        return self.forward(x, positions, n_logits, window)
 
     @torch.no_grad()
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, n_logits: int = 0) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, n_logits: int = 0,
+                window: int | None = None) -> torch.Tensor:
         h = self.embed_tokens(x) if self.embed_tokens is not None else x.to(self.dtype)
         h = h[None]
         pos = positions[None]
@@ -207,7 +227,7 @@ class ModelSlice(nn.Module):
         for dev, kv, layers in self.groups:
             if len(self.groups) > 1 and h.device != dev:  # the next layers live on the node's other GPU
                 h, pos, rope = h.to(dev), pos.to(dev), tuple(r.to(dev) for r in rope)
-            mask = kv.begin(pos[0])
+            mask = kv.begin(pos[0], window)
             kw = {self._cache_kw: kv}
             for layer in layers:
                 h = layer(h, attention_mask=mask, position_ids=pos, position_embeddings=rope, **kw)

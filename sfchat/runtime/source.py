@@ -13,12 +13,22 @@ unknown size), ``("load", tensors, n, name)`` while tensors are read.
 Failures a user can fix (missing directory, unknown repo, gated repo, no network, no
 safetensors) raise ``sfchat.UserError`` with the fix in the message. This module knows nothing
 about layers, devices or dtypes.
+
+No network: before its first hub request the process probes the hub's host once (a TCP
+connection, ``HUB_PROBE_TIMEOUT`` s; skipped when HF_HUB_OFFLINE is set or a proxy is
+configured). When that fails, sources opened by hub id use the local cache only
+(``offline_reason`` says why, and the caller passes ``local_files_only`` on to transformers):
+a cached model starts at once, an uncached one is a clear error at once, instead of
+huggingface_hub's half a minute of retries.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import socket
+import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,13 +42,52 @@ INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
 Progress = Callable[[str, int, int, str], None]
+HUB_PROBE_TIMEOUT = 3.0
+PROXY_VARIABLES = ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy", "HTTP_PROXY", "http_proxy")
+_probe_lock = threading.Lock()
+_probe_result: list[str | None] = []  # the one probe of this process, once made
+
+
+def hub_unreachable() -> str | None:
+    """Why the hub cannot be reached from here, or None when it can (or cannot be probed: a
+    proxy or HF_HUB_OFFLINE). Probed once per process, at most ``HUB_PROBE_TIMEOUT`` s."""
+    from urllib.parse import urlsplit
+
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE or any(os.environ.get(v) for v in PROXY_VARIABLES):
+        return None
+    with _probe_lock:
+        if not _probe_result:
+            url = urlsplit(constants.ENDPOINT)
+            host, port = url.hostname or "huggingface.co", url.port or (80 if url.scheme == "http" else 443)
+            _probe_result.append(_connect_error(host, port, HUB_PROBE_TIMEOUT))
+        return _probe_result[0]
+
+
+def _connect_error(host: str, port: int, timeout: float) -> str | None:
+    """None when a TCP connection to host:port opens within ``timeout`` s, else why not (name
+    resolution, which has no timeout of its own, runs in a thread that is left behind)."""
+    outcome: list[str | None] = []
+
+    def attempt():
+        try:
+            socket.create_connection((host, port), timeout=timeout).close()
+            outcome.append(None)
+        except OSError as exc:
+            outcome.append(f"cannot connect to {host}:{port}: {exc.strerror or exc}")
+
+    worker = threading.Thread(target=attempt, daemon=True)
+    worker.start()
+    worker.join(timeout)
+    return outcome[0] if outcome else f"no connection to {host}:{port} within {timeout:g} s"
 
 
 def _no_progress(stage: str, done: int, total: int, detail: str) -> None:
     return None
 
 
-def _hub_error(name: str, exc: Exception, revision: str | None = None) -> UserError:
+def _hub_error(name: str, exc: Exception, revision: str | None = None, offline_reason: str | None = None) -> UserError:
     from huggingface_hub import constants, errors
 
     if isinstance(exc, errors.GatedRepoError):
@@ -50,6 +99,10 @@ def _hub_error(name: str, exc: Exception, revision: str | None = None) -> UserEr
         return UserError(f"model {name!r} was not found on the Hugging Face hub (check the id, or "
                          "log in if it is private); a local model must be an existing directory")
     if isinstance(exc, errors.LocalEntryNotFoundError):
+        if offline_reason:
+            return UserError(f"model {name!r} is not in the local cache and the hub cannot be reached "
+                             f"({offline_reason}): check the network (on Kaggle, turn the notebook's Internet "
+                             "setting on), or pass a local directory")
         if constants.HF_HUB_OFFLINE:
             return UserError(f"model {name!r} is not in the local cache and HF_HUB_OFFLINE=1 forbids downloading "
                              "it: unset HF_HUB_OFFLINE (with network), or pass a local directory")
@@ -92,6 +145,12 @@ class ModelSource:
     local_dir: Path | None
     config: object
     weight_map: dict[str, str]
+    offline_reason: str | None = None  # set when the hub is unreachable: only cached files are used
+
+    @property
+    def local_files_only(self) -> bool:
+        """What to pass to transformers' ``from_pretrained`` for this source."""
+        return self.offline_reason is not None
 
     # -- opening -------------------------------------------------------------------------------
     @classmethod
@@ -102,10 +161,13 @@ class ModelSource:
         elif path.exists() or name.startswith((".", "/", "~")) or name.count("/") > 1:
             raise UserError(f"model directory {name!r} does not exist")
         else:
-            src = cls(name, revision, None, None, {})
+            src = cls(name, revision, None, None, {}, hub_unreachable())
         progress("download", 0, 1, "config")
         src.config = src._load_config()
         src.weight_map = src._load_weight_map()
+        if src.offline_reason:  # found in the cache: say why no newer revision was looked for
+            print(f"sfchat: the Hugging Face hub cannot be reached ({src.offline_reason}); "
+                  f"using the cached copy of {name}", file=sys.stderr)
         progress("download", 1, 1, "config")
         return src
 
@@ -123,16 +185,18 @@ class ModelSource:
         from huggingface_hub import errors, hf_hub_download
 
         extra = {"tqdm_class": _bar_class(report)} if report is not None else {}
+        if self.offline_reason:
+            extra["local_files_only"] = True
         try:
             return Path(hf_hub_download(self.name, filename, revision=self.revision, **extra))
         except errors.LocalEntryNotFoundError as exc:
             if optional:
                 raise FileNotFoundError(filename) from None
-            raise _hub_error(self.name, exc, self.revision) from None
+            raise _hub_error(self.name, exc, self.revision, self.offline_reason) from None
         except errors.RemoteEntryNotFoundError:
             raise FileNotFoundError(filename) from None
         except (errors.HfHubHTTPError, errors.HFValidationError, OSError) as exc:
-            raise _hub_error(self.name, exc, self.revision) from None
+            raise _hub_error(self.name, exc, self.revision, self.offline_reason) from None
 
     @property
     def tokenizer_location(self) -> str:

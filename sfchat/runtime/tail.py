@@ -6,7 +6,9 @@ Contract
 reply (sans-I/O: the same object serves the in-memory link of local mode and the relay loop of
 ``sfchat --tail``). The tail needs no model flags: a HELLO names the model, revision, split,
 dtype and context size; the tail loads its slice (reporting PROGRESS), checks that what it
-loaded agrees with the hello, and answers READY. A FORWARD fills the KV cache at the positions
+loaded agrees with the hello, and answers READY (naming the dtype it computes in: float16
+instead of the head's bfloat16 on a GPU without bf16, such as a T4; the head's hidden states
+are then converted on arrival). A FORWARD fills the KV cache at the positions
 it names and, when it asks for a verdict, verifies its drafts with ``sampling.verify``.
 
 A frame that breaks the protocol gets an ERROR reply and raises ``TailError`` so that the
@@ -23,10 +25,12 @@ from sfchat import UserError, wire
 from sfchat.runtime import sampling
 from sfchat.runtime.memory import check_tail
 from sfchat.runtime.quant import QUANT_MODES
-from sfchat.runtime.slices import ModelSlice, n_layers, pick_dtype
+from sfchat.runtime.slices import ModelSlice, n_layers, pick_dtype, runnable_dtype
 from sfchat.runtime.source import ModelSource
 
 DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+TORCH_DTYPES = {wire.DType.FLOAT32: torch.float32, wire.DType.FLOAT16: torch.float16,
+                wire.DType.BFLOAT16: torch.bfloat16}
 
 
 class TailError(Exception):
@@ -139,7 +143,12 @@ class Verifier:
         limit = (getattr(src.config, "max_position_embeddings", 0) or 1 << 20) + wire.MAX_DRAFT + 1
         if int(ident["max_len"]) > limit:  # a head must not make the tail allocate without bound
             raise UserError(f"a context of {ident['max_len']} positions exceeds the model's {limit}")
-        dtype = pick_dtype(self.device, ident["dtype"])
+        asked = pick_dtype(self.device, ident["dtype"])
+        dtype = runnable_dtype(self.device, asked)
+        if dtype != asked:
+            self.log(f"{self.device} has no native {DTYPE_NAMES[asked]}: computing in {DTYPE_NAMES[dtype]} "
+                     f"(the head's hidden states are converted; replies may differ slightly from an "
+                     f"all-{DTYPE_NAMES[asked]} run)")
         quant = ident["quant"]
         where = ",".join(map(str, self.devices))
         check_tail(src.config, split, devices=self.devices, dtype=dtype, quant=quant, max_len=int(ident["max_len"]),
@@ -154,8 +163,10 @@ class Verifier:
             self._fail(emit, "FORWARD before HELLO", resync=True)
         m = self.model
         n = len(msg.tokens)
-        if msg.hidden_size != m.config.hidden_size or msg.dtype.name.lower() != DTYPE_NAMES[m.dtype]:
-            self._fail(emit, f"hidden states of size {msg.hidden_size}/{msg.dtype.name} do not match "
+        sent = TORCH_DTYPES[msg.dtype]
+        if msg.hidden_size != m.config.hidden_size or DTYPE_NAMES[sent] not in (DTYPE_NAMES[m.dtype],
+                                                                              self.identity["dtype"]):
+            self._fail(emit, f"hidden states of size {msg.hidden_size}/{DTYPE_NAMES[sent]} do not match "
                              f"the tail's {m.config.hidden_size}/{DTYPE_NAMES[m.dtype]}")
         if msg.start_pos + n > m.kv.max_len:
             self._fail(emit, f"positions up to {msg.start_pos + n} exceed the context of {m.kv.max_len}")
@@ -163,10 +174,10 @@ class Verifier:
             self._fail(emit, f"context hole: the tail holds {len(m.kv.written)} positions, the head "
                              f"wrote at {msg.start_pos} (did the tail restart?)", resync=True)
         t0 = time.perf_counter()
-        hidden = tensor_from_bytes(msg.hidden, m.dtype, n, msg.hidden_size, self.device)
+        hidden = tensor_from_bytes(msg.hidden, sent, n, msg.hidden_size, self.device).to(m.dtype)
         positions = torch.arange(msg.start_pos, msg.start_pos + n, device=self.device)
         k = msg.n_draft
-        logits = m.run(hidden, positions, n_logits=k + 1 if msg.want_verdict else 1)
+        logits = m.run(hidden, positions, n_logits=k + 1 if msg.want_verdict else 1, end=msg.start_pos + n)
         m.kv.note(msg.start_pos, msg.tokens)
         if not msg.want_verdict:
             return

@@ -42,8 +42,10 @@ def short_model(name: str) -> str:
 
 
 def weights(ready: RuntimeReady) -> str:
-    """The dtype in use, and the target's quantisation when there is one."""
-    return ready.dtype if ready.quant in ("", "none") else f"{ready.dtype}+{ready.quant}"
+    """The dtype in use (and the tail's, when its GPU made it differ), and the target's
+    quantisation when there is one."""
+    dtype = f"{ready.dtype}/{ready.tail_dtype}" if ready.tail_dtype else ready.dtype
+    return dtype if ready.quant in ("", "none") else f"{dtype}+{ready.quant}"
 
 
 def bar(fraction: float, cells: int = BAR_CELLS) -> str:
