@@ -168,7 +168,7 @@ def test_an_unreachable_hub_means_the_cache_only_and_an_error_at_once(unprobed, 
                                         r"\(cannot connect to huggingface.co:443: Name or service not known\): "
                                         r"check the network"):
         ModelSource.open("acme/nope")
-    assert time.perf_counter() - t0 < 2
+    assert time.perf_counter() - t0 < 10  # huggingface_hub alone would retry for about 23 s
     src = ModelSource.open("acme/cached")
     assert src.local_files_only and src.weight_map and calls and all(calls)
     assert "hub cannot be reached (cannot connect to huggingface.co:443" in capsys.readouterr().err
