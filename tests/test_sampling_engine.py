@@ -4,9 +4,13 @@ tests/test_sampling.py proves the sampling math on hand-made distributions; thes
 that the engine as wired together samples exactly what ``generate(do_sample=True)`` samples:
 
 * the first tokens of many seeded speculative replies (a draft that really differs from the
-  target, K=3, temperature, top-k and top-p all active) against a large ``generate()`` sample,
-  by chi-square two-sample tests; the same tests on samples of the same size from slightly
-  wrong samplers reject them, which is what shows that they would notice a broken engine;
+  target, K=3, temperature, top-k and top-p all active) against the exact distribution that
+  ``generate(do_sample=True)`` samples from (the target's logits through transformers' own
+  warpers, expanded over every prefix), by chi-square goodness-of-fit tests; a large
+  ``generate()`` sample passes the same tests, samples of the same size from slightly wrong
+  samplers fail them, and a simulation shows that the sample size catches a 5% shift of the
+  first token's distribution 9 times in 10, which is what shows they would notice a broken
+  engine;
 * seeds: the same seed gives the same reply (new session or reused), another seed another
   reply, temperature 0 is still greedy ``generate()``; the CLI's flags reach the sampler;
 * a draft whose vocabulary is larger than the target's;
@@ -21,19 +25,24 @@ accept, reject and resample from the residual, all K accepted and the bonus toke
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import subprocess
 import sys
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from scipy.stats import chi2_contingency
-from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+from scipy.optimize import brentq
+from scipy.stats import chisquare
+from transformers import (
+    AutoModelForCausalLM, LogitsProcessorList, PreTrainedTokenizerFast, TemperatureLogitsWarper, TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 import tinymodels
 from sfchat import wire
@@ -52,13 +61,15 @@ VOCAB, WIDE_VOCAB = 64, 96
 K = 3
 SAMPLING = Sampling(temperature=0.8, top_k=5, top_p=0.9)
 N_NEW = 4  # tokens per sampled reply: the 4th is the bonus token whenever round 1 accepts all K
-# Every draw is seeded, so each p-value below is the same on every run.
-ALPHA = 1e-3
-# Speculative replies are the costly side (~13 ms each on one core: ~1.7 rounds of 5 forwards).
-# 800 of them are enough for the same tests to reject temperature 0.9 instead of 0.8, which
-# moves 4.6% of the first token's probability and 9.6% of the second's.
-N_SPEC = 800
-N_REF = 10 * N_SPEC  # generate() samples are batched and cheap: a larger reference sharpens the tests
+# Every draw is seeded, so each p-value below is the same on every run. A sample fails when the
+# smallest p-value of its views is below ALPHA / (number of views) (Bonferroni).
+ALPHA = 0.01
+# Speculative replies are the costly side (~15 ms each on one core: ~1.7 rounds of 5 forwards;
+# they are spread over two processes). 2800 of them catch a smooth shift of 5% of the first
+# token's probability mass (total variation 0.05, support kept) in over 90% of samples: see
+# test_the_sample_size_catches_a_five_percent_shift.
+N_SPEC = 2800
+N_GEN = 20_000  # generate() samples are batched and cheap
 N_WIDE = 200
 # what the tests compare: each token's own distribution, and the joint one of all four
 VIEWS = {"token 1": (0,), "token 2": (1,), "token 3": (2,), "token 4": (3,), "tokens 1-4": (0, 1, 2, 3)}
@@ -177,44 +188,75 @@ def generate_sample(path, ids, s: Sampling, n: int, seed: int, batch: int = 4000
     return counts
 
 
-def chi2_pvalue(a: Counter, b: Counter) -> float:
-    """Chi-square test that two samples of outcomes come from one distribution.
+def exact_outcomes(path, ids, s: Sampling) -> dict[tuple, float]:
+    """The probability of every outcome (see ``outcome``) under ``generate(do_sample=True)``: the
+    model's next-token logits (float32, as generate casts them) through transformers' own
+    temperature, top-k and top-p warpers in generate's order, expanded over every prefix."""
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    eos = model.generation_config.eos_token_id
+    warpers = LogitsProcessorList([TemperatureLogitsWarper(s.temperature), TopKLogitsWarper(s.top_k),
+                                   TopPLogitsWarper(s.top_p)])
+    probs, frontier = {}, {(): 1.0}
+    for depth in range(N_NEW):
+        prefixes = list(frontier)
+        x = torch.tensor([ids + list(p) for p in prefixes])
+        with torch.no_grad():
+            nxt = warpers(x, model(x).logits[:, -1].float()).double().softmax(-1)
+        grown = {}
+        for prefix, row in zip(prefixes, nxt):
+            for t in row.nonzero().flatten().tolist():
+                seq, pr = prefix + (t,), frontier[prefix] * row[t].item()
+                if t == eos or depth == N_NEW - 1:
+                    probs[seq + (-1,) * (N_NEW - len(seq))] = pr
+                else:
+                    grown[seq] = pr
+        frontier = grown
+    assert abs(sum(probs.values()) - 1) < 1e-9
+    return probs
 
-    Outcomes expected fewer than 5 times in the smaller sample share one pooled cell (the
-    chi-square approximation needs that); which ones depends only on the two samples' sum, so
-    the pooling favours neither.
+
+def project(dist: dict, idx: tuple) -> Counter:
+    """Counts or probabilities of outcomes, summed over what the view ``idx`` does not look at."""
+    out = Counter()
+    for key, n in dist.items():
+        out[tuple(key[i] for i in idx)] += n
+    return out
+
+
+def gof_pvalue(counts: Counter, probs: dict) -> float:
+    """Chi-square goodness of fit of a sample to exact probabilities.
+
+    Outcomes expected fewer than 5 times share one pooled cell (the chi-square approximation
+    needs that); which ones depends on the probabilities alone. An outcome of probability 0
+    in the sample is a certain failure.
     """
-    na, nb = sum(a.values()), sum(b.values())
-    share = min(na, nb) / (na + nb)
-    cells, rest = [], np.zeros(2, dtype=int)
-    for key in sorted(set(a) | set(b)):
-        pair = np.array([a[key], b[key]])
-        if pair.sum() * share >= 5:
-            cells.append(pair)
+    n = sum(counts.values())
+    if any(key not in probs for key in counts):
+        return 0.0
+    observed, expected, rest = [], [], [0, 0.0]
+    for key in sorted(probs, key=probs.get, reverse=True):
+        if n * probs[key] >= 5:
+            observed.append(counts.get(key, 0))
+            expected.append(n * probs[key])
         else:
-            rest += pair
-    cells.sort(key=lambda c: c.sum())
-    if rest.sum() * share >= 5 or not cells:
-        cells.append(rest)
-    elif rest.sum():
-        cells[0] = cells[0] + rest  # too few to stand alone: joined to the smallest cell
-    if len(cells) < 2:
-        return 1.0
-    return float(chi2_contingency(np.array(cells).T).pvalue)
+            rest[0] += counts.get(key, 0)
+            rest[1] += n * probs[key]
+    if rest[1] >= 5 or len(expected) < 2:
+        observed.append(rest[0])
+        expected.append(rest[1])
+    else:  # too little to stand alone: joined to the least likely cell
+        observed[-1] += rest[0]
+        expected[-1] += rest[1]
+    expected = np.array(expected) * n / sum(expected)  # float rounding of the probabilities
+    return float(chisquare(observed, expected).pvalue)
 
 
-def view_pvalues(a: Counter, b: Counter) -> dict[str, float]:
-    def project(counts, idx):
-        out = Counter()
-        for key, n in counts.items():
-            out[tuple(key[i] for i in idx)] += n
-        return out
-
-    return {name: chi2_pvalue(project(a, idx), project(b, idx)) for name, idx in VIEWS.items()}
+def view_pvalues(counts: Counter, probs: dict) -> dict[str, float]:
+    return {name: gof_pvalue(project(counts, idx), project(probs, idx)) for name, idx in VIEWS.items()}
 
 
 def combined(p_views: dict[str, float]) -> float:
-    """The views' smallest p-value, Bonferroni-corrected: below ALPHA means "not the same"."""
+    """The views' smallest p-value, Bonferroni-corrected: below ALPHA means "not that distribution"."""
     return min(1.0, len(p_views) * min(p_views.values()))
 
 
@@ -223,23 +265,82 @@ def describe(p_views: dict[str, float]) -> str:
 
 
 @pytest.fixture(scope="module")
-def reference(models, prompt_ids) -> Counter:
-    return generate_sample(models["target"], prompt_ids, SAMPLING, N_REF, seed=1234)
+def exact(models, prompt_ids) -> dict[tuple, float]:
+    return exact_outcomes(models["target"], prompt_ids, SAMPLING)
+
+
+def _speculative_part(target, draft, ids, s: Sampling, n: int, first_seed: int):
+    """One worker's share of ``speculative_sample`` (a process of its own: it loads its session)."""
+    torch.set_num_threads(1)
+    session = ChatSession.load(Settings(model=target, draft=draft, k=K, device="cpu"))
+    return speculative_sample(session, ids, s, n, first_seed)
+
+
+def parallel_speculative_sample(models, ids, s: Sampling, n: int, first_seed: int):
+    """``speculative_sample`` over two processes when there are two cores: the same seeds, so
+    the same outcomes as one process would give."""
+    workers = min(2, os.cpu_count() or 1)
+    shares = [(first_seed + i * n // workers, (i + 1) * n // workers - i * n // workers) for i in range(workers)]
+    counts, histogram = Counter(), np.zeros(K + 1, dtype=int)
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        parts = [pool.submit(_speculative_part, str(models["target"]), str(models["draft"]), ids, s, size, seed)
+                 for seed, size in shares]
+        for part in parts:
+            c, h = part.result()
+            counts.update(c)
+            histogram += h
+    return counts, histogram
 
 
 # -- the distribution -----------------------------------------------------------------------------
-def test_speculative_sampling_is_distributed_as_generate(models, prompt_ids, reference):
-    session = load(models)  # one session serves every reply: each reuses the cached prompt
-    assert session.encode(PROMPT) == prompt_ids
-    spec, histogram = speculative_sample(session, prompt_ids, SAMPLING, N_SPEC, first_seed=0)
-    # every path of verification ran a few hundred times: 0..K drafts accepted (K: the bonus token)
-    assert (histogram >= 150).all(), histogram
-    p_views = view_pvalues(spec, reference)
-    print(f"\nspeculative n={N_SPEC} vs generate() n={N_REF}, accepted histogram {histogram.tolist()}: "
-          f"{describe(p_views)}")
+def test_the_sample_size_catches_a_five_percent_shift(exact):
+    """The tests below at N_SPEC outcomes, on simulated samples of the first token: its exact
+    distribution made sharper or flatter (p ** beta, renormalised) until 5% of the probability
+    mass has moved, is rejected at least 9 times in 10; the exact distribution itself passes."""
+    first = project(exact, (0,))
+    keys = list(first)
+    p = np.array([first[k] for k in keys])
+    threshold = ALPHA / len(VIEWS)  # what one view must fall below for the sample to fail
+    rng = np.random.default_rng(2024)
+
+    def rejections(q: np.ndarray, draws: int = 200) -> float:
+        failed = 0
+        for _ in range(draws):
+            counts = Counter(dict(zip(keys, rng.multinomial(N_SPEC, q).tolist())))
+            failed += gof_pvalue(counts, first) < threshold
+        return failed / draws
+
+    def tempered(beta: float) -> np.ndarray:
+        q = p ** beta
+        return q / q.sum()
+
+    def moved(q: np.ndarray) -> float:
+        return float(np.abs(q - p).sum() / 2)
+
+    assert len(keys) >= 3 and p.max() < 0.9  # a distribution worth shifting
+    for lo, hi in ((1.0, 4.0), (0.1, 1.0)):  # sharper, flatter
+        beta = brentq(lambda b: moved(tempered(b)) - 0.05, lo, hi)
+        rate = rejections(tempered(beta))
+        print(f"\n5% shift of token 1 (beta {beta:.3f}): rejected in {rate:.0%} of samples of {N_SPEC}")
+        assert rate >= 0.9
+    assert rejections(p) <= 0.02
+
+
+def test_speculative_sampling_is_distributed_as_generate(models, prompt_ids, exact):
+    # the exact distribution is the one generate() samples from
+    p_views = view_pvalues(generate_sample(models["target"], prompt_ids, SAMPLING, N_GEN, seed=1234), exact)
+    print(f"\ngenerate() n={N_GEN} against the exact distribution: {describe(p_views)}")
     assert combined(p_views) > ALPHA, describe(p_views)
 
-    # The power of the same tests at the same sample size: samplers a little off are rejected.
+    assert load(models).encode(PROMPT) == prompt_ids
+    spec, histogram = parallel_speculative_sample(models, prompt_ids, SAMPLING, N_SPEC, first_seed=0)
+    # every path of verification ran hundreds of times: 0..K drafts accepted (K: the bonus token)
+    assert (histogram >= 400).all(), histogram
+    p_views = view_pvalues(spec, exact)
+    print(f"speculative n={N_SPEC}, accepted histogram {histogram.tolist()}: {describe(p_views)}")
+    assert combined(p_views) > ALPHA, describe(p_views)
+
+    # samplers a little off fail the same tests at the same sample size
     wrong = {
         "temperature 1.0": (models["target"], replace(SAMPLING, temperature=1.0)),
         "temperature 0.9": (models["target"], replace(SAMPLING, temperature=0.9)),
@@ -247,7 +348,7 @@ def test_speculative_sampling_is_distributed_as_generate(models, prompt_ids, ref
         "the draft's own distribution": (models["draft"], SAMPLING),  # as if every draft were accepted
     }
     for i, (name, (path, s)) in enumerate(wrong.items()):
-        p_views = view_pvalues(generate_sample(path, prompt_ids, s, N_SPEC, seed=77 + i), reference)
+        p_views = view_pvalues(generate_sample(path, prompt_ids, s, N_SPEC, seed=77 + i), exact)
         print(f"  wrong sampler, {name}: {describe(p_views)}")
         assert combined(p_views) < ALPHA, f"{name} passes: {describe(p_views)}"
 
@@ -352,7 +453,7 @@ def logged(models, draft="draft") -> tuple[ChatSession, FrameLog]:
 
 
 # -- a draft vocabulary larger than the target's ------------------------------------------------
-def test_draft_with_a_larger_vocabulary(models, prompt_ids, reference):
+def test_draft_with_a_larger_vocabulary(models, prompt_ids, exact):
     session, log = logged(models, "wide-draft")
     assert session.engine.drafter.vocab == WIDE_VOCAB > session.engine.head.config.vocab_size == VOCAB
     assert list(reply(session, prompt_ids, 24, Sampling()).token_ids) == greedy_generate(models, prompt_ids, 24)
@@ -361,7 +462,7 @@ def test_draft_with_a_larger_vocabulary(models, prompt_ids, reference):
     drafts = np.array(log.drafts())
     assert (drafts >= VOCAB).mean() > 0.05  # tokens the target lacks were proposed (and rejected)
     assert all(t < VOCAB for key in wide for t in key)
-    p_views = view_pvalues(wide, reference)
+    p_views = view_pvalues(wide, exact)
     print(f"\nwide draft n={N_WIDE}: {describe(p_views)}")
     assert combined(p_views) > ALPHA, describe(p_views)
 
