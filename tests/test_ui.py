@@ -121,6 +121,12 @@ async def wait_for(pilot, condition, timeout: float = 5.0) -> None:
         await pilot.pause(0.02)
 
 
+async def open_history(pilot) -> None:
+    """F2, then wait until the history screen is up."""
+    await pilot.press("f2")
+    await wait_for(pilot, lambda: isinstance(pilot.app.screen, HistoryScreen))
+
+
 def static_text(widget) -> str:
     """What the widget shows on screen, as plain text lines."""
     from textual.geometry import Region
@@ -236,8 +242,7 @@ async def test_chat_survives_restart_and_continues(db):
     app = SfchatApp(second, db)
     async with app.run_test(size=(100, 30)) as pilot:
         await wait_for(pilot, lambda: app.ready is not None)
-        await pilot.press("f2")
-        await wait_for(pilot, lambda: isinstance(app.screen, HistoryScreen))
+        await open_history(pilot)
         await pilot.press("down", "enter")  # the older chat: the list is newest first
         await wait_for(pilot, lambda: not isinstance(app.screen, HistoryScreen))
         await pilot.pause()
@@ -270,8 +275,7 @@ async def test_crashed_stream_is_shown_interrupted(db):
     app = SfchatApp(FakeRuntime(), db)
     async with app.run_test(size=(100, 30)) as pilot:
         await wait_for(pilot, lambda: app.ready is not None)
-        await pilot.press("f2")
-        await wait_for(pilot, lambda: isinstance(app.screen, HistoryScreen))
+        await open_history(pilot)
         await pilot.press("enter")
         await wait_for(pilot, lambda: app.query(ReplyMessage))
         reply = app.query_one(ReplyMessage)
@@ -289,12 +293,10 @@ async def test_history_screen_deletes_a_chat_but_not_the_open_one(db):
     app = SfchatApp(FakeRuntime(), db)
     async with app.run_test(size=(100, 30)) as pilot:
         await wait_for(pilot, lambda: app.ready is not None)
-        await pilot.press("f2")
-        await wait_for(pilot, lambda: isinstance(app.screen, HistoryScreen))
+        await open_history(pilot)
         await pilot.press("enter")  # open "new"
         await wait_for(pilot, lambda: app.session.title == "new")
-        await pilot.press("f2")
-        await wait_for(pilot, lambda: isinstance(app.screen, HistoryScreen))
+        await open_history(pilot)
         await pilot.press("delete")  # the open chat: refused
         assert [c.title for c in app.history.list_chats()] == ["new", "old"]
         await pilot.press("down", "delete", "escape")
