@@ -36,13 +36,9 @@ from sfchat.events import LinkState, RoundStats
 from sfchat.relay_link import LinkClosed, PeerGone
 from sfchat.runtime import sampling
 from sfchat.runtime.draft import Drafter
-from sfchat.runtime.slices import ModelSlice
+from sfchat.runtime.slices import DTYPE_NAMES, ModelSlice
 
 PREFILL_CHUNK = 512
-WIRE_DTYPES = {torch.float32: wire.DType.FLOAT32, torch.float16: wire.DType.FLOAT16,
-               torch.bfloat16: wire.DType.BFLOAT16}
-
-
 STALL_NOTICE_S = 3.0  # a round without a verdict for this long is reported as stalled
 
 
@@ -83,7 +79,7 @@ class HeadEngine:
         self.round_id = 0
         self.device = head.device
         self.vocab = head.config.vocab_size
-        self.wire_dtype = WIRE_DTYPES[head.dtype]
+        self.wire_dtype = wire.DType[DTYPE_NAMES[head.dtype].upper()]
 
     # -- handshake -----------------------------------------------------------------------------
     def connect(self, hello: dict, on_progress=None) -> dict:

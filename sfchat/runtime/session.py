@@ -26,9 +26,9 @@ from sfchat.runtime.draft import Drafter
 from sfchat.runtime.head import HeadEngine
 from sfchat.runtime.links import MemoryLink
 from sfchat.runtime.memory import check_head
-from sfchat.runtime.slices import ModelSlice, architecture, n_layers, pick_dtype
+from sfchat.runtime.slices import DTYPE_NAMES, ModelSlice, architecture, n_layers, pick_dtype
 from sfchat.runtime.source import ModelSource
-from sfchat.runtime.tail import DTYPE_NAMES, Verifier
+from sfchat.runtime.tail import Verifier
 from sfchat.wire import Sampling
 
 

@@ -47,6 +47,7 @@ ARCHITECTURES = {
 }
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}  # also the lower-case names of wire.DType
 
 
 def pick_dtype(device: torch.device, override: str | None = None) -> torch.dtype:

@@ -25,12 +25,9 @@ from sfchat import UserError, wire
 from sfchat.runtime import sampling
 from sfchat.runtime.memory import check_tail
 from sfchat.runtime.quant import QUANT_MODES
-from sfchat.runtime.slices import ModelSlice, n_layers, pick_dtype, runnable_dtype
+from sfchat.runtime.slices import DTYPE_NAMES, DTYPES, ModelSlice, n_layers, pick_dtype, runnable_dtype
 from sfchat.runtime.source import ModelSource
 
-DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
-TORCH_DTYPES = {wire.DType.FLOAT32: torch.float32, wire.DType.FLOAT16: torch.float16,
-                wire.DType.BFLOAT16: torch.bfloat16}
 
 
 class TailError(Exception):
@@ -163,7 +160,7 @@ class Verifier:
             self._fail(emit, "FORWARD before HELLO", resync=True)
         m = self.model
         n = len(msg.tokens)
-        sent = TORCH_DTYPES[msg.dtype]
+        sent = DTYPES[msg.dtype.name.lower()]
         if msg.hidden_size != m.config.hidden_size or DTYPE_NAMES[sent] not in (DTYPE_NAMES[m.dtype],
                                                                               self.identity["dtype"]):
             self._fail(emit, f"hidden states of size {msg.hidden_size}/{DTYPE_NAMES[sent]} do not match "
