@@ -27,7 +27,7 @@ FLAG_FIELDS = {  # flag dest -> Settings field
     "top_k": "top_k", "top_p": "top_p", "seed": "seed", "system": "system", "relay": "relay",
     "token": "token", "session": "session", "history": "history", "round_timeout": "round_timeout",
     "reconnect_timeout": "reconnect_timeout", "secret": "secret",
-    "load_in_4bit": "load_in_4bit", "draft_load_in_4bit": "draft_load_in_4bit",
+    "load_in_4bit": "load_in_4bit", "draft_load_in_4bit": "draft_load_in_4bit", "prepare": "prepare",
 }
 
 
@@ -59,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run the draft and the verify forwards eagerly (debugging, comparisons)")
     g.add_argument("--no-compile-draft", action="store_true",
                    help="skip torch.compile of the draft model (faster start, slower drafting)")
+    g.add_argument("--prepare", choices=["auto", "on", "off"],
+                   help="draft the next round while a verdict travels over the relay: auto (default: when the "
+                        "measured wait is longer than the work), on, off")
     g.add_argument("--max-context", type=int, help=f"context window in tokens (default {d.max_context})")
     g = p.add_argument_group("generation")
     g.add_argument("--prompt", help="one-shot: answer this prompt and exit")
@@ -171,6 +174,7 @@ def one_shot(s: Settings, prompt: str, as_json: bool) -> int:
             "tokens_per_round": final.tokens_per_round, "accepted_histogram": list(final.accepted_histogram),
             "tps": final.tps, "ttft_s": final.ttft_s, "round_ms": final.round_ms, "rtt_ms": final.rtt_ms,
             "draft_ms": final.draft_ms, "head_ms": final.head_ms, "tail_ms": final.tail_ms,
+            "wait_ms": final.wait_ms, "overlap_ms": final.overlap_ms, "prepared_hit_rate": final.prepared_hit_rate,
             "model": info.model, "draft": info.draft, "k": info.k, "split": info.split,
             "n_layers": info.n_layers, "dtype": info.dtype, "tail_dtype": info.tail_dtype or info.dtype,
             "quant": info.quant, "device": info.device,
@@ -225,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         print("sfchat: interrupted", file=sys.stderr)
         return 130
     except Exception as exc:  # a bug or a broken environment: one line, traceback on request
-        from sfchat.runtime.head import LinkError
+        from sfchat.runtime.driver import LinkError
 
         if os.environ.get("SFCHAT_DEBUG"):
             raise

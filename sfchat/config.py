@@ -45,6 +45,7 @@ class Settings:
     chat_template: bool = True
     cuda_graphs: bool = True
     compile_draft: bool = True  # torch.compile the draft before capturing its graph (CUDA only)
+    prepare: str = "auto"  # draft the next round while a verdict travels: auto (when the wait pays for it), on, off
     relay: str | None = None
     token: str | None = None
     session: str = "default"
@@ -67,6 +68,8 @@ class Settings:
             raise UserError("--top-k must be >= 0 (0 disables it)")
         if self.round_timeout <= 0 or self.reconnect_timeout < 0:
             raise UserError("--round-timeout must be > 0 and --reconnect-timeout >= 0")
+        if self.prepare not in ("auto", "on", "off"):
+            raise UserError(f"--prepare must be auto, on or off, not {self.prepare!r}")
         if not 0 < self.top_p <= 1:
             raise UserError("--top-p must be in (0, 1]")
         return self

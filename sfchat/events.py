@@ -55,8 +55,12 @@ class RoundStats:
     draft_ms: float
     head_ms: float
     tail_ms: float  # tail compute time, as reported by the tail
-    rtt_ms: float  # round wall time minus draft, head and tail compute
+    rtt_ms: float  # from sending to the verdict's arrival, less the tail's compute
     round_ms: float
+    wait_ms: float = 0.0  # blocked on the verdict (after any work done under the wait)
+    overlap_ms: float = 0.0  # work done while the verdict travelled (preparing the next round)
+    prepared: bool = False  # this round's frame was prepared under the previous round's wait
+    forward_bytes: int = 0  # size of the verify FORWARD frame
 
 
 @dataclass(frozen=True)
@@ -93,6 +97,9 @@ class ReplyFinished:
     draft_ms: float
     head_ms: float
     tail_ms: float
+    wait_ms: float = 0.0
+    overlap_ms: float = 0.0
+    prepared_hit_rate: float = 0.0  # share of rounds after the first whose frame was prepared under the wait
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ raise ``sfchat.UserError`` with a one-line message.
   before leaving come first); the link stays usable and a new peer may join later. It
   raises ``LinkClosed`` once the connection is gone (and keeps raising it), and
   ``TimeoutError`` when nothing arrived in time.
+  ``last_arrival`` is when the frame it last returned came off the socket (``time.perf_counter``).
 * ``wait_peer(timeout)`` blocks until the other role is connected to the relay.
 
 Frames sent while the other role is absent are dropped by the relay (it says so once per
@@ -33,6 +34,7 @@ import logging
 import queue
 import re
 import threading
+import time
 from urllib.parse import urlsplit
 
 from websockets.asyncio.client import ClientConnection, connect
@@ -78,6 +80,7 @@ class RelayLink:
         self._welcomed = False
         self._peer_present = False
         self._closed: str | None = None  # why the link is closed, once it is
+        self.last_arrival: float | None = None  # perf_counter() when the frame last returned by recv arrived
         self._closing = False
         self._ws: ClientConnection | None = None
         self._loop = asyncio.new_event_loop()
@@ -125,7 +128,7 @@ class RelayLink:
                 await self._credits.acquire()
                 message = await ws.recv()
                 if isinstance(message, bytes):
-                    self._inbox.put(message)
+                    self._inbox.put((time.perf_counter(), message))  # arrival time for the head's RTT
                 else:
                     self._credits.release()
                     self._on_event(message)
@@ -194,6 +197,7 @@ class RelayLink:
             raise LinkClosed(*item.args)
         if isinstance(item, PeerGone):
             raise item
+        self.last_arrival, item = item
         try:
             self._loop.call_soon_threadsafe(self._credits.release)
         except RuntimeError:

@@ -302,6 +302,11 @@ class SecureLink:
         self._sent += 1  # before sending: a nonce is never used twice, whatever send does
         self.inner.send(header + sealed)
 
+    @property
+    def last_arrival(self) -> float | None:
+        """When the frame last returned by ``recv`` arrived (the inner link's clock)."""
+        return getattr(self.inner, "last_arrival", None)
+
     def recv(self, timeout: float | None = None) -> bytes:
         """Next frame the peer sealed for this pairing; IntegrityError for anything else."""
         deadline = None if timeout is None else time.monotonic() + timeout

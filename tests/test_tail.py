@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from sfchat.runtime.head import hidden_bytes
+from sfchat.runtime.round import hidden_bytes
 from sfchat.runtime.slices import ModelSlice
 from sfchat.runtime.source import ModelSource
 from sfchat.runtime.tail import TailError, Verifier

@@ -21,11 +21,11 @@ from __future__ import annotations
 import torch
 
 from sfchat.runtime import sampling
-from sfchat.runtime.graphs import Graphed, pick, try_capture
+from sfchat.runtime.kv import PREFILL_CHUNK
+from sfchat.runtime.graphs import Graphed, capture_windows, pick
 from sfchat.runtime.slices import ModelSlice
 from sfchat.wire import Sampling
 
-PREFILL_CHUNK = 512
 GREEDY = Sampling()
 
 
@@ -52,12 +52,9 @@ class Drafter:
         ids = torch.zeros(2, dtype=torch.long, device=self.device)
         start = torch.zeros(1, dtype=torch.long, device=self.device)
         kv = self.model.kv
-        for window in [kv.max_len] if compile else [w for w in kv.windows if w > self.k]:
-            graph = try_capture(f"draft's {self.k}-step round over {window} slots",
-                                lambda a, b, w=window: self._graphed_round(a, b, forward, w), (ids, start), log)
-            if graph is None:
-                break  # warned once; rounds without a graph run eagerly
-            self.graphs[window] = graph
+        windows = [kv.max_len] if compile else [w for w in kv.windows if w > self.k]
+        self.graphs = capture_windows(f"draft's {self.k}-step round",
+                                      lambda a, b, w: self._graphed_round(a, b, forward, w), (ids, start), windows, log)
         return bool(self.graphs)
 
     def _graphed_round(self, ids: torch.Tensor, start: torch.Tensor, forward, window: int):
@@ -91,6 +88,15 @@ class Drafter:
             logits = self.model.forward(ids, pos, 1, window)
         self.model.kv.note(start, tokens)
         return logits
+
+    def next_token(self, tokens: list[int]) -> int:
+        """The draft's greedy guess of the token after ``tokens`` (one step over what is not cached:
+        normally the last token alone). Used to assume a bonus token; it leaves the cache as a
+        ``propose`` of the same context expects it (that feeds the last two tokens anew)."""
+        n = len(tokens)
+        start = min(self.model.kv.reusable(tokens), n - 1)
+        logits = self._feed(tokens[start:], start, self.model.kv.window_for(n))
+        return int(logits[-1].argmax())
 
     def propose(self, tokens: list[int], s: Sampling, generator: torch.Generator | None):
         """K drafts after ``tokens``: (list of ids, q_idx (K, n_q) int32, q_prob (K, n_q) float32)."""

@@ -58,6 +58,18 @@ def try_capture(what: str, fn, example_inputs, log=None):
         return None
 
 
+def capture_windows(what: str, fn, example_inputs, windows, log=None) -> dict[int, Graphed]:
+    """One graph of ``fn(*inputs, window)`` per attention window, ascending; stops at the first
+    window that cannot be captured (warned once), whose forwards and wider ones then run eagerly."""
+    graphs: dict[int, Graphed] = {}
+    for window in windows:
+        graph = try_capture(f"{what} over {window} slots", lambda *xs, w=window: fn(*xs, w), example_inputs, log)
+        if graph is None:
+            break
+        graphs[window] = graph
+    return graphs
+
+
 def pick(graphs: dict[int, Graphed], window: int) -> Graphed | None:
     """The graph captured for the smallest window of at least ``window`` slots, or None."""
     fits = [w for w in graphs if w >= window]

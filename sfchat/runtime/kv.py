@@ -29,6 +29,7 @@ import bisect
 
 import torch
 
+PREFILL_CHUNK = 512  # positions per forward when a long context is fed (head, draft, memory estimate)
 MIN_WINDOW = 512  # below this many slots a narrower attention saves nothing measurable on a GPU
 
 

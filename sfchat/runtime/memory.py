@@ -32,11 +32,10 @@ import torch
 from torch import nn
 
 from sfchat import UserError
-from sfchat.runtime.kv import windows_for
+from sfchat.runtime.kv import PREFILL_CHUNK, windows_for
 from sfchat.runtime.quant import NF4_BYTES_PER_WEIGHT
 from sfchat.runtime.slices import architecture
 
-PREFILL_CHUNK = 512  # as the head engine and the drafter feed a long context
 FIXED_SLACK = 256 << 20  # cuBLAS workspaces, allocator rounding
 GRAPH_POOL_BYTES = 40 << 20  # one captured forward's private memory pool (allocator segments)
 GIB = 1 << 30

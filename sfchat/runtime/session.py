@@ -23,9 +23,10 @@ from sfchat import UserError
 from sfchat.config import Settings
 from sfchat.events import LinkState, LoadProgress, ReplyFinished, ReplyStarted, RuntimeReady, TokensCommitted
 from sfchat.runtime.draft import Drafter
-from sfchat.runtime.head import HeadEngine
+from sfchat.runtime.driver import RoundDriver
 from sfchat.runtime.links import MemoryLink
 from sfchat.runtime.memory import check_head
+from sfchat.runtime.round import HeadRound
 from sfchat.runtime.slices import DTYPE_NAMES, ModelSlice, architecture, n_layers, pick_dtype
 from sfchat.runtime.source import ModelSource
 from sfchat.runtime.tail import Verifier
@@ -155,7 +156,7 @@ def uses_draft(s: Settings) -> bool:
 
 def build_engine(s: Settings, on_event: Callable = lambda e: None, link=None,
                  src: ModelSource | None = None, dsrc: ModelSource | None = None):
-    """Load draft and head slice, capture graphs, connect to the tail: (HeadEngine, RuntimeReady).
+    """Load draft and head slice, capture graphs, connect to the tail: (RoundDriver, RuntimeReady).
 
     Token ids only: no tokenizer is needed (benchmarks use random-weight checkpoints)."""
     devices = resolve_devices(s.device)
@@ -192,13 +193,13 @@ def build_engine(s: Settings, on_event: Callable = lambda e: None, link=None,
     if link is None:
         link = MemoryLink(Verifier(device, devices=devices))
     reconnect = (lambda timeout: connect_relay(s, on_event, timeout)) if mode == "relay" else None
-    engine = HeadEngine(head, drafter, link, max_context=max_context, on_event=on_event, reconnect=reconnect,
-                        round_timeout=s.round_timeout, reconnect_timeout=s.reconnect_timeout)
+    engine = RoundDriver(HeadRound(head, drafter, max_context=max_context), link, on_event=on_event,
+                         reconnect=reconnect, round_timeout=s.round_timeout, reconnect_timeout=s.reconnect_timeout,
+                         prepare=s.prepare)
     hello = {"model": s.model, "revision": s.revision, "split": split, "dtype": DTYPE_NAMES[dtype],
              "max_len": kv_len, "n_layers": L, "hidden_size": src.config.hidden_size, "k": k,
              "graphs": s.cuda_graphs, "quant": quant}
-    ready = engine.connect(hello, lambda d: on_event(LoadProgress("tail", d.get("stage", ""), d.get("done", 0),
-                                                          d.get("total", 0), d.get("detail", ""))))
+    ready = engine.connect(hello, lambda *fields: on_event(LoadProgress("tail", *fields)))
     info = RuntimeReady(model=s.model, draft=s.draft if k else "none", split=split, n_layers=L,
                         dtype=DTYPE_NAMES[dtype], k=k, device=",".join(map(str, devices)), mode=mode,
                         max_context=max_context, quant=quant,
@@ -208,7 +209,7 @@ def build_engine(s: Settings, on_event: Callable = lambda e: None, link=None,
 
 
 class ChatSession:
-    def __init__(self, settings: Settings, tokenizer, engine: HeadEngine, eos: set[int], info: RuntimeReady):
+    def __init__(self, settings: Settings, tokenizer, engine: RoundDriver, eos: set[int], info: RuntimeReady):
         self.settings, self.tokenizer, self.engine, self.eos, self.info = settings, tokenizer, engine, eos, info
 
     @classmethod
@@ -263,12 +264,15 @@ class ChatSession:
         def mean(attr):
             return sum(getattr(r, attr) for r in rounds) / len(rounds) if rounds else 0.0
 
+        hit_rate = sum(r.prepared for r in steady) / len(steady) if steady else 0.0
+
         yield ReplyFinished(
             finish_reason=finish, text=stream.text, token_ids=tuple(tokens), prompt_tokens=len(prompt_ids),
             rounds=len(rounds), tokens_per_round=len(tokens) / len(rounds) if rounds else 0.0,
             accepted_histogram=tuple(hist), tps=tps, ttft_s=ttft,
             prefill_s=rounds[0].round_ms / 1e3 if rounds else 0.0, round_ms=mean("round_ms"),
             rtt_ms=mean("rtt_ms"), draft_ms=mean("draft_ms"), head_ms=mean("head_ms"), tail_ms=mean("tail_ms"),
+            wait_ms=mean("wait_ms"), overlap_ms=mean("overlap_ms"), prepared_hit_rate=hit_rate,
         )
 
 

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from sfchat import UserError
-from sfchat.runtime.graphs import Graphed, pick, try_capture
+from sfchat.runtime.graphs import Graphed, capture_windows, pick
 from sfchat.runtime.kv import StaticKV
 from sfchat.runtime.quant import check_mode, quantize_linears
 from sfchat.runtime.source import ModelSource, Progress, _no_progress
@@ -200,12 +200,11 @@ class ModelSlice(nn.Module):
             x = torch.zeros(n_tokens, self.config.hidden_size, dtype=self.dtype, device=self.device)
         positions = torch.arange(n_tokens, device=self.device)
         key = (n_tokens, n_logits if self.lm_head is not None else 0)
-        for window in (w for w in self.kv.windows if w >= n_tokens):
-            graph = try_capture(f"{n_tokens}-token forward of layers [{self.lo}, {self.hi}) over {window} slots",
-                                lambda a, b, w=window: self.forward(a, b, n_logits, w), (x, positions), log)
-            if graph is None:
-                break  # warned once; the windows without a graph run eagerly
-            self.graphs.setdefault(key, {})[window] = graph
+        graphs = capture_windows(f"{n_tokens}-token forward of layers [{self.lo}, {self.hi})",
+                                 lambda a, b, w: self.forward(a, b, n_logits, w), (x, positions),
+                                 [w for w in self.kv.windows if w >= n_tokens], log)
+        if graphs:
+            self.graphs[key] = graphs
         return key in self.graphs
 
     def run(self, x: torch.Tensor, positions: torch.Tensor, n_logits: int = 0, *, end: int | None = None
