@@ -7,7 +7,7 @@ thread to any other thread (the TUI forwards them with Textual's thread-safe
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 
 @dataclass(frozen=True)
@@ -100,6 +100,15 @@ class ReplyFinished:
     wait_ms: float = 0.0
     overlap_ms: float = 0.0
     prepared_hit_rate: float = 0.0  # share of rounds after the first whose frame was prepared under the wait
+
+    def figures(self) -> dict:
+        """Every figure of the reply as plain JSON values (no text, no token ids): what the
+        one-shot ``--json`` prints and the history keeps beside the reply."""
+        out = asdict(self)
+        del out["text"], out["token_ids"]
+        out["tokens"] = len(self.token_ids)
+        out["accepted_histogram"] = list(self.accepted_histogram)
+        return out
 
 
 @dataclass(frozen=True)

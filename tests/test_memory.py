@@ -98,7 +98,7 @@ def test_the_refusal_names_the_figures_and_the_fixes(gpus):
                    k=8, draft=(qwen05b(), torch.device("cuda"), torch.float16, "none"))
     msg = str(err.value)
     assert msg.startswith("not enough GPU memory on cuda:0: loading needs about ")
-    assert "head layers 8.8 GiB (weights 7.1 GiB" in msg and "draft 1.8 GiB" in msg and "only 6.0 GiB is free" in msg
+    assert "head layers 8.8 GiB (weights 7.1 GiB" in msg and "draft 2.0 GiB" in msg and "only 6.0 GiB is free" in msg  # round + guess graphs
     for fix in ("--load-in-4bit", "a shorter --max-context (now 4105 positions, 0.03 GiB of KV cache per 1024 "
                 "positions)",
                 "a smaller --split (moves layers to the tail)", "--device cuda:0,cuda:1",
