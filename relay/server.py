@@ -19,7 +19,8 @@ Before upgrading, the relay answers with a plain HTTP status instead when:
 
 Two clients racing for the same slot can both pass the HTTP checks; the loser is then closed
 right after the upgrade with code 4409 (4503 for the session or connection limit) and the same reason.
-Refusals are logged once per client address and kind, then not again for ten minutes.
+Refusals are logged once per client address and kind, then not again for ten minutes; every
+log line, whoever writes it, also passes one rate limit (``relay.logs``).
 
 After the upgrade
 -----------------
@@ -35,8 +36,8 @@ After the upgrade
   per absence. Nothing is buffered for an absent peer. Events travel in the same ordered
   queue as frames, so ``peer_left`` follows the last frame of the departed peer.
 * A text message from a client closes that connection with 1003; a message over
-  ``--max-frame-mb`` (default ``MAX_FRAME_BYTES``, below) closes it with 1009; more than ``--max-frames-per-s`` frames or
-  ``--max-mb-per-s`` MiB per second (token buckets holding one second's worth, and at least
+  ``--max-frame-mb`` (default ``MAX_FRAME_BYTES``, below) closes it with 1009; more than
+  ``--max-frames-per-s`` frames or ``--max-mb-per-s`` MiB per second (token buckets holding one second's worth, and at least
   four maximal frames) close it with 1008; a receiver that falls too far behind its bounded
   queue, or holds the most bytes when all queues together reach ``--max-buffer-mb``, is closed
   with 1013 (a sender holding the most bytes of a frame still arriving is cut instead, see
@@ -66,8 +67,11 @@ Every byte the relay holds for a client is counted against ``--max-buffer-mb``: 
 for a receiver (until its socket took them), frames still arriving (what websockets' parser
 holds of them) and frames received but not yet forwarded. Past the limit the holders of the
 most bytes are closed (see ``relay.budget``); a sender mid-frame is cut without a close frame.
-Beyond the budget, memory grows by at most a few KiB per connection, websockets' 16 KiB
-handshake request per pending one and one 256 KiB socket read per connection in flight.
+Memory stays under ``--max-buffer-mb`` + ``LINGER_FRAMES`` frames (receivers shed politely keep
+the frame in flight until their close completes; past that they are aborted) + a constant: the
+interpreter at rest (~27 MiB), a few KiB per connection, at most ``relay.gate.MAX_REQUEST_BYTES`` (16 KiB)
+per pending handshake and one 256 KiB socket read per connection. Measured (bench/RESULTS.md):
+40 half-sent 12 MiB frames against ``--max-buffer-mb 64`` peak at rest + 65 MiB.
 
 Connections and file descriptors
 --------------------------------

@@ -226,7 +226,7 @@ def test_fifty_sessions_complete_while_hostile_clients_attack_and_memory_stays_b
             [sys.executable, "-m", "relay.server", "--host", "127.0.0.1", "--port", "0", "--token", TOKEN,
              "--max-frame-mb", "1", "--max-connections", "200", "--max-sessions", "200", "--max-frames-per-s", "1000",
              "--max-pending", "400", "--max-pending-per-ip", "400",  # every client here is 127.0.0.1
-             "--max-mb-per-s", "64", "--max-buffer-mb", "64", "--idle-timeout", "0.15"],
+             "--max-mb-per-s", "64", "--max-buffer-mb", "64", "--idle-timeout", "0.3"],
             stdout=subprocess.PIPE, stderr=err, text=True, env=ENV)
     try:
         port = int(re.search(r"listening on ws://[^:]+:(\d+)", relay.stdout.readline())[1])
