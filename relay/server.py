@@ -19,7 +19,8 @@ Before upgrading, the relay answers with a plain HTTP status instead when:
 
 Two clients racing for the same slot can both pass the HTTP checks; the loser is then closed
 right after the upgrade with code 4409 (4503 for the session or connection limit) and the same reason.
-Refusals are logged once per client address and kind, then not again for ten minutes.
+Refusals are logged once per client address and kind, then not again for ten minutes; every
+log line, whoever writes it, also passes one rate limit (``relay.logs``).
 
 After the upgrade
 -----------------
@@ -35,34 +36,63 @@ After the upgrade
   per absence. Nothing is buffered for an absent peer. Events travel in the same ordered
   queue as frames, so ``peer_left`` follows the last frame of the departed peer.
 * A text message from a client closes that connection with 1003; a message over
-  ``--max-frame-mb`` closes it with 1009; more than ``--max-frames-per-s`` frames or
-  ``--max-mb-per-s`` MiB per second (token buckets holding one second's worth, and at least
+  ``--max-frame-mb`` (default ``MAX_FRAME_BYTES``, below) closes it with 1009; more than
+  ``--max-frames-per-s`` frames or ``--max-mb-per-s`` MiB per second (token buckets holding one second's worth, and at least
   four maximal frames) close it with 1008; a receiver that falls too far behind its bounded
   queue, or holds the most bytes when all queues together reach ``--max-buffer-mb``, is closed
-  with 1013; a connection that sends nothing for ``--idle-timeout`` minutes (keepalive pings and
+  with 1013 (a sender holding the most bytes of a frame still arriving is cut instead, see
+  Memory); a connection that sends nothing for ``--idle-timeout`` minutes (keepalive pings and
   pongs do not count) is closed with 4408. Other connections and sessions are unaffected.
 * The relay never parses a frame, so it needs no trust in their contents: head and tail seal
   them end to end (``sfchat.secure_link``); the relay sees sizes and timing only.
 * Once the tail leaves, the session keeps its head and a new tail may join (and vice versa).
   A session disappears when both roles have left.
 * On SIGTERM or SIGINT the relay closes every connection with 1001 and exits 0.
+
+Largest frame
+-------------
+``MAX_FRAME_BYTES`` (12 MiB) is the largest sealed frame the sfchat protocol can produce,
+whatever the HELLO says, for the protocol maximum chosen here: a FORWARD carries at most 512
+positions (``PREFILL_CHUNK``: prefill chunks, and the node budget of a token tree) of at most
+16 KiB of hidden state each (hidden_size <= 8192 in bf16/fp16, e.g. Qwen2.5-72B; or 4096 in
+fp32), plus at most 64 bytes of per-position fields (token id, tree parent, depth), today's
+largest draft distributions (MAX_DRAFT x MAX_Q_ENTRIES x 8 bytes = 2 MiB) and headers:
+10.03 MiB of plaintext; sealing pads by less than 1/8 (to 11 MiB exactly) and adds 29 bytes.
+A Qwen2.5-7B prefill chunk is 3.5 MiB, a 256-node tree 1.8 MiB. tests/test_relay_memory.py
+recomputes the bound from ``sfchat.wire`` and ``sfchat.secure_link``.
+
+Memory
+------
+Every byte the relay holds for a client is counted against ``--max-buffer-mb``: frames queued
+for a receiver (until its socket took them), frames still arriving (what websockets' parser
+holds of them) and frames received but not yet forwarded. Past the limit the holders of the
+most bytes are closed (see ``relay.budget``); a sender mid-frame is cut without a close frame.
+Memory stays under ``--max-buffer-mb`` + ``LINGER_FRAMES`` frames (receivers shed politely keep
+the frame in flight until their close completes; past that they are aborted) + a constant: the
+interpreter at rest (~27 MiB), a few KiB per connection, at most ``relay.gate.MAX_REQUEST_BYTES`` (16 KiB)
+per pending handshake and one 256 KiB socket read per connection. Measured (bench/RESULTS.md):
+40 half-sent 12 MiB frames against ``--max-buffer-mb 64`` peak at rest + 65 MiB.
+
+Connections and file descriptors
+--------------------------------
+See ``relay.gate``. Every accepted socket is counted until it closes; ``--max-pending``
+connections in all, and ``--max-pending-per-ip`` per address, may be in their handshake
+(``--handshake-timeout`` seconds at most); a newcomer over a limit evicts the oldest pending
+connection of the most crowded address. At start the relay raises its RLIMIT_NOFILE soft limit
+as far as needed and allowed, and refuses to start when ``--max-connections`` + ``--max-pending``
++ ``FD_RESERVE`` (one accept batch, the listening sockets, the log) do not fit; sockets past
+what the descriptors allow are aborted at accept. Every log line is rate limited (``relay.logs``).
 """
+
+
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import hmac
-import logging
-import os
+import resource
 import re
-import secrets
-import shlex
-import signal
-import socket
 import ssl
-import sys
-import time
 from dataclasses import dataclass
 from urllib.parse import parse_qs, urlsplit
 
@@ -72,7 +102,10 @@ from websockets.datastructures import Headers
 from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
 
-from relay.session import ROLES, Budget, LogOnce, Peer, Session, address, close_firmly, host, log
+from relay.budget import Budget, TokenBucket
+from relay.gate import Gate, MeteredConnection
+from relay.logs import LogOnce
+from relay.session import ROLES, Peer, Session, address, close_firmly, host, log
 
 SESSION_PATH = re.compile(r"/session/([A-Za-z0-9._-]{1,64})")
 CLOSE_UNSUPPORTED_DATA = 1003
@@ -80,6 +113,10 @@ CLOSE_POLICY = 1008
 CLOSE_IDLE = 4408
 CLOSE_SLOT_TAKEN = 4409
 CLOSE_RELAY_FULL = 4503
+MAX_FRAME_BYTES = 12 << 20  # see "Largest frame"
+LINGER_FRAMES = 2  # frames that closing receivers may keep while their close frame waits
+ACCEPT_BACKLOG = 128  # asyncio accepts up to this many sockets in one go
+FD_RESERVE = ACCEPT_BACKLOG + 64  # one accept batch, listening sockets, log, loop internals
 
 
 class StartupError(Exception):
@@ -96,35 +133,20 @@ class RelayConfig:
     ssl: ssl.SSLContext | None = None
     emulate_rtt_ms: float = 0.0
     max_sessions: int = 64
-    max_connections: int = 256
-    max_frame_bytes: int = 32 << 20
+    max_connections: int = 256  # upgraded connections
+    max_pending: int = 128  # connections in their handshake, all addresses together
+    max_pending_per_host: int = 8
+    max_frame_bytes: int = MAX_FRAME_BYTES
     # Generous: a round is two frames of ~64 KB (Qwen2.5-7B, K=8), a prefill chunk a few MB.
     max_frames_per_s: float = 2000.0
     max_bytes_per_s: float = 512 << 20
-    max_buffer_bytes: int = 1 << 30  # every session's send queues together
+    max_buffer_bytes: int = 1 << 30  # every byte held for clients: outboxes and inbound frames
     idle_timeout: float = 30 * 60.0  # seconds without a message from the client; 0 = never
     ping_interval: float = 20.0  # generous: a WAN spike must not kill a long generation
     ping_timeout: float = 60.0
     close_timeout: float = 3.0  # bounds shutdown when a peer never answers the close frame
     open_timeout: float = 10.0  # a client that never finishes its handshake is dropped after this
     max_queue: int = 4  # websockets' per-connection receive buffer, in frames (bounds memory)
-
-
-class TokenBucket:
-    """``rate`` units per second with room for ``burst``; ``take`` says whether ``n`` still fit."""
-
-    def __init__(self, rate: float, burst: float):
-        self.rate, self.burst = rate, burst
-        self.level, self.stamp = burst, time.monotonic()
-
-    def take(self, n: float) -> bool:
-        now = time.monotonic()
-        self.level = min(self.burst, self.level + (now - self.stamp) * self.rate)
-        self.stamp = now
-        if n > self.level:
-            return False
-        self.level -= n
-        return True
 
 
 class Relay:
@@ -134,16 +156,24 @@ class Relay:
         self.config = config
         self.sessions: dict[str, Session] = {}
         self.connections: set[ServerConnection] = set()  # upgraded and not yet handled to the end
-        self.budget = Budget(config.max_buffer_bytes)
+        self.budget = Budget(config.max_buffer_bytes, linger=LINGER_FRAMES * config.max_frame_bytes)
         self.refused = LogOnce()
+        self.gate: Gate | None = None
         self._server: Server | None = None
 
     async def start(self) -> None:
         c = self.config
+        max_open = descriptor_room(c.max_connections + c.max_pending)
+        self.gate = gate = Gate(self.budget, self.refused, max_open, c.max_pending, c.max_pending_per_host)
+
+        def connection(protocol, server, **options) -> MeteredConnection:
+            return MeteredConnection(protocol, server, gate=gate, **options)
+
         self._server = await ws_serve(
             self._handle, c.host, c.port, ssl=c.ssl, process_request=self._check_request,
             compression=None, max_size=c.max_frame_bytes, max_queue=c.max_queue, open_timeout=c.open_timeout,
             ping_interval=c.ping_interval, ping_timeout=c.ping_timeout, close_timeout=c.close_timeout,
+            create_connection=connection, backlog=ACCEPT_BACKLOG,
         )
 
     @property
@@ -211,7 +241,8 @@ class Relay:
             return 503, f"relay is full ({self.config.max_sessions} sessions)"
         return None
 
-    async def _handle(self, ws: ServerConnection) -> None:
+    async def _handle(self, ws: MeteredConnection) -> None:
+        self.gate.settle(ws)  # upgraded: no longer counts against the handshake limits
         name, role = ws.sfchat_slot
         # The HTTP check ran before the upgrade; another client may have taken the slot since.
         refusal = self._refusal(name, role)
@@ -253,6 +284,7 @@ class Relay:
         try:
             async with asyncio.timeout_at(loop.time() + idle if idle else None) as quiet:
                 async for message in ws:
+                    ws.consumed(len(message) if isinstance(message, bytes) else len(message.encode()))
                     if idle:
                         quiet.reschedule(loop.time() + idle)
                     if isinstance(message, str):
@@ -274,6 +306,31 @@ class Relay:
             pass  # oversize frame, lost connection, shutdown: the close code says which
 
 
+def _url(host: str, port: int, tls: bool) -> str:
+    host = f"[{host}]" if ":" in host else host  # IPv6 literal
+    return f"{'wss' if tls else 'ws'}://{host}:{port}"
+
+
+def descriptor_room(connections: int) -> int:
+    """How many sockets may be open at once: RLIMIT_NOFILE (raised towards what ``connections``
+    need, as far as the hard limit allows) less ``FD_RESERVE``; StartupError when too few."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = connections + FD_RESERVE
+    if soft != resource.RLIM_INFINITY and soft < want:
+        raised = want if hard == resource.RLIM_INFINITY else min(want, hard)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (raised, hard))
+            soft = raised
+        except (OSError, ValueError):
+            pass
+    if soft == resource.RLIM_INFINITY:
+        return connections
+    if soft < want:
+        raise StartupError(f"--max-connections plus --max-pending need {want} file descriptors "
+                           f"({FD_RESERVE} kept in reserve) but ulimit -n allows {soft}: raise it or lower them")
+    return soft - FD_RESERVE
+
+
 async def serve(config: RelayConfig) -> Relay:
     """Start a relay listening as ``config`` says; close it with ``close()`` + ``wait_closed()``."""
     relay = Relay(config)
@@ -281,129 +338,8 @@ async def serve(config: RelayConfig) -> Relay:
     return relay
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):
-        # One line, no usage block: the relay often runs under a process manager's log.
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+if __name__ == "__main__":  # python -m relay.server, as scripts and tests run it
+    import sys
 
-
-def _bounded(kind, low, high=None):
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-        if value < low or (high is not None and value > high):
-            limit = f"{low}..{high}" if high is not None else f">= {low}"
-            raise argparse.ArgumentTypeError(f"{text} is out of range ({limit})")
-        return value
-    return parse
-
-
-def _parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="sfchat-relay", description="Pair sfchat heads and tails by session name "
-                                                 "and forward their frames.")
-    p.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0)")
-    p.add_argument("--port", type=_bounded(int, 0, 65535), default=8765,
-                   help="port to listen on; 0 picks a free one (default 8765)")
-    p.add_argument("--token", default=os.environ.get("SFCHAT_TOKEN"),
-                   help="shared secret clients must present (default: $SFCHAT_TOKEN, else generated)")
-    p.add_argument("--certfile", help="TLS certificate (PEM) to serve wss://")
-    p.add_argument("--keyfile", help="TLS private key (PEM), if not inside --certfile")
-    p.add_argument("--emulate-rtt-ms", type=_bounded(float, 0.0), default=0.0, metavar="MS",
-                   help="delay every forwarded frame by MS/2 each way, to rehearse a WAN locally")
-    d = RelayConfig(token="")
-    p.add_argument("--max-sessions", type=_bounded(int, 1), default=d.max_sessions)
-    p.add_argument("--max-connections", type=_bounded(int, 2), default=d.max_connections,
-                   help=f"open websocket connections at most (default {d.max_connections})")
-    p.add_argument("--max-frame-mb", type=_bounded(float, 0.001), default=32.0,
-                   help="largest message accepted, in MiB (default 32)")
-    p.add_argument("--max-frames-per-s", type=_bounded(float, 1.0), default=d.max_frames_per_s,
-                   help=f"per connection; faster senders are closed (default {d.max_frames_per_s:g})")
-    p.add_argument("--max-mb-per-s", type=_bounded(float, 0.001), default=d.max_bytes_per_s / (1 << 20),
-                   help=f"per connection, in MiB; faster senders are closed (default {d.max_bytes_per_s >> 20})")
-    p.add_argument("--max-buffer-mb", type=_bounded(float, 1.0), default=d.max_buffer_bytes / (1 << 20),
-                   help=f"frames queued for all receivers together, in MiB (default {d.max_buffer_bytes >> 20})")
-    p.add_argument("--idle-timeout", type=_bounded(float, 0.0), default=d.idle_timeout / 60, metavar="MIN",
-                   help=f"close connections that send nothing for MIN minutes; 0 = never "
-                        f"(default {d.idle_timeout / 60:g})")
-    p.add_argument("--log-level", default="INFO", type=str.upper,
-                   choices=["DEBUG", "INFO", "WARNING", "ERROR"])
-    return p
-
-
-def _tls_context(certfile: str | None, keyfile: str | None) -> ssl.SSLContext | None:
-    if certfile is None:
-        if keyfile is not None:
-            raise StartupError("--keyfile needs --certfile")
-        return None
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    try:
-        context.load_cert_chain(certfile, keyfile)
-    except (OSError, ssl.SSLError) as exc:
-        raise StartupError(f"cannot load TLS certificate {certfile!r}: {exc.strerror or exc}") from None
-    return context
-
-
-def _url(host: str, port: int, tls: bool) -> str:
-    host = f"[{host}]" if ":" in host else host  # IPv6 literal
-    return f"{'wss' if tls else 'ws'}://{host}:{port}"
-
-
-def _banner(relay: Relay, token_generated: bool) -> str:
-    host = relay.config.host
-    public = socket.gethostname() if host in ("0.0.0.0", "::", "") else host
-    public_url = _url(public, relay.port, relay.config.ssl is not None)
-    common = f"--relay {public_url} --token {shlex.quote(relay.config.token)} --session NAME"
-    lines = [f"sfchat-relay listening on {relay.url}"]
-    if token_generated:
-        lines.append("token generated for this run; pass --token or set SFCHAT_TOKEN to keep one")
-    if relay.config.emulate_rtt_ms:
-        lines.append(f"emulating a round trip of {relay.config.emulate_rtt_ms:g} ms")
-    lines += ["run, with any NAME and a SECRET of your own shared by both sides (the relay never sees it):",
-              f"  head:  sfchat {common} --secret SECRET",
-              f"  tail:  sfchat --tail {common} --secret SECRET"]
-    return "\n".join(lines)
-
-
-async def _run(config: RelayConfig, token_generated: bool) -> None:
-    try:
-        relay = await serve(config)
-    except OSError as exc:
-        raise StartupError(f"cannot listen on {config.host}:{config.port}: {exc.strerror or exc}") from None
-    print(_banner(relay, token_generated), flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, stop.set)
-    await stop.wait()
-    log.info("shutting down: closing %d session(s)", len(relay.sessions))
-    relay.close()
-    await relay.wait_closed()
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    logging.basicConfig(stream=sys.stderr, level=args.log_level,
-                        format="%(asctime)s %(levelname)s %(message)s")
-    # websockets logs every handshake at INFO; our own join/leave/refusal lines replace those.
-    logging.getLogger("websockets").setLevel(max(logging.getLevelName(args.log_level), logging.WARNING))
-    token = args.token or secrets.token_urlsafe(24)
-    try:
-        config = RelayConfig(
-            token=token, host=args.host, port=args.port,
-            ssl=_tls_context(args.certfile, args.keyfile), emulate_rtt_ms=args.emulate_rtt_ms,
-            max_sessions=args.max_sessions, max_frame_bytes=int(args.max_frame_mb * (1 << 20)),
-            max_connections=args.max_connections, max_frames_per_s=args.max_frames_per_s,
-            max_bytes_per_s=args.max_mb_per_s * (1 << 20), max_buffer_bytes=int(args.max_buffer_mb * (1 << 20)),
-            idle_timeout=args.idle_timeout * 60,
-        )
-        asyncio.run(_run(config, token_generated=not args.token))
-    except StartupError as exc:
-        print(f"sfchat-relay: error: {exc}", file=sys.stderr)
-        return 2
-    return 0
-
-
-if __name__ == "__main__":
+    from relay.cli import main
     sys.exit(main())

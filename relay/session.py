@@ -12,10 +12,12 @@ Each outbox entry carries the time at which it may be delivered. With an emulate
 frame is due ``rtt / 2`` after it arrived; the delivery task sleeps only until the head of
 the queue is due, so a burst of frames is delayed once, not once per frame.
 
-The outbox is bounded in frames and in bytes, and all outboxes together share one ``Budget``
-of bytes. A receiver too slow to keep up is closed with a reason (code 1013) instead of letting
-the relay's memory grow; when the shared budget runs out, the peer holding the most queued bytes
-is the one closed, and its queue is freed at once.
+The outbox is bounded in frames and in bytes, and every outbox is a holder of the relay's one
+``relay.budget.Budget``: a frame counts from the moment it is queued until the socket has taken
+it (``send`` returned), so a receiver that stops reading holds at most one frame in its socket's
+buffer beyond its queue, and that frame is counted too. A receiver too slow to keep up is closed
+with a reason (code 1013) instead of letting the relay's memory grow; when the shared budget runs
+out, the holder with the most bytes is the one closed, and a peer's queue is freed at once.
 
 This module does not know about HTTP, tokens or options (see ``relay.server``), and never
 looks inside a frame.
@@ -26,63 +28,17 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import time
 
 from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed
+
+from relay.budget import Budget
 
 ROLES = ("head", "tail")
 OUTBOX_FRAMES = 4096
 CLOSE_TOO_SLOW = 1013  # "try again later": the receiver fell behind the relay's bounded queue
 
 log = logging.getLogger("relay")
-
-
-class Budget:
-    """Bytes queued in all outboxes together, against one limit for the whole relay."""
-
-    def __init__(self, limit: int):
-        self.limit = limit
-        self.used = 0
-        self.peers: set[Peer] = set()
-
-    def reserve(self, size: int, receiver: "Peer") -> bool:
-        """Account ``size`` bytes for ``receiver``, first closing the peers with the longest queues
-        if needed; False when ``receiver`` itself was closed (or the frame can never fit)."""
-        while self.used + size > self.limit:
-            victim = max((p for p in self.peers if not p.closing), key=lambda p: p.queued_bytes, default=None)
-            if victim is None or victim.queued_bytes == 0:
-                receiver.overflow("relay buffer full: this side reads too slowly")
-                return False
-            victim.overflow("relay buffer full: this side reads too slowly")
-            if victim is receiver:
-                return False
-        self.used += size
-        return True
-
-
-class LogOnce:
-    """Log a refusal or limit hit once per (address, kind), then stay quiet about it for a while:
-    a hostile client repeating itself must not be able to flood the relay's log."""
-
-    def __init__(self, quiet_s: float = 600.0, max_keys: int = 4096):
-        self.quiet_s, self.max_keys = quiet_s, max_keys
-        self._until: dict[tuple[str, str], float] = {}
-        self._muted: dict[tuple[str, str], int] = {}
-
-    def __call__(self, host: str, kind: str, message: str, *args) -> None:
-        key, now = (host, kind), time.monotonic()
-        if now < self._until.get(key, 0.0):
-            self._muted[key] = self._muted.get(key, 0) + 1
-            return
-        muted = self._muted.pop(key, 0)
-        if len(self._until) >= self.max_keys:  # bounded memory: forget everything, log again
-            self._until.clear()
-            self._muted.clear()
-        self._until[key] = now + self.quiet_s
-        note = f" ({muted} more like it were not logged)" if muted else ""
-        log.warning(message + note + " [repeats from %s not logged for %d min]", *args, host,
-                    round(self.quiet_s / 60))
 
 
 def other_role(role: str) -> str:
@@ -122,38 +78,49 @@ class Peer:
         self.told_dropped = False  # a "dropped" event was sent during the current absence
         self._max_queued_bytes = max_queued_bytes
         self._queued_bytes = 0
+        self._in_flight = 0  # size of the frame being written to the socket
         self._budget = budget or Budget(1 << 62)
-        self._budget.peers.add(self)
+        self._budget.holders.add(self)
         self._outbox: asyncio.Queue[tuple[float, bytes | str]] = asyncio.Queue(OUTBOX_FRAMES)
         self._closing: asyncio.Task | None = None
         self._delivery = asyncio.create_task(self._deliver())
 
     @property
-    def queued_bytes(self) -> int:
+    def held(self) -> int:
+        """Bytes queued for this peer, plus the frame being written to its socket."""
         return self._queued_bytes
 
     @property
-    def closing(self) -> bool:
+    def shedding(self) -> bool:
         return self._closing is not None
+
+    def shed(self, linger_room: int) -> None:
+        self.overflow("relay buffer full: this side reads too slowly", hard=self._in_flight > linger_room)
 
     def enqueue(self, message: bytes | str, deliver_at: float) -> None:
         """Queue a frame (bytes) or event (str) for delivery at ``deliver_at`` (loop time)."""
         if self._closing is not None:
             return
         if self._outbox.full() or self._queued_bytes + len(message) > self._max_queued_bytes:
-            self.overflow("relay send queue overflow: this side reads too slowly")
-            return
-        if not self._budget.reserve(len(message), self):
+            # a polite close keeps the frame in flight; beyond the budget's linger allowance, abort
+            hard = self._budget.leaving() + self._in_flight > self._budget.linger
+            self.overflow("relay send queue overflow: this side reads too slowly", hard)
             return
         self._queued_bytes += len(message)
         self._outbox.put_nowait((deliver_at, message))
+        self._budget.charge(self, len(message))  # may shed this peer, which empties its queue
 
-    def overflow(self, reason: str) -> None:
-        """Close this peer as too slow (1013) and free its queue now, not when it has closed."""
+    def overflow(self, reason: str, hard: bool = False) -> None:
+        """Close this peer as too slow (1013; ``hard``: abort the socket, the frame in flight with
+        it) and free its queue now, not when it has closed."""
         if self._closing is not None:
             return
         log.warning("session %s: %s at %s: %s; closing it", self.session, self.role, self.address, reason)
-        self._closing = asyncio.create_task(close_firmly(self.ws, CLOSE_TOO_SLOW, reason))
+        if hard:
+            self.ws.transport.abort()
+            self._closing = asyncio.create_task(asyncio.sleep(0))
+        else:
+            self._closing = asyncio.create_task(close_firmly(self.ws, CLOSE_TOO_SLOW, reason))
         self._discard()
 
     def _discard(self) -> None:
@@ -173,11 +140,15 @@ class Peer:
         try:
             while True:
                 deliver_at, message = await self._outbox.get()
-                self._release(len(message))
-                delay = deliver_at - loop.time()
-                if delay > 0:
-                    await asyncio.sleep(delay)
-                await self.ws.send(message)
+                self._in_flight = len(message)
+                try:
+                    delay = deliver_at - loop.time()
+                    if delay > 0:
+                        await asyncio.sleep(delay)
+                    await self.ws.send(message)  # returns once the socket's buffer is low again
+                finally:
+                    self._in_flight = 0
+                    self._release(len(message))
         except ConnectionClosed:
             pass  # the connection's own handler notices and leaves the session
 
@@ -189,7 +160,7 @@ class Peer:
         except asyncio.CancelledError:
             pass
         self._discard()
-        self._budget.peers.discard(self)
+        self._budget.holders.discard(self)
 
 
 class Session:

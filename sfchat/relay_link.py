@@ -19,8 +19,17 @@ raise ``sfchat.UserError`` with a one-line message.
 * ``wait_peer(timeout)`` blocks until the other role is connected to the relay.
 
 Frames sent while the other role is absent are dropped by the relay (it says so once per
-absence; logged here as a warning). The link buffers at most ``INBOX_FRAMES`` received frames;
-past that it stops reading, and the relay's bounded queue pushes back on the sender.
+absence; logged here as a warning).
+
+Inbound memory is bounded whatever the other side (or anyone holding the relay token) sends:
+a message over ``max_frame_bytes`` (default ``MAX_FRAME_BYTES``, the protocol's largest sealed
+frame, see ``relay.server``) closes the link (1009); websockets queues at most ``MAX_QUEUE``
+frames before it stops reading the socket; and the link stops taking frames from websockets
+while its own inbox holds ``INBOX_BYTES`` or more, until ``recv`` takes some. So an idle node
+holds at most ``INBOX_BYTES + (MAX_QUEUE + 3) * max_frame_bytes`` of received data (inbox, the
+frame that crossed the mark, websockets' queue and the one it reads past the mark, a frame half
+parsed): 76 MiB with the defaults. Past that the relay's bounded queue for this node overflows
+and the relay closes it as too slow.
 
 The asyncio event loop lives in one daemon thread owned by the link; callers never see it.
 This module knows nothing of frame contents (see ``sfchat.wire``) and imports no torch.
@@ -44,7 +53,9 @@ from sfchat import UserError
 
 ROLES = ("head", "tail")
 SESSION_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
-INBOX_FRAMES = 64
+MAX_FRAME_BYTES = 12 << 20  # relay.server.MAX_FRAME_BYTES: the largest sealed frame of the protocol
+INBOX_BYTES = 16 << 20  # about four Qwen2.5-7B prefill chunks waiting for the tail
+MAX_QUEUE = 2  # websockets' receive queue, in frames
 PING_INTERVAL = 20.0  # the relay tolerates 60 s without a pong: WAN spikes must not drop a chat
 PING_TIMEOUT = 60.0
 CLOSE_TIMEOUT = 5.0
@@ -64,7 +75,7 @@ class RelayLink:
     """One node's connection to the relay, usable from plain threads."""
 
     def __init__(self, url: str, token: str, session: str, role: str, *, connect_timeout: float = 30.0,
-                 max_frame_bytes: int = 32 << 20, ssl_context=None):
+                 max_frame_bytes: int = MAX_FRAME_BYTES, ssl_context=None):
         if role not in ROLES:
             raise UserError(f"role must be 'head' or 'tail', not {role!r}")
         if not SESSION_NAME.fullmatch(session):
@@ -106,7 +117,7 @@ class RelayLink:
         try:
             self._ws = await connect(
                 target, additional_headers={"Authorization": f"Bearer {token}"}, compression=None,
-                max_size=self.max_frame_bytes, open_timeout=timeout, ping_interval=PING_INTERVAL,
+                max_size=self.max_frame_bytes, max_queue=MAX_QUEUE, open_timeout=timeout, ping_interval=PING_INTERVAL,
                 ping_timeout=PING_TIMEOUT, close_timeout=CLOSE_TIMEOUT, **options)
         except InvalidStatus as exc:
             raise _refusal(self.url, exc) from None
@@ -119,21 +130,30 @@ class RelayLink:
         except InvalidHandshake as exc:
             raise UserError(f"{self.url} does not look like an sfchat relay: {exc}") from None
         # Frames are only read while the inbox has room, so a slow consumer pushes back.
-        self._credits = asyncio.Semaphore(INBOX_FRAMES)
+        self._inbox_bytes = 0  # touched on the loop thread only
+        self._room = asyncio.Event()
         self._reader = asyncio.create_task(self._read(self._ws))
 
     async def _read(self, ws: ClientConnection) -> None:
         try:
             while True:
-                await self._credits.acquire()
+                while self._inbox_bytes >= INBOX_BYTES:
+                    self._room.clear()
+                    await self._room.wait()
                 message = await ws.recv()
                 if isinstance(message, bytes):
+                    self._inbox_bytes += len(message)
                     self._inbox.put((time.perf_counter(), message))  # arrival time for the head's RTT
                 else:
-                    self._credits.release()
                     self._on_event(message)
         except ConnectionClosed:
             self._mark_closed(_describe_close(ws))
+
+    def _taken(self, size: int) -> None:
+        """``recv`` handed ``size`` bytes to the caller (runs on the loop thread)."""
+        self._inbox_bytes -= size
+        if self._inbox_bytes < INBOX_BYTES:
+            self._room.set()
 
     def _on_event(self, text: str) -> None:
         try:
@@ -199,7 +219,7 @@ class RelayLink:
             raise item
         self.last_arrival, item = item
         try:
-            self._loop.call_soon_threadsafe(self._credits.release)
+            self._loop.call_soon_threadsafe(self._taken, len(item))
         except RuntimeError:
             pass  # close() already stopped the loop; there is nothing left to read
         return item

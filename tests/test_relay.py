@@ -4,6 +4,7 @@ tests pin the wire contract documented in relay/server.py (RelayLink has its own
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import os
@@ -341,3 +342,14 @@ def test_port_in_use_is_one_error_line():
         busy.listen()
         port = busy.getsockname()[1]
         assert "cannot listen" in cli_error("--host", "127.0.0.1", "--port", str(port), "--token", TOKEN)
+
+
+def test_every_flag_is_described_in_help():
+    from relay.cli import _parser
+
+    undescribed = [a.option_strings[0] for a in _parser()._actions
+                   if a.option_strings and (not a.help or a.help == argparse.SUPPRESS)]
+    assert undescribed == []
+    done = subprocess.run([sys.executable, "-m", "relay.server", "--help"], cwd=REPO,
+                          capture_output=True, text=True, timeout=20)
+    assert done.returncode == 0 and "--max-sessions" in done.stdout and "--log-level" in done.stdout

@@ -41,10 +41,10 @@ async def until_event(ws, name: str, timeout: float = 20.0) -> None:
             return
 
 
-def test_the_shared_buffer_closes_the_slowest_readers_and_frees_their_queues(caplog):
-    async def scenario():  # each queue may hold 4 MiB, all of them together only 3
+def test_the_shared_buffer_closes_the_biggest_holders_and_frees_their_queues(caplog):
+    async def scenario():  # each queue may hold 4 MiB; all of them, and what is arriving, only 4
         config = RelayConfig(token=TOKEN, host="127.0.0.1", port=0, max_frame_bytes=1 << 20,
-                             max_buffer_bytes=3 << 20)
+                             max_buffer_bytes=4 << 20)
         async with await serve(config) as relay:
             slow = []
             for i in range(3):
@@ -55,14 +55,20 @@ def test_the_shared_buffer_closes_the_slowest_readers_and_frees_their_queues(cap
             honest_tail = await dial(relay.port, "honest", "tail")
             await until_event(honest_head, "peer_joined")
             await until_event(honest_tail, "welcome")
+            cut = set()  # slow heads the relay cut mid-frame: at that moment they held the most
             for _ in range(30):
                 for head, _ in slow:
-                    await head.send(bytes(1 << 20))
+                    try:
+                        await head.send(bytes(1 << 20))
+                    except ConnectionClosed:
+                        cut.add(head)
                 await honest_head.send(b"still here")
                 assert await honest_tail.recv() == b"still here"
-                assert relay.budget.used <= relay.budget.limit
+                # plus frames of receivers closing politely, and a read past the limit
+                assert relay.budget.used <= relay.budget.limit + relay.budget.linger + (256 << 10)
             for head, _ in slow:
-                await until_event(head, "peer_left")
+                if head not in cut:
+                    await until_event(head, "peer_left")  # its tail was closed as too slow
             for head, tail in slow:
                 await head.close()
                 tail.transport.abort()  # it paused reading: a polite close would wait for its timeout
@@ -71,9 +77,10 @@ def test_the_shared_buffer_closes_the_slowest_readers_and_frees_their_queues(cap
             await honest_head.close()
             await honest_tail.close()
             await asyncio.sleep(0.2)
-            assert relay.budget.used == 0 and not relay.budget.peers
-    run(scenario())
-    assert caplog.text.count("relay buffer full: this side reads too slowly; closing it") == 3
+            assert relay.budget.used == 0 and not relay.budget.holders
+            return len(cut)
+    n_cut = run(scenario())
+    assert caplog.text.count("relay buffer full: this side reads too slowly; closing it") >= 3 - n_cut >= 1
 
 
 def test_the_connection_limit_refuses_with_503():
@@ -218,7 +225,8 @@ def test_fifty_sessions_complete_while_hostile_clients_attack_and_memory_stays_b
         relay = subprocess.Popen(
             [sys.executable, "-m", "relay.server", "--host", "127.0.0.1", "--port", "0", "--token", TOKEN,
              "--max-frame-mb", "1", "--max-connections", "200", "--max-sessions", "200", "--max-frames-per-s", "1000",
-             "--max-mb-per-s", "64", "--max-buffer-mb", "64", "--idle-timeout", "0.15"],
+             "--max-pending", "400", "--max-pending-per-ip", "400",  # every client here is 127.0.0.1
+             "--max-mb-per-s", "64", "--max-buffer-mb", "64", "--idle-timeout", "0.3"],
             stdout=subprocess.PIPE, stderr=err, text=True, env=ENV)
     try:
         port = int(re.search(r"listening on ws://[^:]+:(\d+)", relay.stdout.readline())[1])

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import random
+import subprocess
+import sys
 import threading
 
 import pytest
+from websockets.asyncio.client import connect
 
 from relay.server import RelayConfig, serve
 from sfchat import UserError
@@ -158,3 +161,39 @@ def test_close_is_idempotent_and_final(links):
         head.recv(1)
     with pytest.raises(LinkClosed):
         head.send(b"late")
+
+
+IDLE_HEAD = """
+import sys
+from sfchat.relay_link import RelayLink
+link = RelayLink(sys.argv[1], sys.argv[2], "idle", "head", connect_timeout=10)
+print("ready", flush=True)
+sys.stdin.read()  # never calls recv: idle until the test lets go
+"""
+
+
+def test_an_idle_node_buffers_a_bounded_number_of_bytes(relay):
+    """A hostile tail (it has the relay token) sends 40 frames of 8 MiB to a head that reads
+    nothing; the head keeps at most INBOX_BYTES plus a few frames, not all 320 MiB."""
+    from relay_process import ENV, REPO, status_kib
+
+    head = subprocess.Popen([sys.executable, "-c", IDLE_HEAD, relay.url, TOKEN], cwd=REPO, env=ENV,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert head.stdout.readline().strip() == "ready"
+        base = status_kib(head.pid, "VmRSS")
+
+        async def flood():
+            async with connect(f"{relay.url}/session/idle?role=tail", proxy=None, compression=None,
+                               additional_headers={"Authorization": f"Bearer {TOKEN}"}) as tail:
+                for _ in range(40):
+                    await tail.send(bytes(8 << 20))
+                await asyncio.sleep(2.0)  # the relay delivers what the head is willing to read
+
+        asyncio.run(asyncio.wait_for(flood(), 60))
+        grown = status_kib(head.pid, "VmHWM") - base
+    finally:
+        head.stdin.close()
+        head.wait(10)
+    print(f"\nidle head grew by {grown / 1024:.0f} MiB under 320 MiB of frames")
+    assert grown < 100 << 10, f"the idle head buffered {grown / 1024:.0f} MiB"
