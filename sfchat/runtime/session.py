@@ -74,7 +74,7 @@ def load_tokenizer(src: ModelSource, revision: str | None):
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(src.tokenizer_location, revision=revision,
+        return AutoTokenizer.from_pretrained(src.tokenizer_location, revision=revision, trust_remote_code=False,
                                              local_files_only=src.local_files_only)
     except (OSError, ValueError, TypeError) as exc:
         raise UserError(f"cannot load the tokenizer of {src.name!r}: {exc}") from None
