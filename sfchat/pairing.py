@@ -30,10 +30,13 @@ the whole transcript. ``WrongCode`` means the other side's confirmation did not 
 code, or a party in the middle. ``BadMessage`` means a message that is not a pairing message at
 all (wrong length, not a group element); no guess was tested.
 
-``Passcode`` is the tail's code and its attempt budget: a generated code (``code=None``) is
-replaced after ``MAX_FAILURES`` failed attempts (``on_new_code`` is told); a code the operator
-gave cannot be replaced, so after ``MAX_FAILURES`` failures each further one locks pairing for
-``LOCKOUT_S`` doubling per failure, up to ``MAX_LOCKOUT_S``. ``require_secret`` is relay
+``Passcode`` is the tail's code and its attempt budget, so that guessing online is slow too:
+every failed attempt locks pairing for ``FAILURE_DELAY_S``; a generated code (``code=None``) is
+replaced after ``MAX_FAILURES`` failed attempts (``on_new_code`` is told) and pairing locks for
+``LOCKOUT_S``, doubling with every replacement; a code the operator gave cannot be replaced, so
+after ``MAX_FAILURES`` failures each further one locks pairing for ``LOCKOUT_S``, doubling per
+failure. Locks never exceed ``MAX_LOCKOUT_S``. Against a 27-bit code that leaves an attacker
+about three guesses an hour once the locks have grown. ``require_secret`` is relay
 mode's policy for the code (or ``--insecure``). Torch-free.
 """
 
@@ -56,7 +59,7 @@ NONCE_BYTES = 32
 SPAKE_BYTES = 33  # python-spake2: one side byte, then the 32-byte Ed25519 element
 CONFIRM_BYTES = 32
 MAX_FAILURES = 3
-LOCKOUT_S, MAX_LOCKOUT_S = 30.0, 3600.0
+FAILURE_DELAY_S, LOCKOUT_S, MAX_LOCKOUT_S = 1.0, 30.0, 3600.0
 MIN_SECRET_CHARS = 8
 
 
@@ -154,7 +157,7 @@ class Passcode:
         self.generated = code is None
         self.code = codes.new_code() if code is None else code
         self.on_new_code, self.clock = on_new_code, clock
-        self.failures = 0
+        self.failures = self.replaced = 0
         self._locked_until = 0.0
         if self.generated:
             on_new_code(self.code)
@@ -164,16 +167,17 @@ class Passcode:
         return max(self._locked_until - self.clock(), 0.0)
 
     def failed(self) -> None:
-        """One more failed attempt: replace a generated code, or lock a given one for a while."""
+        """One more failed attempt: a short lock; after MAX_FAILURES a new code, or a long lock."""
         self.failures += 1
-        if self.failures < MAX_FAILURES:
-            return
-        if self.generated:
+        lock = FAILURE_DELAY_S
+        if self.failures >= MAX_FAILURES and self.generated:
             self.code, self.failures = codes.new_code(), 0
+            self.replaced += 1
+            lock = LOCKOUT_S * 2 ** (self.replaced - 1)
             self.on_new_code(self.code)
-        else:
-            lock = min(LOCKOUT_S * 2 ** (self.failures - MAX_FAILURES), MAX_LOCKOUT_S)
-            self._locked_until = self.clock() + lock
+        elif self.failures >= MAX_FAILURES:
+            lock = LOCKOUT_S * 2 ** (self.failures - MAX_FAILURES)
+        self._locked_until = self.clock() + min(lock, MAX_LOCKOUT_S)
 
 
 def require_secret(secret: str | None, insecure: bool, role: str = "head") -> None:

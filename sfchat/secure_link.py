@@ -222,7 +222,7 @@ class SecureLink:
     def _refusal(self, reason: int, seconds: int) -> SecretMismatch:
         if reason == REFUSED_LOCKED:
             return PairingRefused(f"the tail of session {self.session!r} refuses pairings for {seconds} s after "
-                                  "too many wrong codes: wait, or restart the tail for a new code")
+                                  "wrong codes: try again then (check the code it printed last)")
         return WrongCode(f"wrong pairing code: the tail of session {self.session!r} did not accept it")
 
     # -- the tail's side -----------------------------------------------------------------------
@@ -271,9 +271,9 @@ class SecureLink:
         code = self.passcode
         code.failed()  # may replace a generated code (which its on_new_code shows) or lock a given one
         left, locked = MAX_FAILURES - code.failures, code.locked_for()
-        note = "a new code was made" if code.generated and code.failures == 0 else \
-            f"pairing locked for {locked:.0f} s" if locked else \
-            f"{left} more before {'a new code' if code.generated else 'pairing locks'}"
+        note = f"a new code was made; pairing locked for {locked:.0f} s" if code.generated and not code.failures \
+            else f"{left} more before {'a new code' if code.generated else 'a long lock'}" if left > 0 \
+            else f"pairing locked for {locked:.0f} s"
         self.log(f"a pairing attempt failed: {why} ({note})")
 
     def handshake(self, timeout: float) -> None:
@@ -355,7 +355,9 @@ class SecureLink:
                 raise PlaintextPeer(f"the {self.other} sent an unencrypted frame: it runs without end-to-end "
                                     "encryption (--insecure); give both nodes the same pairing code instead")
             if self.role == "tail" and not self.keyed:  # from a would-be head: nothing to end yet
-                self.log(f"ignored {len(frame)} bytes from an unpaired head that are no pairing message")
+                self._dropped_stale += 1
+                if self._dropped_stale == 1:  # once per pairing: a flood must not flood the log
+                    self.log(f"ignored {len(frame)} bytes from an unpaired head that are no pairing message")
                 return None
             raise IntegrityError(f"{INTEGRITY} (a frame that is not sealed)")
         if kind in SIZES:

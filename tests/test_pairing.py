@@ -4,13 +4,14 @@ tail budgets attempts, and that nothing a would-be head sends makes the tail rai
 
 from __future__ import annotations
 
+import itertools
 import re
 
 import pytest
 from hypothesis import given, strategies as st
 
 from sfchat import codes, pairing
-from sfchat.pairing import MAX_FAILURES, Passcode
+from sfchat.pairing import FAILURE_DELAY_S, LOCKOUT_S, MAX_FAILURES, Passcode
 from sfchat.secure_link import MAGIC, OPEN, IntegrityError, PairingRefused, SecureLink, WrongCode
 from test_secure_link import SECRET, Relay, fuzz, handshake_both, pair
 
@@ -59,8 +60,8 @@ def test_the_tails_answer_to_a_forged_opening_is_no_test_of_a_guess():
 
 def test_three_wrong_codes_make_a_tail_with_its_own_code_print_a_fresh_one():
     relay = Relay()
-    shown, logged = [], []
-    passcode = Passcode(None, on_new_code=shown.append)
+    shown, logged, now = [], [], [0.0]
+    passcode = Passcode(None, on_new_code=shown.append, clock=lambda: now[0])
     assert re.fullmatch(r"[1-9][0-9]{0,2}-[a-z]{3,8}-[a-z]{3,8}", shown[0]) and passcode.generated
     tail = SecureLink(relay.join("tail"), passcode, "s1", "tail", log=logged.append)
     first = shown[0]
@@ -69,12 +70,19 @@ def test_three_wrong_codes_make_a_tail_with_its_own_code_print_a_fresh_one():
         with pytest.raises(WrongCode, match="wrong pairing code"):
             handshake_both(head, tail, 1)
         relay.leave("head")
+        now[0] += FAILURE_DELAY_S
     assert len(shown) == 2 and shown[1] != first and passcode.code == shown[1]
-    assert any("a new code was made" in line for line in logged), logged
+    assert any(f"a new code was made; pairing locked for {LOCKOUT_S:.0f} s" in line for line in logged), logged
+    head = SecureLink(relay.join("head"), shown[1], "s1", "head")
+    with pytest.raises(PairingRefused):  # a new code comes with a lock: guessing stays slow
+        handshake_both(head, tail, 1)
+    relay.leave("head")
+    now[0] += LOCKOUT_S
     head = SecureLink(relay.join("head"), first, "s1", "head")  # the old code is spent
     with pytest.raises(WrongCode):
         handshake_both(head, tail, 1)
     relay.leave("head")
+    now[0] += FAILURE_DELAY_S
     head = SecureLink(relay.join("head"), shown[1], "s1", "head")
     handshake_both(head, tail)
     assert tail.keyed
@@ -90,11 +98,12 @@ def test_a_code_given_by_the_operator_locks_pairing_for_a_while_after_three_fail
         with pytest.raises(WrongCode):
             handshake_both(head, tail, 1)
         relay.leave("head")
+        now[0] += FAILURE_DELAY_S
     head = SecureLink(relay.join("head"), "operator-chosen-secret", "s1", "head")
-    with pytest.raises(PairingRefused, match=f"refuses pairings for {int(pairing.LOCKOUT_S)} s"):
+    with pytest.raises(PairingRefused, match=f"refuses pairings for {int(LOCKOUT_S) - 1} s"):
         handshake_both(head, tail, 1)  # even the right code: no guess is tested while locked
     relay.leave("head")
-    now[0] += pairing.LOCKOUT_S + 1
+    now[0] += LOCKOUT_S
     head = SecureLink(relay.join("head"), "operator-chosen-secret", "s1", "head")
     handshake_both(head, tail)
     assert tail.keyed
@@ -129,7 +138,7 @@ def test_whatever_a_would_be_head_sends_the_tail_keeps_its_link_and_pairs_with_t
     closed = []
     inner = relay.join("tail")
     inner.close = lambda: closed.append(True)
-    passcode = Passcode(None)
+    passcode = Passcode(None, clock=itertools.count(0, 10_000).__next__)  # every lock has passed by the next look
     tail = SecureLink(inner, passcode, "s1", "tail", log=lambda line: None)
     for frame in frames:
         relay.deliver("tail", frame)

@@ -14,6 +14,7 @@ import pytest
 
 from relay import session as relay_session
 from sfchat import wire
+from sfchat.pairing import FAILURE_DELAY_S
 from sfchat.config import Settings
 from sfchat.events import LinkState, ReplyFinished
 from sfchat.relay_link import RelayLink
@@ -237,6 +238,7 @@ def test_a_wrong_code_is_a_clear_error_on_the_head_and_the_tail_waits_for_the_ri
     with pytest.raises(WrongCode, match="wrong pairing code"):
         open_head(settings(relay.url, "wrong", zoo["llama-tied"], secret="not the tail's code"), [])
     assert time.monotonic() - t0 < 10 and result == []  # the tail is still serving
+    time.sleep(FAILURE_DELAY_S)  # each failed attempt locks pairing for a second
     head = open_head(settings(relay.url, "wrong", zoo["llama-tied"]), [])
     reply(head, 4)
     head.engine.link.close()

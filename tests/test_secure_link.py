@@ -17,7 +17,7 @@ from sfchat.secure_link import (
 )
 from sfchat import secure_link
 from sfchat.padding import MIN_PADDED, padded_size
-from sfchat.pairing import require_secret
+from sfchat.pairing import FAILURE_DELAY_S, Passcode, require_secret
 from sfchat.wire import MAX_DRAFT, Verdict, encode
 
 SECRET = "7-crossover-clockwork"
@@ -234,13 +234,14 @@ def test_injected_garbage_is_an_integrity_error(garbage):
 
 def test_a_wrong_code_is_a_clear_error_on_the_head_and_the_tail_waits_for_the_next_attempt():
     relay = Relay()
-    logged = []
-    tail = SecureLink(relay.join("tail"), SECRET, "s1", "tail", log=logged.append)
+    logged, now = [], [0.0]
+    tail = SecureLink(relay.join("tail"), Passcode(SECRET, clock=lambda: now[0]), "s1", "tail", log=logged.append)
     head = SecureLink(relay.join("head"), "8-crossover-clockwork", "s1", "head")
     with pytest.raises(WrongCode, match="wrong pairing code"):
         handshake_both(head, tail, 2)  # the tail's own handshake times out: it raised nothing else
     assert any("a pairing attempt failed" in line and "2 more before" in line for line in logged), logged
     relay.leave("head")
+    now[0] += FAILURE_DELAY_S  # each failure locks pairing for a second
     head = SecureLink(relay.join("head"), SECRET.upper().replace("-", " "), "s1", "head")  # as a person types it
     handshake_both(head, tail)
     head.send(b"after a wrong code")
