@@ -27,7 +27,8 @@ FLAG_FIELDS = {  # flag dest -> Settings field
     "top_k": "top_k", "top_p": "top_p", "seed": "seed", "system": "system", "relay": "relay",
     "token": "token", "session": "session", "history": "history", "round_timeout": "round_timeout",
     "reconnect_timeout": "reconnect_timeout", "secret": "secret",
-    "load_in_4bit": "load_in_4bit", "draft_load_in_4bit": "draft_load_in_4bit", "prepare": "prepare",
+    "load_in_4bit": "load_in_4bit", "models_dir": "models_dir", "draft_load_in_4bit": "draft_load_in_4bit",
+    "prepare": "prepare",
 }
 
 
@@ -37,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="sfchat", argument_default=argparse.SUPPRESS,
         description="Chat with one language model split across two machines, with speculative decoding.",
         epilog="Settings may also come from the TOML file (see --config) and SFCHAT_TOKEN / SFCHAT_RELAY / "
-               "SFCHAT_SESSION / SFCHAT_SECRET; flags win.")
+               "SFCHAT_SESSION / SFCHAT_CODE; flags win.")
     p.add_argument("--version", action="version", version=f"sfchat {__version__}")
     g = p.add_argument_group("models")
     g.add_argument("--model", help=f"target model: hub id or local directory (default {d.model})")
@@ -78,8 +79,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--token", help="relay token (or SFCHAT_TOKEN)")
     g.add_argument("--session", help="session name shared by head and tail (default 'default')")
     g.add_argument("--tail", action="store_true", help="run as the tail node (verifier) behind --relay")
-    g.add_argument("--secret", help="end-to-end session secret, the same on head and tail; the relay never "
-                                    "sees it (or SFCHAT_SECRET; asked for on a terminal when missing)")
+    g.add_argument("--secret", help="the pairing code the tail printed (a tail without one makes one); the "
+                                    "relay never sees it. Prefer SFCHAT_CODE or the prompt on a terminal: "
+                                    "a command line is visible to every user of the machine (ps)")
+    g.add_argument("--models-dir", help="tail: local model directories a head may name must lie inside this "
+                                        "directory (several: separated by " + repr(os.pathsep) + "); default: "
+                                        "hub ids only")
     g.add_argument("--insecure", action="store_true",
                    help="relay mode without end-to-end encryption: the relay can read and alter the chat")
     g.add_argument("--round-timeout", type=float,
@@ -105,18 +110,19 @@ def settings_from(args: argparse.Namespace) -> Settings:
     return merged(given, getattr(args, "config", None))
 
 
-def ask_secret(s: Settings) -> Settings:
-    """Relay mode: ask for the end-to-end secret on a terminal when neither flag nor env gave one
-    (without a terminal, the link refuses with a message saying how to set it)."""
+def ask_secret(s: Settings, tail: bool = False) -> Settings:
+    """Relay mode, head: ask for the pairing code on a terminal when neither flag nor env gave one
+    (without a terminal, the link refuses with a message saying how to set it). A tail without
+    a code makes one."""
     if s.relay and s.insecure:
         print("sfchat: warning: --insecure: frames cross the relay unencrypted; whoever runs the relay "
               "can read and alter the chat", file=sys.stderr)
-    if not s.relay or s.secret or s.insecure or not sys.stdin.isatty():
+    if not s.relay or s.secret or s.insecure or tail or not sys.stdin.isatty():
         return s
     import getpass
 
     try:
-        secret = getpass.getpass("sfchat: session secret (the same on head and tail; the relay never sees it): ")
+        secret = getpass.getpass("sfchat: pairing code (printed by `sfchat --tail`; the relay never sees it): ")
     except EOFError:
         secret = ""
     return dataclasses.replace(s, secret=secret or None)
@@ -190,7 +196,7 @@ def one_shot(s: Settings, prompt: str, as_json: bool) -> int:
 
 def run(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
-    s = ask_secret(settings_from(args))
+    s = ask_secret(settings_from(args), getattr(args, "tail", False))
     if getattr(args, "tail", False):
         from sfchat.runtime.tail_node import serve
 
@@ -209,7 +215,7 @@ def chat(s: Settings) -> int:
 
     path = Path(s.history) if s.history else history_path()
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # chats are private
     except OSError as exc:
         raise UserError(f"cannot create the history directory {path.parent}: {exc}") from None
     params = {"max_new_tokens": s.max_new_tokens, "temperature": s.temperature, "top_k": s.top_k,

@@ -3,8 +3,8 @@
 Contract: ``Settings`` is a plain dataclass of everything a run can be configured with.
 ``load_file(path)`` reads the TOML config (default: ``config.toml`` in the platformdirs user
 config dir) and rejects unknown keys and wrong types with a ``UserError`` naming the key.
-``SFCHAT_TOKEN``, ``SFCHAT_RELAY``, ``SFCHAT_SESSION`` and ``SFCHAT_SECRET`` fill the relay
-settings when the flags do not. The CLI applies flags last. Torch-free.
+``SFCHAT_TOKEN``, ``SFCHAT_RELAY``, ``SFCHAT_SESSION`` and ``SFCHAT_CODE`` (or its older name
+``SFCHAT_SECRET``) fill the relay settings when the flags do not. The CLI applies flags last. Torch-free.
 """
 
 from __future__ import annotations
@@ -49,7 +49,8 @@ class Settings:
     relay: str | None = None
     token: str | None = None
     session: str = "default"
-    secret: str | None = None  # end-to-end session secret shared by head and tail (never sent to the relay)
+    secret: str | None = None  # the pairing code shared by head and tail (never sent to the relay)
+    models_dir: str | None = None  # tail: where a head may name local model directories (os.pathsep-separated)
     insecure: bool = False  # relay mode without end-to-end encryption
     round_timeout: float = 60.0  # seconds without a verdict before the head reconnects
     reconnect_timeout: float = 300.0  # how long the head keeps trying to get a tail back
@@ -111,7 +112,7 @@ def load_file(path: Path | None = None, settings: Settings | None = None) -> Set
 
 def apply_env(settings: Settings) -> Settings:
     for var, name in (("SFCHAT_TOKEN", "token"), ("SFCHAT_RELAY", "relay"), ("SFCHAT_SESSION", "session"),
-                      ("SFCHAT_SECRET", "secret")):
+                      ("SFCHAT_SECRET", "secret"), ("SFCHAT_CODE", "secret")):
         if os.environ.get(var):
             setattr(settings, name, os.environ[var])
     return settings

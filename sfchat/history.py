@@ -11,11 +11,16 @@ second; a reply row still in status "streaming" when a ``History`` is opened was
 crash, and is marked "interrupted" then.
 
 Times are Unix seconds (float) as ``time.time()`` gives them.
+
+Privacy: chats are nobody else's business. A new history directory is created 0700, and the
+database file (with its WAL and shared-memory files) is made 0600, also when an older sfchat
+left it readable by others.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 import time
 from dataclasses import dataclass
@@ -85,6 +90,15 @@ def default_history_path() -> Path:
     return Path(user_data_dir("sfchat")) / "history.sqlite3"
 
 
+def _private_file(path: Path) -> None:
+    """Create ``path`` (and its directory) readable by this user only; tighten an existing one."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.close(os.open(path, os.O_RDWR | os.O_CREAT, 0o600))
+    for p in (path, Path(f"{path}-wal"), Path(f"{path}-shm")):
+        if p.exists():
+            os.chmod(p, 0o600)  # SQLite gives its -wal and -shm files the database file's mode
+
+
 def title_from_prompt(prompt: str) -> str:
     """A chat's title: the first non-blank line of its first prompt, shortened."""
     line = next((s.strip() for s in prompt.splitlines() if s.strip()), "")
@@ -98,7 +112,7 @@ class History:
 
     def __init__(self, path: str | Path) -> None:
         if str(path) != ":memory:":
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            _private_file(Path(path))
         self.path = str(path)
         self._conn = sqlite3.connect(self.path)
         self._conn.row_factory = sqlite3.Row

@@ -14,7 +14,8 @@ Every frame is ``HEADER`` (fixed ``struct``) followed by a body of ``body_len`` 
 Bodies:
 
 * HELLO, READY, PROGRESS, ERROR, BYE: UTF-8 JSON objects of metadata only (model id,
-  split, K, stage names...). Never tensors.
+  split, K, stage names...). Never tensors. Strict JSON: ``NaN``, ``Infinity`` and numbers
+  that overflow a double (``1e999``) are refused, as RFC 8259 has no such values.
 * FORWARD (head -> tail): a run of ``n_tokens`` consecutive positions starting at
   ``start_pos`` whose last ``n_draft`` tokens are draft proposals to verify. ``hidden`` holds
   the head slice's output for those positions as raw bytes (``dtype`` code, row-major
@@ -162,7 +163,7 @@ def _encode(msg: Message) -> bytes:
         if not isinstance(msg.data, dict):
             raise WireError(f"{msg.type.name} data must be a JSON object")
         try:
-            body = json.dumps(msg.data, separators=(",", ":")).encode()
+            body = json.dumps(msg.data, separators=(",", ":"), allow_nan=False).encode()
         except (TypeError, ValueError) as exc:
             raise WireError(f"{msg.type.name} data is not JSON: {exc}") from None
         if len(body) > MAX_JSON_BYTES:
@@ -255,12 +256,23 @@ def _decode_control(mtype: MsgType, rnd: int, body: memoryview) -> Control:
     if len(body) > MAX_JSON_BYTES:
         raise WireError(f"{mtype.name} body too large")
     try:
-        data = json.loads(bytes(body).decode("utf-8"))
+        data = json.loads(bytes(body).decode("utf-8"), parse_constant=_no_constant, parse_float=_finite)
     except (ValueError, RecursionError) as exc:  # ValueError: bad UTF-8, bad JSON, too many digits
         raise WireError(f"{mtype.name} body is not JSON: {exc}") from None
     if not isinstance(data, dict):
         raise WireError(f"{mtype.name} body must be a JSON object")
     return Control(mtype, data, rnd)
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON value")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if value in (float("inf"), float("-inf")):
+        raise ValueError(f"the number {text[:20]} overflows a double")
+    return value
 
 
 def _decode_forward(flags: int, rnd: int, body: memoryview) -> Forward:

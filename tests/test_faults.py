@@ -23,9 +23,10 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def tail_proc(url: str, session: str):
+def tail_proc(url: str, session: str, models_dir):
     return subprocess.Popen([sys.executable, "-m", "sfchat.cli", "--tail", "--relay", url, "--token", TOKEN,
-                             "--secret", SECRET, "--session", session, "--device", "cpu"],
+                             "--secret", SECRET, "--session", session, "--device", "cpu",
+                             "--models-dir", str(models_dir)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ENV)
 
 
@@ -72,7 +73,7 @@ def undisturbed(zoo):
 def reply_under_way(zoo, procs, relay_args, session: str, seconds: float):
     """Relay, tail and a one-shot head, ``seconds`` into the reply: (relay, url, tail, head)."""
     relay, url = start_relay(*relay_args)
-    tail = tail_proc(url, session)
+    tail = tail_proc(url, session, zoo["qwen3-untied"].parent)
     head = head_proc(url, session, zoo["qwen3-untied"])
     procs += [relay, tail, head]
     wait_for_line(tail.stderr, "ready:")
@@ -83,7 +84,7 @@ def reply_under_way(zoo, procs, relay_args, session: str, seconds: float):
 def test_tail_killed_mid_reply_and_replaced(zoo, procs, undisturbed):
     _, url, first, head = reply_under_way(zoo, procs, ("--emulate-rtt-ms", "150"), "kill", 2.0)
     first.send_signal(signal.SIGKILL)
-    procs.append(tail_proc(url, "kill"))
+    procs.append(tail_proc(url, "kill", zoo["qwen3-untied"].parent))
     out, err = finish(head)
     assert "reconnecting" in err
     assert out["finish_reason"] == "length" and out["token_ids"] == undisturbed

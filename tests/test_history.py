@@ -137,3 +137,26 @@ def test_failure_before_any_text_leaves_no_empty_reply(tmp_path):
     assert not session.replying
     assert [m.role for m in session.history.load_chat(session.chat_id)] == ["user"]
     session.history.close()
+
+
+def test_the_history_is_private_to_its_user(tmp_path):
+    """Today's finding: the database was created 0644 (and its directory 0755) under the usual umask."""
+    import os
+    import stat
+
+    old = os.umask(0o022)
+    try:
+        path = tmp_path / "data" / "sfchat" / "history.sqlite3"
+        h = History(path)
+        h.add_message(h.new_chat("t"), "user", "a private prompt")
+        mode = lambda p: stat.S_IMODE(os.stat(p).st_mode)  # noqa: E731
+        assert mode(path.parent) == 0o700
+        assert [mode(p) for p in (path, f"{path}-wal", f"{path}-shm")] == [0o600] * 3
+        h.close()
+        older = tmp_path / "older.sqlite3"  # left readable by an older sfchat
+        older.touch(mode=0o644)
+        os.chmod(older, 0o644)
+        History(older)
+        assert mode(older) == 0o600
+    finally:
+        os.umask(old)

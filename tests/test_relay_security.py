@@ -1,26 +1,28 @@
 """Trust no relay, on loopback: what a relay-side capture of an encrypted session holds, what a
 meddling relay achieves (an integrity error that ends the session), clear errors for mismatched
-secrets. The relay's limits and its behaviour under load are in test_relay_limits.py."""
+codes. The relay's limits and its behaviour under load are in test_relay_limits.py."""
 
 from __future__ import annotations
 
 import re
 import struct
+from pathlib import Path
 import threading
 import time
 
 import pytest
 
 from relay import session as relay_session
-from sfchat import UserError, wire
+from sfchat import wire
+from sfchat.pairing import FAILURE_DELAY_S
 from sfchat.config import Settings
 from sfchat.events import LinkState, ReplyFinished
 from sfchat.relay_link import RelayLink
-from sfchat.secure_link import DATA, IntegrityError, SecureLink, secure
+from sfchat.secure_link import DATA, IntegrityError, PlaintextPeer, SecureLink, WrongCode, secure
 from test_relay_link import TOKEN, relay  # noqa: F401  (the relay fixture)
 from test_two_machines import PROMPT
 
-SECRET = "relay-security-test-secret"
+SECRET = "3-harbor-lantern"
 TOKENS = tuple(range(151_000, 151_009))  # a verify round's t0 + 8 drafts
 PATTERN = b"<known hidden-state pattern 0123456789abcdef>"
 HIDDEN = 448
@@ -162,7 +164,7 @@ def test_a_meddling_relay_is_caught_by_the_receiver(relay, tap, attack, delivere
 
 def settings(url: str, session: str, model, **changes) -> Settings:
     base = dict(relay=url, token=TOKEN, session=session, secret=SECRET, model=str(model), draft="none", k=0,
-                device="cpu", reconnect_timeout=0.0)
+                device="cpu", reconnect_timeout=0.0, models_dir=str(Path(model).parent))
     base.update(changes)
     return Settings(**base)
 
@@ -230,19 +232,24 @@ def test_a_flipped_bit_in_transit_ends_the_session_with_an_integrity_error(zoo, 
         assert isinstance(failure.value, IntegrityError) and result == [0]
 
 
-def test_a_wrong_secret_is_a_clear_error_on_both_sides(zoo, relay, capfd):
+def test_a_wrong_code_is_a_clear_error_on_the_head_and_the_tail_waits_for_the_right_one(zoo, relay, capfd):
     tail, result = start_tail(settings(relay.url, "wrong", zoo["llama-tied"]))
     t0 = time.monotonic()
-    with pytest.raises(UserError, match="the tail and head use different session secrets"):
-        open_head(settings(relay.url, "wrong", zoo["llama-tied"], secret="not the tail's secret"), [])
+    with pytest.raises(WrongCode, match="wrong pairing code"):
+        open_head(settings(relay.url, "wrong", zoo["llama-tied"], secret="not the tail's code"), [])
+    assert time.monotonic() - t0 < 10 and result == []  # the tail is still serving
+    time.sleep(FAILURE_DELAY_S)  # each failed attempt locks pairing for a second
+    head = open_head(settings(relay.url, "wrong", zoo["llama-tied"]), [])
+    reply(head, 4)
+    head.engine.link.close()
     tail.join(20)
-    assert time.monotonic() - t0 < 10 and result == [1]
-    assert "the head and tail use different session secrets" in capfd.readouterr().err
+    assert result == [0]
+    assert "a pairing attempt failed" in capfd.readouterr().err
 
 
 def test_an_unencrypted_tail_and_an_unencrypted_head_are_named_as_such(zoo, relay):
     tail, _ = start_tail(settings(relay.url, "plain-tail", zoo["llama-tied"], secret=None, insecure=True))
-    with pytest.raises(UserError, match="the tail sent an unencrypted frame"):
+    with pytest.raises(PlaintextPeer, match="the tail sent an unencrypted frame"):
         open_head(settings(relay.url, "plain-tail", zoo["llama-tied"]), [])
     tail.join(20)
 
@@ -251,8 +258,6 @@ def test_an_unencrypted_tail_and_an_unencrypted_head_are_named_as_such(zoo, rela
     head.wait_peer(5)
     head.send(wire.encode(wire.Control(wire.MsgType.HELLO, {"model": "x"})))
     answer = head.recv(10)
-    while answer.startswith(b"SFX1"):  # the tail's own key exchange may come first
-        answer = head.recv(10)
     answer = wire.decode(answer)
     assert "this tail encrypts end to end" in answer.data["message"]
     head.close()

@@ -36,9 +36,10 @@ def start_relay(*extra):
     raise AssertionError("relay did not start")
 
 
-def start_tail(url, session):
+def start_tail(url, session, models_dir):
     return subprocess.Popen([sys.executable, "-m", "sfchat.cli", "--tail", "--relay", url, "--token", TOKEN,
-                             "--secret", SECRET, "--session", session, "--device", "cpu"],
+                             "--secret", SECRET, "--session", session, "--device", "cpu",
+                             "--models-dir", str(models_dir)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ENV)
 
 
@@ -75,7 +76,7 @@ def local_tokens(model, draft, k, n=24):
 
 def test_relay_mode_equals_local_mode_and_serves_heads_in_turn(zoo, relay):
     url = relay()
-    tail = start_tail(url, "s1")
+    tail = start_tail(url, "s1", zoo["qwen2-untied"].parent)
     try:
         for draft, k in ((zoo["draft"], 3), (zoo["qwen2-untied"], 8)):
             out = head(url, "s1", zoo["qwen2-untied"], draft, k)
@@ -90,7 +91,7 @@ def test_relay_mode_equals_local_mode_and_serves_heads_in_turn(zoo, relay):
 
 def test_emulated_rtt_shows_in_the_measured_rtt(zoo, relay):
     fast, slow = relay(), relay("--emulate-rtt-ms", "100")
-    tails = [start_tail(fast, "a"), start_tail(slow, "b")]
+    tails = [start_tail(fast, "a", zoo["llama-tied"].parent), start_tail(slow, "b", zoo["llama-tied"].parent)]
     try:
         base = head(fast, "a", zoo["llama-tied"], "none", 1)
         delayed = head(slow, "b", zoo["llama-tied"], "none", 1)

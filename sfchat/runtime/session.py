@@ -75,7 +75,7 @@ def load_tokenizer(src: ModelSource, revision: str | None):
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(src.tokenizer_location, revision=revision,
+        return AutoTokenizer.from_pretrained(src.tokenizer_location, revision=revision, trust_remote_code=False,
                                              local_files_only=src.local_files_only)
     except (OSError, ValueError, TypeError) as exc:
         raise UserError(f"cannot load the tokenizer of {src.name!r}: {exc}") from None
@@ -125,7 +125,8 @@ def connect_relay(s: Settings, on_event: Callable = lambda e: None, wait_timeout
         on_event(LinkState("local"))
         return None
     from sfchat.relay_link import RelayLink
-    from sfchat.secure_link import require_secret, secure
+    from sfchat.pairing import require_secret
+    from sfchat.secure_link import secure
 
     if not s.token:
         raise UserError("--relay needs the relay token: --token T or SFCHAT_TOKEN")
@@ -133,8 +134,8 @@ def connect_relay(s: Settings, on_event: Callable = lambda e: None, wait_timeout
     link = RelayLink(s.relay, s.token, s.session, "head")
     if not link.peer_present:
         on_event(LinkState("waiting", f"waiting for a tail on session {s.session!r}: run "
-                                      f"sfchat --tail --relay {s.relay} --token ... --session {s.session} "
-                                      f"{'--secret ...' if s.secret else '--insecure'}"))
+                                      f"sfchat --tail --relay {s.relay} --session {s.session} with "
+                                      f"SFCHAT_TOKEN set{', and use the code it prints' if s.secret else ' and --insecure'}"))
         try:
             link.wait_peer(wait_timeout)
         except BaseException:

@@ -14,6 +14,15 @@ Failures a user can fix (missing directory, unknown repo, gated repo, no network
 safetensors) raise ``sfchat.UserError`` with the fix in the message. This module knows nothing
 about layers, devices or dtypes.
 
+Names from the network: the tail opens what a head's HELLO names, so it passes ``allowed_dirs``
+(its operator's ``--models-dir``, possibly none). Then a name is a local directory only when it
+lies inside one of those directories (after resolving symlinks), and otherwise a hub id by its
+syntax alone; anything else is refused with one message that does not depend on what exists on
+the tail's disk, so a head cannot probe it. ``allowed_dirs=None`` (the head, local mode: names
+the user typed) opens any directory. Custom model code is never run: every transformers call
+passes ``trust_remote_code=False``, so a checkpoint with an ``auto_map`` is refused instead of
+asking on stdin whether to run its code.
+
 No network: before its first hub request the process probes the hub's host once (a TCP
 connection, ``HUB_PROBE_TIMEOUT`` s; skipped when HF_HUB_OFFLINE is set or a proxy is
 configured). When that fails, sources opened by hub id use the local cache only
@@ -26,13 +35,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import sys
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 from safetensors import safe_open
 
@@ -46,6 +56,8 @@ HUB_PROBE_TIMEOUT = 3.0
 PROXY_VARIABLES = ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy", "HTTP_PROXY", "http_proxy")
 _probe_lock = threading.Lock()
 _probe_result: list[str | None] = []  # the one probe of this process, once made
+HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}(/[A-Za-z0-9][A-Za-z0-9._-]{0,95})?")
+MAX_NAME_CHARS = 1024
 
 
 def hub_unreachable() -> str | None:
@@ -81,6 +93,25 @@ def _connect_error(host: str, port: int, timeout: float) -> str | None:
     worker.start()
     worker.join(timeout)
     return outcome[0] if outcome else f"no connection to {host}:{port} within {timeout:g} s"
+
+
+def allowed_local_dir(name: str, allowed_dirs: Sequence[Path]) -> Path | None:
+    """The directory inside ``allowed_dirs`` that ``name`` means, None for a hub id; a UserError
+    for anything else, worded the same whether or not such a path exists on this machine."""
+    refusal = UserError(f"this tail loads hub ids and directories inside its --models-dir "
+                        f"({', '.join(map(str, allowed_dirs)) or 'none given'}), not {name[:200]!r}")
+    if not name or len(name) > MAX_NAME_CHARS or "\0" in name:
+        raise refusal
+    for root in allowed_dirs:
+        root = Path(os.path.abspath(root))
+        lexical = Path(os.path.normpath(root / name))  # an absolute name replaces the root
+        if lexical != root and root in lexical.parents and lexical.is_dir():
+            real, real_root = lexical.resolve(), root.resolve()
+            if real_root in real.parents:  # a symlink inside the root must not lead out of it
+                return real
+    if HUB_ID.fullmatch(name) and not os.path.isabs(name):
+        return None
+    raise refusal
 
 
 def _no_progress(stage: str, done: int, total: int, detail: str) -> None:
@@ -154,7 +185,13 @@ class ModelSource:
 
     # -- opening -------------------------------------------------------------------------------
     @classmethod
-    def open(cls, name: str, revision: str | None = None, progress: Progress = _no_progress) -> "ModelSource":
+    def open(cls, name: str, revision: str | None = None, progress: Progress = _no_progress,
+             allowed_dirs: Sequence[Path] | None = None) -> "ModelSource":
+        if allowed_dirs is not None:
+            local = allowed_local_dir(name, allowed_dirs)
+            src = cls(name, revision, local, None, {}) if local is not None else \
+                cls(name, revision, None, None, {}, hub_unreachable())
+            return src._open(progress)
         path = Path(name).expanduser()
         if path.is_dir():
             src = cls(name, revision, path, None, {})
@@ -162,14 +199,17 @@ class ModelSource:
             raise UserError(f"model directory {name!r} does not exist")
         else:
             src = cls(name, revision, None, None, {}, hub_unreachable())
+        return src._open(progress)
+
+    def _open(self, progress: Progress) -> "ModelSource":
         progress("download", 0, 1, "config")
-        src.config = src._load_config()
-        src.weight_map = src._load_weight_map()
-        if src.offline_reason:  # found in the cache: say why no newer revision was looked for
-            print(f"sfchat: the Hugging Face hub cannot be reached ({src.offline_reason}); "
-                  f"using the cached copy of {name}", file=sys.stderr)
+        self.config = self._load_config()
+        self.weight_map = self._load_weight_map()
+        if self.offline_reason:  # found in the cache: say why no newer revision was looked for
+            print(f"sfchat: the Hugging Face hub cannot be reached ({self.offline_reason}); "
+                  f"using the cached copy of {self.name}", file=sys.stderr)
         progress("download", 1, 1, "config")
-        return src
+        return self
 
     def file(self, filename: str, optional: bool = False, report: Callable[[int, int], None] | None = None) -> Path:
         """Local path of one repository file (downloaded to the hub cache when needed).
@@ -210,7 +250,7 @@ class ModelSource:
         except FileNotFoundError:
             raise UserError(f"{self.name!r} has no config.json: not a transformers model") from None
         try:
-            return AutoConfig.from_pretrained(str(cfg_path.parent))
+            return AutoConfig.from_pretrained(str(cfg_path.parent), trust_remote_code=False)
         except (ValueError, KeyError, OSError, json.JSONDecodeError) as exc:
             raise UserError(f"cannot read the config of {self.name!r}: {exc}") from None
 

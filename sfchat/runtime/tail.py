@@ -11,13 +11,20 @@ instead of the head's bfloat16 on a GPU without bf16, such as a T4; the head's h
 are then converted on arrival). A FORWARD fills the KV cache at the positions
 it names and, when it asks for a verdict, verifies its drafts with ``sampling.verify``.
 
-A frame that breaks the protocol gets an ERROR reply and raises ``TailError`` so that the
-transport closes the connection; the verifier itself stays usable for the next head.
+Every frame is hostile until checked: each HELLO field is checked for its exact JSON type and
+range before anything is allocated or opened (``read_hello``); a FORWARD must agree with the
+hello (hidden size, dtype, K, context) and a sampled verify must carry finite, non-negative
+proposal probabilities. Models are opened through ``ModelSource.open(..., allowed_dirs)``: with
+``models_dirs`` (the ``sfchat --tail`` process) only hub ids and directories inside them.
+A frame that breaks the protocol gets one ERROR reply and raises ``TailError``; so does any
+unexpected failure while handling a frame (the tail then also forgets its context and asks the
+head to resync). The verifier itself stays usable for the next frame and the next head.
 """
 
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import torch
 
@@ -28,6 +35,10 @@ from sfchat.runtime.quant import QUANT_MODES
 from sfchat.runtime.slices import DTYPE_NAMES, DTYPES, ModelSlice, n_layers, pick_dtype, runnable_dtype
 from sfchat.runtime.source import ModelSource
 
+MAX_LAYERS = 1 << 12
+MAX_CONTEXT = 1 << 22
+MAX_NAME_CHARS = 512
+UNEXPECTED = "the tail failed on this frame"
 
 
 class TailError(Exception):
@@ -41,9 +52,53 @@ def tensor_from_bytes(raw: bytes, dtype: torch.dtype, rows: int, cols: int, devi
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).view(rows, cols).to(device)
 
 
+def _shown(value) -> str:
+    """A value from the network, fit for a message: its repr (escapes control characters), cut short."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _field(data: dict, key: str, kind, default=..., lo: int = 0, hi: int | None = None):
+    """``data[key]`` when it is exactly of JSON type ``kind`` (a bool is no int) and within
+    [lo, hi]; ValueError otherwise."""
+    value = data.get(key, default) if default is not ... else data[key]
+    if type(value) not in (kind if isinstance(kind, tuple) else (kind,)):
+        raise ValueError(f"{key}={_shown(value)} is not of the expected type")
+    if type(value) is int and not lo <= value <= hi:
+        raise ValueError(f"{key}={value} out of range {lo}..{hi}")
+    if type(value) is str and not 0 < len(value) <= MAX_NAME_CHARS:
+        raise ValueError(f"{key} of {len(value)} characters")
+    return value
+
+
+def read_hello(data: dict) -> tuple[dict, int, int, int, bool]:
+    """(identity, k, n_layers, hidden_size, graphs) from a HELLO's data; ValueError or KeyError
+    for anything missing, mistyped or out of range."""
+    identity = {
+        "model": _field(data, "model", str), "revision": _field(data, "revision", (str, type(None))),
+        "split": _field(data, "split", int, hi=MAX_LAYERS), "dtype": _field(data, "dtype", str),
+        "max_len": _field(data, "max_len", int, lo=1, hi=MAX_CONTEXT),
+        "quant": _field(data, "quant", str, "none"),  # a head without 4-bit support sends none
+    }
+    if identity["quant"] not in QUANT_MODES:
+        raise ValueError(f"unknown quantisation {_shown(identity['quant'])} (this tail knows "
+                         f"{', '.join(QUANT_MODES)})")
+    if identity["dtype"] not in DTYPES:
+        raise ValueError(f"unknown dtype {_shown(identity['dtype'])} (choose from {', '.join(DTYPES)})")
+    k = _field(data, "k", int, 0, hi=wire.MAX_DRAFT)  # K+1 sizes the verify graph: never allocate on a head's word
+    n_layers_head = _field(data, "n_layers", int, lo=1, hi=MAX_LAYERS)
+    hidden = _field(data, "hidden_size", int, lo=1, hi=wire.MAX_HIDDEN_SIZE)
+    return identity, k, n_layers_head, hidden, _field(data, "graphs", bool, True)
+
+
 class Verifier:
-    def __init__(self, device: torch.device, log=None, devices: list[torch.device] | None = None):
+    def __init__(self, device: torch.device, log=None, devices: list[torch.device] | None = None,
+                 models_dirs: list[Path] | None = None):
+        """``models_dirs``: where a HELLO may name local model directories (None: anywhere, for
+        local mode, whose names the user typed)."""
         self.device = device
+        self.models_dirs = models_dirs
+        self.k = 0
         self.devices = list(devices or [device])  # two GPUs of this node may share the slice
         self.log = log or (lambda msg: None)
         self.model: ModelSlice | None = None
@@ -52,6 +107,17 @@ class Verifier:
 
     # -- frames --------------------------------------------------------------------------------
     def handle(self, frame: bytes, emit) -> None:
+        try:
+            self._handle(frame, emit)
+        except TailError:
+            raise
+        except Exception as exc:  # a check this file lacks: still an answer, and the tail stays up
+            self.log(f"{UNEXPECTED}: {type(exc).__name__}: {exc}")
+            if self.model is not None:
+                self.model.kv.reset()
+            self._fail(emit, f"{UNEXPECTED} ({type(exc).__name__}); send a fresh hello", resync=True)
+
+    def _handle(self, frame: bytes, emit) -> None:
         try:
             msg = wire.decode(frame)
         except wire.WireError as exc:
@@ -73,21 +139,12 @@ class Verifier:
 
     def _hello(self, data: dict, emit) -> None:
         try:
-            identity = {k: data[k] for k in ("model", "revision", "split", "dtype", "max_len")}
-            identity["quant"] = data.get("quant", "none")  # a head without 4-bit support sends none
-            if identity["quant"] not in QUANT_MODES:
-                raise ValueError(f"unknown quantisation {identity['quant']!r} (this tail knows "
-                                 f"{', '.join(QUANT_MODES)})")
-            k = int(data.get("k", 0))
-            if not 0 <= k <= wire.MAX_DRAFT:  # K+1 sizes the verify graph: never allocate on a head's word
-                raise ValueError(f"k={k} out of range 0..{wire.MAX_DRAFT}")
-            n_layers_head, hidden = int(data["n_layers"]), int(data["hidden_size"])
-            types = {"model": str, "revision": (str, type(None)), "split": int, "dtype": str, "max_len": int}
-            bad = [key for key, t in types.items() if not isinstance(identity[key], t)]
-            if bad or identity["max_len"] < 1:
-                raise ValueError(f"bad {', '.join(bad) or 'max_len'}")
-        except (KeyError, TypeError, ValueError) as exc:
+            identity, k, n_layers_head, hidden, graphs = read_hello(data)
+        except KeyError as exc:
+            self._fail(emit, f"incomplete hello: no {exc}")
+        except ValueError as exc:
             self._fail(emit, f"incomplete hello: {exc}")
+        self.k = k
         t0 = time.perf_counter()
         reused = self.model is not None and identity == self.identity
         if not reused:
@@ -95,16 +152,16 @@ class Verifier:
             try:
                 self.model = self._load(identity, emit, k)
             except UserError as exc:
-                self._fail(emit, f"tail cannot load {identity['model']!r}: {exc}")
+                self._fail(emit, f"tail cannot load {_shown(identity['model'])}: {exc}")
             self.identity = identity  # even if refused below: the identity names the model now held
         cfg = self.model.config
         if n_layers(cfg) != n_layers_head or cfg.hidden_size != hidden:
             self._fail(emit, f"tail's model has {n_layers(cfg)} layers / hidden {cfg.hidden_size}, "
                              f"the head's {n_layers_head} / {hidden}: not the same model")
-        if data.get("graphs", True) and self.device.type == "cuda" and (k + 1, k + 1) not in self.model.graphs:
+        if graphs and self.device.type == "cuda" and (k + 1, k + 1) not in self.model.graphs:
             # the verify of a round is always K+1 positions: one fixed shape to capture
             self.model.capture(k + 1, k + 1, log=self.log)
-        if not data.get("graphs", True):
+        if not graphs:
             self.model.graphs.clear()
         self.identity = identity
         self.model.kv.reset()
@@ -127,7 +184,7 @@ class Verifier:
                     "stage": stage, "done": done, "total": total, "detail": detail})))
 
         try:
-            src = ModelSource.open(ident["model"], ident["revision"], progress)
+            src = ModelSource.open(ident["model"], ident["revision"], progress, allowed_dirs=self.models_dirs)
         except UserError as exc:
             if str(exc).startswith("model directory"):  # the head runs a local copy: so must the tail
                 raise UserError(f"{exc} on the tail machine (the head named a local directory: give the "
@@ -167,13 +224,21 @@ class Verifier:
                              f"the tail's {m.config.hidden_size}/{DTYPE_NAMES[m.dtype]}")
         if msg.start_pos + n > m.kv.max_len:
             self._fail(emit, f"positions up to {msg.start_pos + n} exceed the context of {m.kv.max_len}")
+        k = msg.n_draft
+        if k > self.k:
+            self._fail(emit, f"a FORWARD with {k} drafts; the hello announced at most {self.k}")
+        sampled = msg.want_verdict and k > 0 and msg.sampling.temperature > 0
+        if sampled and msg.n_q == 0:
+            self._fail(emit, "a sampled verify without the draft's proposal distributions (n_q = 0)")
+        q_probs = torch.frombuffer(bytearray(msg.q_probs), dtype=torch.float32) if sampled else None
+        if q_probs is not None and not bool(torch.isfinite(q_probs).all() and (q_probs >= 0).all()):
+            self._fail(emit, "draft proposal probabilities that are not finite and non-negative")
         if msg.start_pos > len(m.kv.written):
             self._fail(emit, f"context hole: the tail holds {len(m.kv.written)} positions, the head "
                              f"wrote at {msg.start_pos} (did the tail restart?)", resync=True)
         t0 = time.perf_counter()
         hidden = tensor_from_bytes(msg.hidden, sent, n, msg.hidden_size, self.device).to(m.dtype)
         positions = torch.arange(msg.start_pos, msg.start_pos + n, device=self.device)
-        k = msg.n_draft
         logits = m.run(hidden, positions, n_logits=k + 1 if msg.want_verdict else 1, end=msg.start_pos + n)
         m.kv.note(msg.start_pos, msg.tokens)
         if not msg.want_verdict:
@@ -184,6 +249,6 @@ class Verifier:
         gen = sampling.round_generator(msg.sampling.seed, msg.start_pos, "verify", self.device) \
             if msg.sampling.temperature > 0 else None
         n_acc, tokens = sampling.verify(logits, drafts, msg.sampling, q_idx, q_prob, gen)
-        tail_us = int((time.perf_counter() - t0) * 1e6)
+        tail_us = min(int((time.perf_counter() - t0) * 1e6), 2 ** 32 - 1)
         self.rounds += 1
         emit(wire.encode(wire.Verdict(msg.round, msg.start_pos, n_acc, tuple(tokens), tail_us)))
