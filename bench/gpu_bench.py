@@ -141,8 +141,9 @@ def run_rounds(engine, n: int) -> tuple[float, float]:
 
 
 @contextlib.contextmanager
-def relay_and_tail(rtt_ms: int, session: str = "bench"):
-    """A real sfchat-relay on loopback emulating ``rtt_ms`` and a tail process on the GPU: the URL."""
+def relay_and_tail(rtt_ms: int, models_dir: Path, session: str = "bench"):
+    """A real sfchat-relay on loopback emulating ``rtt_ms`` and a tail process on the GPU that may
+    load the checkpoints under ``models_dir``: the URL."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     relay = subprocess.Popen([sys.executable, "-m", "relay.server", "--host", "127.0.0.1", "--port", "0",
                               "--token", TOKEN, "--emulate-rtt-ms", str(rtt_ms)],
@@ -152,7 +153,8 @@ def relay_and_tail(rtt_ms: int, session: str = "bench"):
         m = re.search(r"listening on ws://[^:]+:(\d+)", relay.stdout.readline())
         url = f"ws://127.0.0.1:{m.group(1)}" if m else None
     tail = subprocess.Popen([sys.executable, "-m", "sfchat.cli", "--tail", "--relay", url, "--token", TOKEN,
-                             "--secret", SECRET, "--session", session, "--device", DEVICE], env=env,
+                             "--secret", SECRET, "--session", session, "--device", DEVICE,
+                             "--models-dir", str(models_dir)], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         yield url
@@ -176,7 +178,7 @@ def head_link(url: str, session: str = "bench"):
 def relay_figures(target: Path, draft: Path, k: int, rtt_ms: int, n: int, variants) -> dict:
     """Round ms per variant through sfchat-relay on loopback with a tail process on the GPU."""
     out = {}
-    with relay_and_tail(rtt_ms) as url:
+    with relay_and_tail(rtt_ms, target.parent) as url:
         for variant in variants:
             link = head_link(url)
             engine, _ = build_engine(settings(target, draft, k, variant), link=link)

@@ -84,7 +84,7 @@ def main() -> None:
     drafts = {"random 0.5B": (root / "draft", True), "draft = target": (root / "target", False)}
     res: dict = {}
     with contextlib.ExitStack() as stack:
-        urls = {rtt: stack.enter_context(relay_and_tail(rtt, f"rtt{rtt}")) for rtt in rtts}
+        urls = {rtt: stack.enter_context(relay_and_tail(rtt, root, f"rtt{rtt}")) for rtt in rtts}
         for name, (draft, compiled) in drafts.items():
             s = Settings(model=str(root / "target"), draft=str(draft), k=K, device=gpu_bench.DEVICE, max_context=2048,
                          compile_draft=compiled)

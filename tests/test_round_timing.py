@@ -42,9 +42,9 @@ def test_local_figures_add_up_and_the_tail_is_not_counted_as_head(zoo):
 
 
 @pytest.fixture
-def slow_relay():
+def slow_relay(zoo):
     proc, url = start_relay("--emulate-rtt-ms", "100")
-    tail = start_tail(url, "timing")
+    tail = start_tail(url, "timing", zoo["tokenizer"].parent)
     yield url
     for p in (tail, proc):
         p.terminate()
