@@ -19,7 +19,9 @@ calling ``job.deliver(item)`` from the generation thread, with items
 
 ``job.cancel()`` (a client went away) is seen between rounds: the reply ends as "cancelled"; a
 job cancelled while it waits is dropped when its turn comes. ``encode(messages)`` turns a
-conversation into prompt ids on the caller's thread (tokenizer only, under a lock). A follow-up
+conversation into prompt ids on the caller's thread (tokenizer only, under a lock: encoding
+never changes the fast tokenizer's padding or truncation state, so the generation thread's
+decoding may run beside it). A follow-up
 whose prompt extends the previous conversation reuses the KV cache through the engine: nothing
 is reset between requests. ``close()`` ends the thread after the current round.
 
