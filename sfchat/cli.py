@@ -91,6 +91,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds without a verdict before the head reconnects (default 60)")
     g.add_argument("--reconnect-timeout", type=float,
                    help="seconds the head keeps trying to get a tail back before giving up (default 300)")
+    g = p.add_argument_group("OpenAI-compatible server")
+    g.add_argument("--serve", action="store_true", help="serve the model over HTTP (OpenAI chat completions API)")
+    g.add_argument("--host", help="--serve: address to listen on (default 127.0.0.1)")
+    g.add_argument("--port", type=int, help="--serve: port to listen on (default 8000)")
+    g.add_argument("--api-key", help="--serve: require Authorization: Bearer KEY (or SFCHAT_API_KEY)")
+    g.add_argument("--max-queue", type=int, help="--serve: requests that may wait for the model; more get 429 "
+                                                 "(default 16)")
     g = p.add_argument_group("files")
     g.add_argument("--config", type=Path, help="TOML settings file (default: the platform config dir)")
     g.add_argument("--history", help="chat history SQLite file (default: the platform data dir)")
@@ -201,10 +208,25 @@ def run(argv: list[str] | None) -> int:
         from sfchat.runtime.tail_node import serve
 
         return serve(s)
+    if getattr(args, "serve", False):
+        return serve_http(s, args)
     prompt = getattr(args, "prompt", None)
     if prompt is not None:
         return one_shot(s, prompt, getattr(args, "json", False))
     return chat(s)
+
+
+def serve_http(s: Settings, args: argparse.Namespace) -> int:
+    """``--serve``: the OpenAI-compatible endpoint (sfchat/serve)."""
+    from sfchat.serve.app import ServeOptions
+    from sfchat.serve.main import api_key_from, serve
+
+    options = ServeOptions(host=getattr(args, "host", "127.0.0.1"), port=getattr(args, "port", 8000),
+                           api_key=api_key_from(getattr(args, "api_key", None)),
+                           max_queue=getattr(args, "max_queue", 16))
+    if not 0 <= options.port <= 65535 or options.max_queue < 1:
+        raise UserError("--port must be 0..65535 and --max-queue at least 1")
+    return serve(s, options)
 
 
 def chat(s: Settings) -> int:

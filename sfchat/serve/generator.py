@@ -1,0 +1,245 @@
+"""The generation thread: the one thread that owns the chat session (the models, CUDA, the link).
+
+Contract
+--------
+``GenerationThread(settings, metrics, max_queue, load=..., on_event=...)``. ``start()`` starts the
+thread, which loads the session with ``load(settings, on_event)`` (by default
+``ChatSession.load`` over a relay link in relay mode, in-process otherwise) and returns the
+``RuntimeReady`` figures once it is loaded, or raises the load's ``UserError`` in the caller.
+Loading, every round and every reply run on that thread alone: CUDA graph state is
+thread-local, and one generation at a time is what the GPU can do.
+
+``submit(job)`` queues a ``Job`` without blocking; ``QueueFull`` when ``max_queue`` jobs already
+wait (the one being generated does not count). The thread reports each job's progress by
+calling ``job.deliver(item)`` from the generation thread, with items
+
+* ``("started", ReplyStarted, queued_s)``,
+* ``("text", str)`` — the reply's next text, stop strings already cut (``StopMatcher``),
+* ``("finished", Outcome)``, or ``("failed", status, message)``; one of the two ends every job.
+
+``job.cancel()`` (a client went away) is seen between rounds: the reply ends as "cancelled"; a
+job cancelled while it waits is dropped when its turn comes. ``encode(messages)`` turns a
+conversation into prompt ids on the caller's thread (tokenizer only, under a lock: encoding
+never changes the fast tokenizer's padding or truncation state, so the generation thread's
+decoding may run beside it). A follow-up
+whose prompt extends the previous conversation reuses the KV cache through the engine: nothing
+is reset between requests. ``close()`` ends the thread after the current round.
+
+Torch is imported only inside the thread (through the runtime).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from sfchat import UserError
+from sfchat.config import Settings
+from sfchat.serve.metrics import ServerMetrics
+from sfchat.serve.stops import StopMatcher
+
+
+class QueueFull(Exception):
+    pass
+
+
+@dataclass
+class Job:
+    prompt_ids: list[int]
+    max_tokens: int
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int | None
+    stops: tuple[str, ...]
+    deliver: Callable[[tuple], None]
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    submitted: float = field(default_factory=time.perf_counter)
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+
+@dataclass(frozen=True)
+class Outcome:
+    finish_reason: str  # "eos", "stop", "length", "context", "cancelled"
+    text: str
+    completion_tokens: int
+    prompt_tokens: int
+    cached_tokens: int
+    figures: dict  # sfchat's own: tokens per round, tok/s, RTT, ...
+
+
+def load_session(s: Settings, on_event: Callable):
+    """The default loader: what one-shot mode does (relay link in relay mode, else in-process)."""
+    from sfchat.runtime.session import ChatSession, connect_relay
+
+    return ChatSession.load(s, on_event, connect_relay(s, on_event))
+
+
+class GenerationThread:
+    def __init__(self, settings: Settings, metrics: ServerMetrics, max_queue: int = 16,
+                 load: Callable = load_session, on_event: Callable = lambda e: None):
+        self.settings, self.metrics, self.load, self.on_event = settings, metrics, load, on_event
+        self.jobs: queue.Queue = queue.Queue(maxsize=max(1, max_queue))
+        self.session = None
+        self.info = None
+        self.thread: threading.Thread | None = None
+        self.tokenizer_lock = threading.Lock()
+        self.loaded = threading.Event()
+        self.load_error: BaseException | None = None
+        self.current: Job | None = None
+
+    # -- the caller's side ----------------------------------------------------------------------
+    def start(self, timeout: float | None = None):
+        self.thread = threading.Thread(target=self._main, name="sfchat-generation", daemon=True)
+        self.thread.start()
+        if not self.loaded.wait(timeout):
+            raise UserError(f"the models did not load within {timeout} s")
+        if self.load_error is not None:
+            raise self.load_error
+        return self.info
+
+    def encode(self, messages: list[dict]) -> list[int]:
+        s = self.settings
+        if s.system and not any(m["role"] == "system" for m in messages):
+            messages = [{"role": "system", "content": s.system}] + list(messages)
+        with self.tokenizer_lock:
+            return self.session.encode(list(messages), s.chat_template)
+
+    def submit(self, job: Job) -> None:
+        try:
+            self.jobs.put_nowait(job)
+        except queue.Full:
+            raise QueueFull() from None
+        self.metrics.queue_depth.set(self.jobs.qsize())
+
+    def close(self) -> None:
+        job = self.current
+        if job is not None:
+            job.cancel()
+        while True:  # the thread takes the next job at once: make it the sentinel
+            try:
+                self.jobs.get_nowait().deliver(("failed", 503, "the server is shutting down"))
+            except queue.Empty:
+                break
+        try:
+            self.jobs.put_nowait(None)
+        except queue.Full:
+            pass
+        if self.thread is not None:
+            self.thread.join(timeout=30)
+
+    # -- the generation thread ------------------------------------------------------------------
+    def _main(self) -> None:
+        try:
+            self.session = self.load(self.settings, self._event)
+            self.info = self.session.info
+        except BaseException as exc:  # handed to start(), which raises it in the caller
+            self.load_error = exc if isinstance(exc, UserError) else \
+                UserError(f"loading failed: {type(exc).__name__}: {exc}")
+            self.loaded.set()
+            return
+        self.loaded.set()
+        try:
+            while (job := self.jobs.get()) is not None:
+                self.metrics.queue_depth.set(self.jobs.qsize())
+                if job.cancelled.is_set():
+                    self.metrics.reply("cancelled")
+                    continue
+                self.current = job
+                self.metrics.generating.set(1)
+                try:
+                    self._generate(job)
+                finally:
+                    self.current = None
+                    self.metrics.generating.set(0)
+        finally:
+            try:
+                self.session.engine.link.close()
+            except Exception:
+                pass
+            self._event_link("closed")
+
+    def _event(self, ev) -> None:
+        from sfchat.events import LinkState
+
+        if isinstance(ev, LinkState):
+            self.metrics.link(ev.state)
+        self.on_event(ev)
+
+    def _event_link(self, state: str) -> None:
+        from sfchat.events import LinkState
+
+        self._event(LinkState(state))
+
+    def _generate(self, job: Job) -> None:
+        try:
+            outcome = self._reply(job)
+        except UserError as exc:
+            self.metrics.reply("failed")
+            job.deliver(("failed", 400, str(exc)))
+        except Exception as exc:  # the link died for good, or a bug: this request fails, the server stays
+            self.metrics.reply("failed")
+            job.deliver(("failed", 503, f"generation failed: {type(exc).__name__}: {exc}"))
+            try:
+                self.session.engine.reset()  # a half-done round leaves nothing trustworthy cached
+            except Exception:
+                pass
+        else:
+            self.metrics.reply(outcome.finish_reason, outcome.prompt_tokens, outcome.cached_tokens,
+                               outcome.completion_tokens, outcome.figures["tps"], outcome.figures["ttft_s"])
+            job.deliver(("finished", outcome))
+
+    def _reply(self, job: Job) -> Outcome:
+        from sfchat.events import ReplyFinished, ReplyStarted, TokensCommitted
+        from sfchat.runtime.session import make_sampling
+
+        session = self.session
+        queued_s = time.perf_counter() - job.submitted
+        stops = StopMatcher(job.stops)
+        sampling = make_sampling(job.temperature, job.top_k, job.top_p, job.seed)
+        tokens: list[int] = []
+        started = final = None
+        for ev in session.reply(job.prompt_ids, job.max_tokens, sampling,
+                                lambda: job.cancelled.is_set() or stops.hit):
+            if isinstance(ev, ReplyStarted):
+                started = ev
+                job.deliver(("started", ev, queued_s))
+            elif isinstance(ev, TokensCommitted):
+                self.metrics.round(ev.stats.committed, ev.stats.rtt_ms)
+                tokens.extend(ev.token_ids)
+                if piece := stops.push(ev.text):
+                    job.deliver(("text", piece))
+            elif isinstance(ev, ReplyFinished):
+                final = ev
+        reason = final.finish_reason
+        n = len(tokens)
+        if stops.hit:
+            reason, n = "stop", self._tokens_until(tokens, stops.end)
+        elif reason != "cancelled" and (piece := stops.flush()):
+            job.deliver(("text", piece))
+        figures = {"rounds": final.rounds, "tokens_per_round": round(final.tokens_per_round, 3),
+                   "accepted_histogram": list(final.accepted_histogram), "tps": round(final.tps, 2),
+                   "ttft_s": round(final.ttft_s, 4), "prefill_s": round(final.prefill_s, 4),
+                   "queued_s": round(queued_s, 4),
+                   "round_ms": round(final.round_ms, 3), "rtt_ms": round(final.rtt_ms, 3),
+                   "draft_ms": round(final.draft_ms, 3), "head_ms": round(final.head_ms, 3),
+                   "tail_ms": round(final.tail_ms, 3), "prefill_tokens": started.prefill_tokens,
+                   "k": self.info.k, "mode": self.info.mode}
+        return Outcome(reason, stops.text, n, len(job.prompt_ids), started.reused_tokens, figures)
+
+    def _tokens_until(self, tokens: list[int], end: int) -> int:
+        """The fewest leading tokens of the reply whose text reaches ``end`` characters (the stop's end)."""
+        decode = self.session.tokenizer.decode
+        lo, hi = 1, len(tokens)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if len(decode(tokens[:mid], skip_special_tokens=True)) >= end:
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo

@@ -1,0 +1,150 @@
+"""``sfchat --serve``: bind, load the models, run the ASGI app under uvicorn until Ctrl+C.
+
+Contract
+--------
+``serve(settings, options)`` is what the CLI calls: it binds the socket first (a port in use is
+a ``UserError`` before any model is loaded), warns on stderr when the address is not loopback
+and no API key is set, loads the session on the generation thread (progress and link trouble
+as lines on stderr, as in one-shot mode), prints the URL, and serves until interrupted.
+``Server(settings, options, load=...)`` is the same as an object: ``start()`` returns once it
+accepts connections (``url`` then names it; port 0 picks a free one), ``close()`` stops it.
+The tests and ``bench/serve_load.py`` run it in-process that way. ``api_key_from(flag)``: the
+flag, else ``SFCHAT_API_KEY``.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import socket
+import sys
+import threading
+import time
+
+from sfchat import UserError
+from sfchat.config import Settings
+from sfchat.serve.app import ServeOptions, build_app
+from sfchat.serve.generator import GenerationThread, load_session
+from sfchat.serve.metrics import ServerMetrics
+
+
+def api_key_from(flag: str | None) -> str | None:
+    return flag or os.environ.get("SFCHAT_API_KEY") or None
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def exposure_warning(options: ServeOptions) -> str | None:
+    if is_loopback(options.host) or options.api_key:
+        return None
+    return (f"sfchat: warning: serving on {options.host} without --api-key: anyone who can reach this "
+            f"address can use the model; set --api-key or SFCHAT_API_KEY, or bind to 127.0.0.1")
+
+
+def bind(host: str, port: int) -> socket.socket:
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise UserError(f"--host {host!r}: {exc.strerror}") from None
+    family, _, _, _, address = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        raise UserError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+class Server:
+    def __init__(self, settings: Settings, options: ServeOptions = ServeOptions(), load=load_session,
+                 on_event=lambda e: None):
+        self.settings, self.options = settings, options
+        self.metrics = ServerMetrics(settings.k)
+        self.generator = GenerationThread(settings, self.metrics, options.max_queue, load, on_event)
+        self.sock: socket.socket | None = None
+        self.uvicorn = None
+        self.thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        host, port = self.sock.getsockname()[:2]
+        return f"http://{f'[{host}]' if ':' in host else host}:{port}"
+
+    def bind(self) -> None:
+        self.sock = bind(self.options.host, self.options.port)
+
+    def load(self):
+        return self.generator.start()
+
+    def config(self):
+        import uvicorn
+
+        app = build_app(self.generator, self.metrics, self.options)
+        # connections beyond the queue, the running request and some headroom are refused with 503
+        return uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
+                              limit_concurrency=self.options.max_queue + 64, timeout_keep_alive=30,
+                              h11_max_incomplete_event_size=64 * 1024)
+
+    def start(self, timeout: float = 60.0) -> "Server":
+        """Bind, load and serve on a background thread (the tests' and the benchmark's way)."""
+        import uvicorn
+
+        self.bind()
+        self.load()
+        self.uvicorn = uvicorn.Server(self.config())
+        self.thread = threading.Thread(target=self.uvicorn.run, kwargs={"sockets": [self.sock]},
+                                       name="sfchat-http", daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.uvicorn.started and self.thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if not self.uvicorn.started:
+            raise UserError("the HTTP server did not start")
+        return self
+
+    def close(self) -> None:
+        if self.uvicorn is not None:
+            self.uvicorn.should_exit = True
+        if self.thread is not None:
+            self.thread.join(timeout=10)
+        self.generator.close()
+        if self.sock is not None:
+            self.sock.close()
+
+
+def serve(settings: Settings, options: ServeOptions) -> int:
+    import uvicorn
+
+    from sfchat.cli import show_download
+    from sfchat.events import LinkState
+
+    def report(ev):
+        show_download(ev)
+        if isinstance(ev, LinkState) and ev.state != "local":
+            print(f"sfchat: link {ev.state}: {ev.detail}", file=sys.stderr, flush=True)
+
+    if warning := exposure_warning(options):
+        print(warning, file=sys.stderr, flush=True)
+    server = Server(settings, options, on_event=report)
+    server.bind()
+    print(f"sfchat: loading {settings.model} ...", file=sys.stderr, flush=True)
+    info = server.load()
+    try:
+        print(f"sfchat: serving {info.model} (OpenAI-compatible, {info.mode} mode) at {server.url}/v1 "
+              f"- metrics at {server.url}/metrics{'; API key required' if options.api_key else ''}",
+              file=sys.stderr, flush=True)
+        uvicorn.Server(server.config()).run(sockets=[server.sock])
+    finally:
+        server.generator.close()
+        server.sock.close()
+    return 0
