@@ -87,7 +87,7 @@ def test_greedy_parity_with_an_nf4_target(zoo, target, draft):
     assert session.info.quant == "nf4" and is_quantized(session.engine.head)
     assert not is_quantized(session.engine.drafter.model)
     tail = session.engine.link.verifier
-    assert tail.identity["quant"] == "nf4" and is_quantized(tail.model)
+    assert tail.hello.quant == "nf4" and is_quantized(tail.model)
     ids = session.encode(PROMPT)
     fin = [e for e in session.reply(ids, 24, Sampling()) if isinstance(e, ReplyFinished)][0]
     ref = nf4_reference(zoo[target]).generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False,
@@ -100,7 +100,7 @@ def test_nf4_draft_keeps_the_dense_target_lossless(zoo):
     session = ChatSession.load(Settings(model=str(path), draft=str(path), k=4, device="cpu",
                                         draft_load_in_4bit=True))
     assert is_quantized(session.engine.drafter.model) and not is_quantized(session.engine.head)
-    assert session.info.quant == "none" and session.engine.link.verifier.identity["quant"] == "none"
+    assert session.info.quant == "none" and session.engine.link.verifier.hello.quant == "none"
     ids = session.encode(PROMPT)
     fin = [e for e in session.reply(ids, 24, Sampling()) if isinstance(e, ReplyFinished)][0]
     ref = AutoModelForCausalLM.from_pretrained(path).eval().generate(

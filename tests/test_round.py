@@ -230,8 +230,8 @@ def test_a_tail_lost_during_the_handshake_is_waited_for(zoo):
     session = load(zoo, draft="draft")
     driver = RoundDriver(session.engine.rounds, gone, reconnect=lambda timeout: MemoryLink(Verifier(torch.device("cpu"))),
                          reconnect_timeout=30)
-    ready = driver.connect(dict(session.engine.hello))
-    assert gone.closed and ready["n_layers"] == session.info.n_layers
+    ready = driver.connect(session.engine.hello)
+    assert gone.closed and ready.n_layers == session.info.n_layers
     ids = session.encode(PROMPT)
     driver.begin(ids)
     assert driver.round(Sampling(), set(), 10).tokens

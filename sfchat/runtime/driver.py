@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 from sfchat import UserError, wire
 from sfchat.events import LinkState, RoundStats
+from sfchat.handshake import Hello, Ready
 from sfchat.relay_link import LinkClosed, PeerGone
 from sfchat.runtime.policy import PreparePolicy
 from sfchat.runtime.round import HeadRound, Plan, ProtocolError
@@ -82,7 +83,7 @@ class RoundDriver:
         self.on_event, self.reconnect = on_event, reconnect
         self.round_timeout, self.reconnect_timeout = round_timeout, reconnect_timeout
         self.prepare_mode = prepare
-        self.hello: dict = {}
+        self.hello: Hello | None = None
         self.on_progress = None
         self.pending: tuple[Plan, wire.Sampling] | None = None  # the prepared next round
         self.policy = PreparePolicy()
@@ -94,7 +95,7 @@ class RoundDriver:
     tokens = property(lambda self: self.rounds.tokens)
 
     # -- handshake -----------------------------------------------------------------------------
-    def connect(self, hello: dict, on_progress=None) -> dict:
+    def connect(self, hello: Hello, on_progress=None) -> Ready:
         """Send HELLO and wait for READY (PROGRESS frames go to ``on_progress(stage, done, total,
         detail)``); a tail lost meanwhile is waited for and reconnected like one lost mid-reply."""
         self.hello, self.on_progress = hello, on_progress
@@ -105,12 +106,15 @@ class RoundDriver:
                 raise
             return self._recover(exc)
 
-    def _handshake(self) -> dict:
-        self._send(wire.encode(wire.Control(wire.MsgType.HELLO, self.hello)))
+    def _handshake(self) -> Ready:
+        self._send(self.hello.to_frame())
         while True:
             msg = self._recv()
             if isinstance(msg, wire.Control) and msg.type is wire.MsgType.READY:
-                return msg.data
+                try:
+                    return Ready.parse(msg.data)
+                except wire.WireError as exc:
+                    raise LinkError(f"protocol error: a READY frame with {exc}") from None
             if isinstance(msg, wire.Control) and msg.type is wire.MsgType.PROGRESS:
                 fields = self._checked(progress_fields, msg.data)
                 if self.on_progress is not None:
@@ -118,7 +122,7 @@ class RoundDriver:
                 continue
             raise LinkError(f"protocol error: unexpected {type(msg).__name__} while waiting for the tail to be ready")
 
-    def _recover(self, cause: LinkLost) -> dict:
+    def _recover(self, cause: LinkLost) -> Ready:
         """Reconnect with backoff and re-HELLO; the next round re-sends the whole context."""
         self.on_event(LinkState("reconnecting", str(cause)))
         self.pending = None

@@ -26,8 +26,8 @@ import torch
 from torch import nn
 
 from sfchat import UserError
+from sfchat.handshake import QUANT_MODES
 
-QUANT_MODES = ("none", "nf4")
 BLOCKSIZE = 64
 # 4 bits + one 8-bit absmax per block + one fp32 absmax per 256 blocks (double quantisation)
 NF4_BYTES_PER_WEIGHT = 0.5 + 1 / BLOCKSIZE + 4 / (BLOCKSIZE * 256)

@@ -21,6 +21,7 @@ import torch
 
 from sfchat import UserError
 from sfchat.config import Settings
+from sfchat.handshake import Hello
 from sfchat.events import LinkState, LoadProgress, ReplyFinished, ReplyStarted, RuntimeReady, TokensCommitted
 from sfchat.runtime.draft import Drafter
 from sfchat.runtime.driver import RoundDriver
@@ -197,14 +198,13 @@ def build_engine(s: Settings, on_event: Callable = lambda e: None, link=None,
     engine = RoundDriver(HeadRound(head, drafter, max_context=max_context), link, on_event=on_event,
                          reconnect=reconnect, round_timeout=s.round_timeout, reconnect_timeout=s.reconnect_timeout,
                          prepare=s.prepare)
-    hello = {"model": s.model, "revision": s.revision, "split": split, "dtype": DTYPE_NAMES[dtype],
-             "max_len": kv_len, "n_layers": L, "hidden_size": src.config.hidden_size, "k": k,
-             "graphs": s.cuda_graphs, "quant": quant}
+    hello = Hello(model=s.model, revision=s.revision, split=split, dtype=DTYPE_NAMES[dtype], max_len=kv_len,
+                  n_layers=L, hidden_size=src.config.hidden_size, k=k, graphs=s.cuda_graphs, quant=quant)
     ready = engine.connect(hello, lambda *fields: on_event(LoadProgress("tail", *fields)))
     info = RuntimeReady(model=s.model, draft=s.draft if k else "none", split=split, n_layers=L,
                         dtype=DTYPE_NAMES[dtype], k=k, device=",".join(map(str, devices)), mode=mode,
                         max_context=max_context, quant=quant,
-                        tail_dtype="" if ready.get("dtype") in (None, DTYPE_NAMES[dtype]) else str(ready["dtype"]))
+                        tail_dtype="" if ready.dtype == DTYPE_NAMES[dtype] else ready.dtype)
     on_event(info)
     return engine, info
 

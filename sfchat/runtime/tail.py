@@ -12,7 +12,7 @@ are then converted on arrival). A FORWARD fills the KV cache at the positions
 it names and, when it asks for a verdict, verifies its drafts with ``sampling.verify``.
 
 Every frame is hostile until checked: each HELLO field is checked for its exact JSON type and
-range before anything is allocated or opened (``read_hello``); a FORWARD must agree with the
+range before anything is allocated or opened (``handshake.Hello.parse``); a FORWARD must agree with the
 hello (hidden size, dtype, K, context) and a sampled verify must carry finite, non-negative
 proposal probabilities. Models are opened through ``ModelSource.open(..., allowed_dirs)``: with
 ``models_dirs`` (the ``sfchat --tail`` process) only hub ids and directories inside them.
@@ -29,15 +29,12 @@ from pathlib import Path
 import torch
 
 from sfchat import UserError, wire
+from sfchat.handshake import Hello, Ready, shown
 from sfchat.runtime import sampling
 from sfchat.runtime.memory import check_tail
-from sfchat.runtime.quant import QUANT_MODES
 from sfchat.runtime.slices import DTYPE_NAMES, DTYPES, ModelSlice, n_layers, pick_dtype, runnable_dtype
 from sfchat.runtime.source import ModelSource
 
-MAX_LAYERS = 1 << 12
-MAX_CONTEXT = 1 << 22
-MAX_NAME_CHARS = 512
 UNEXPECTED = "the tail failed on this frame"
 
 
@@ -52,45 +49,6 @@ def tensor_from_bytes(raw: bytes, dtype: torch.dtype, rows: int, cols: int, devi
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).view(rows, cols).to(device)
 
 
-def _shown(value) -> str:
-    """A value from the network, fit for a message: its repr (escapes control characters), cut short."""
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def _field(data: dict, key: str, kind, default=..., lo: int = 0, hi: int | None = None):
-    """``data[key]`` when it is exactly of JSON type ``kind`` (a bool is no int) and within
-    [lo, hi]; ValueError otherwise."""
-    value = data.get(key, default) if default is not ... else data[key]
-    if type(value) not in (kind if isinstance(kind, tuple) else (kind,)):
-        raise ValueError(f"{key}={_shown(value)} is not of the expected type")
-    if type(value) is int and not lo <= value <= hi:
-        raise ValueError(f"{key}={value} out of range {lo}..{hi}")
-    if type(value) is str and not 0 < len(value) <= MAX_NAME_CHARS:
-        raise ValueError(f"{key} of {len(value)} characters")
-    return value
-
-
-def read_hello(data: dict) -> tuple[dict, int, int, int, bool]:
-    """(identity, k, n_layers, hidden_size, graphs) from a HELLO's data; ValueError or KeyError
-    for anything missing, mistyped or out of range."""
-    identity = {
-        "model": _field(data, "model", str), "revision": _field(data, "revision", (str, type(None))),
-        "split": _field(data, "split", int, hi=MAX_LAYERS), "dtype": _field(data, "dtype", str),
-        "max_len": _field(data, "max_len", int, lo=1, hi=MAX_CONTEXT),
-        "quant": _field(data, "quant", str, "none"),  # a head without 4-bit support sends none
-    }
-    if identity["quant"] not in QUANT_MODES:
-        raise ValueError(f"unknown quantisation {_shown(identity['quant'])} (this tail knows "
-                         f"{', '.join(QUANT_MODES)})")
-    if identity["dtype"] not in DTYPES:
-        raise ValueError(f"unknown dtype {_shown(identity['dtype'])} (choose from {', '.join(DTYPES)})")
-    k = _field(data, "k", int, 0, hi=wire.MAX_DRAFT)  # K+1 sizes the verify graph: never allocate on a head's word
-    n_layers_head = _field(data, "n_layers", int, lo=1, hi=MAX_LAYERS)
-    hidden = _field(data, "hidden_size", int, lo=1, hi=wire.MAX_HIDDEN_SIZE)
-    return identity, k, n_layers_head, hidden, _field(data, "graphs", bool, True)
-
-
 class Verifier:
     def __init__(self, device: torch.device, log=None, devices: list[torch.device] | None = None,
                  models_dirs: list[Path] | None = None):
@@ -102,7 +60,7 @@ class Verifier:
         self.devices = list(devices or [device])  # two GPUs of this node may share the slice
         self.log = log or (lambda msg: None)
         self.model: ModelSlice | None = None
-        self.identity: dict | None = None
+        self.hello: Hello | None = None  # the hello whose slice is loaded
         self.rounds = 0
 
     # -- frames --------------------------------------------------------------------------------
@@ -139,39 +97,36 @@ class Verifier:
 
     def _hello(self, data: dict, emit) -> None:
         try:
-            identity, k, n_layers_head, hidden, graphs = read_hello(data)
-        except KeyError as exc:
-            self._fail(emit, f"incomplete hello: no {exc}")
-        except ValueError as exc:
+            hello = Hello.parse(data)
+        except wire.WireError as exc:
             self._fail(emit, f"incomplete hello: {exc}")
-        self.k = k
+        self.k = hello.k
         t0 = time.perf_counter()
-        reused = self.model is not None and identity == self.identity
+        reused = self.model is not None and hello.identity() == self.hello.identity()
         if not reused:
-            self.model = self.identity = None
+            self.model = self.hello = None
             try:
-                self.model = self._load(identity, emit, k)
+                self.model = self._load(hello, emit)
             except UserError as exc:
-                self._fail(emit, f"tail cannot load {_shown(identity['model'])}: {exc}")
-            self.identity = identity  # even if refused below: the identity names the model now held
+                self._fail(emit, f"tail cannot load {shown(hello.model)}: {exc}")
+        self.hello = hello  # even if refused below: it names the model now held
         cfg = self.model.config
-        if n_layers(cfg) != n_layers_head or cfg.hidden_size != hidden:
+        if n_layers(cfg) != hello.n_layers or cfg.hidden_size != hello.hidden_size:
             self._fail(emit, f"tail's model has {n_layers(cfg)} layers / hidden {cfg.hidden_size}, "
-                             f"the head's {n_layers_head} / {hidden}: not the same model")
-        if graphs and self.device.type == "cuda" and (k + 1, k + 1) not in self.model.graphs:
+                             f"the head's {hello.n_layers} / {hello.hidden_size}: not the same model")
+        k = hello.k
+        if hello.graphs and self.device.type == "cuda" and (k + 1, k + 1) not in self.model.graphs:
             # the verify of a round is always K+1 positions: one fixed shape to capture
             self.model.capture(k + 1, k + 1, log=self.log)
-        if not graphs:
+        if not hello.graphs:
             self.model.graphs.clear()
-        self.identity = identity
         self.model.kv.reset()
-        ready = {"n_layers": n_layers(cfg), "hidden_size": cfg.hidden_size, "device": str(self.device),
-                 "dtype": DTYPE_NAMES[self.model.dtype], "load_s": round(time.perf_counter() - t0, 3),
-                 "reused": reused}
-        self.log(f"ready: {identity['model']} layers [{identity['split']}, {n_layers(cfg)}) on {self.device}")
-        emit(wire.encode(wire.Control(wire.MsgType.READY, ready)))
+        ready = Ready(n_layers=n_layers(cfg), hidden_size=cfg.hidden_size, device=str(self.device),
+                      dtype=DTYPE_NAMES[self.model.dtype], load_s=round(time.perf_counter() - t0, 3), reused=reused)
+        self.log(f"ready: {hello.model} layers [{hello.split}, {n_layers(cfg)}) on {self.device}")
+        emit(ready.to_frame())
 
-    def _load(self, ident: dict, emit, k: int = 0) -> ModelSlice:
+    def _load(self, hello: Hello, emit) -> ModelSlice:
         last = [0.0]
 
         def progress(stage, done, total, detail):
@@ -184,33 +139,33 @@ class Verifier:
                     "stage": stage, "done": done, "total": total, "detail": detail})))
 
         try:
-            src = ModelSource.open(ident["model"], ident["revision"], progress, allowed_dirs=self.models_dirs)
+            src = ModelSource.open(hello.model, hello.revision, progress, allowed_dirs=self.models_dirs)
         except UserError as exc:
             if str(exc).startswith("model directory"):  # the head runs a local copy: so must the tail
                 raise UserError(f"{exc} on the tail machine (the head named a local directory: give the "
                                 "head a hub id, or the same directory on both machines)") from None
             raise
         L = n_layers(src.config)
-        split = int(ident["split"])
+        split = hello.split
         if not 0 <= split <= L:
             raise UserError(f"split {split} out of range 0..{L}")
         limit = (getattr(src.config, "max_position_embeddings", 0) or 1 << 20) + wire.MAX_DRAFT + 1
-        if int(ident["max_len"]) > limit:  # a head must not make the tail allocate without bound
-            raise UserError(f"a context of {ident['max_len']} positions exceeds the model's {limit}")
-        asked = pick_dtype(self.device, ident["dtype"])
+        if hello.max_len > limit:  # a head must not make the tail allocate without bound
+            raise UserError(f"a context of {hello.max_len} positions exceeds the model's {limit}")
+        asked = pick_dtype(self.device, hello.dtype)
         dtype = runnable_dtype(self.device, asked)
         if dtype != asked:
             self.log(f"{self.device} has no native {DTYPE_NAMES[asked]}: computing in {DTYPE_NAMES[dtype]} "
                      f"(the head's hidden states are converted; replies may differ slightly from an "
                      f"all-{DTYPE_NAMES[asked]} run)")
-        quant = ident["quant"]
+        quant = hello.quant
         where = ",".join(map(str, self.devices))
-        check_tail(src.config, split, devices=self.devices, dtype=dtype, quant=quant, max_len=int(ident["max_len"]),
-                   k=k)
-        self.log(f"loading {ident['model']} layers [{split}, {L}) as {DTYPE_NAMES[dtype]}"
+        check_tail(src.config, split, devices=self.devices, dtype=dtype, quant=quant, max_len=hello.max_len,
+                   k=hello.k)
+        self.log(f"loading {hello.model} layers [{split}, {L}) as {DTYPE_NAMES[dtype]}"
                  f"{' with NF4 weights' if quant == 'nf4' else ''} on {where}")
         return ModelSlice.load(src, split, L, embed=False, head=True, dtype=dtype, device=self.device,
-                               max_len=int(ident["max_len"]), progress=progress, quant=quant, devices=self.devices)
+                               max_len=hello.max_len, progress=progress, quant=quant, devices=self.devices)
 
     def _forward(self, msg: wire.Forward, emit) -> None:
         if self.model is None:
@@ -219,7 +174,7 @@ class Verifier:
         n = len(msg.tokens)
         sent = DTYPES[msg.dtype.name.lower()]
         if msg.hidden_size != m.config.hidden_size or DTYPE_NAMES[sent] not in (DTYPE_NAMES[m.dtype],
-                                                                              self.identity["dtype"]):
+                                                                              self.hello.dtype):
             self._fail(emit, f"hidden states of size {msg.hidden_size}/{DTYPE_NAMES[sent]} do not match "
                              f"the tail's {m.config.hidden_size}/{DTYPE_NAMES[m.dtype]}")
         if msg.start_pos + n > m.kv.max_len:

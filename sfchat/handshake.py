@@ -1,0 +1,104 @@
+"""The HELLO/READY handshake as typed messages, checked field by field on arrival.
+
+Contract
+--------
+``Hello`` is what a head tells its tail (the model, revision, split, dtype, quantisation and
+context size to load, K, whether to capture CUDA graphs); ``Ready`` is the tail's answer (what
+it loaded and computes in). ``to_frame()`` encodes one as a wire Control frame; ``parse(data)``
+builds one from a decoded Control's JSON object and raises ``wire.WireError`` for a missing
+field, a value not of its exact JSON type (a bool is no int, a float no int), an integer out of
+range or a name of an unknown kind, before anything is allocated or opened on its word. Both
+ends are each other's untrusted peers. Torch-free; knows nothing of models beyond names.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from sfchat import wire
+
+QUANT_MODES = ("none", "nf4")  # what a slice may be loaded as (runtime/quant.py implements them)
+DTYPE_NAMES = tuple(d.name.lower() for d in wire.DType)
+MAX_LAYERS = 1 << 12
+MAX_CONTEXT = 1 << 22
+MAX_NAME_CHARS = 512
+
+
+def shown(value) -> str:
+    """A value from the network, fit for a message: its repr (escapes control characters), cut short."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _field(data: dict, key: str, kind, default=..., lo: int = 0, hi: int = 0, choices=None, label=None):
+    if default is ... and key not in data:
+        raise wire.WireError(f"no {key!r}")
+    value = data.get(key, default)
+    if type(value) not in (kind if isinstance(kind, tuple) else (kind,)):
+        raise wire.WireError(f"{key}={shown(value)} is not of the expected type")
+    if type(value) is int and not lo <= value <= hi:
+        raise wire.WireError(f"{key}={value} out of range {lo}..{hi}")
+    if type(value) is float and not lo <= value <= hi:  # also refuses NaN
+        raise wire.WireError(f"{key}={value} out of range {lo}..{hi}")
+    if type(value) is str and not 0 < len(value) <= MAX_NAME_CHARS:
+        raise wire.WireError(f"{key} of {len(value)} characters")
+    if choices is not None and value not in choices:
+        raise wire.WireError(f"unknown {label or key} {shown(value)} (one of {', '.join(choices)})")
+    return value
+
+
+@dataclass(frozen=True)
+class Hello:
+    model: str
+    revision: str | None
+    split: int
+    dtype: str
+    max_len: int
+    n_layers: int
+    hidden_size: int
+    k: int
+    graphs: bool = True
+    quant: str = "none"
+
+    def identity(self) -> tuple:
+        """What names the slice a tail loads for this hello (equal identities reuse the slice)."""
+        return self.model, self.revision, self.split, self.dtype, self.max_len, self.quant
+
+    def to_frame(self) -> bytes:
+        return wire.encode(wire.Control(wire.MsgType.HELLO, asdict(self)))
+
+    @classmethod
+    def parse(cls, data: dict) -> "Hello":
+        return cls(
+            model=_field(data, "model", str), revision=_field(data, "revision", (str, type(None))),
+            split=_field(data, "split", int, hi=MAX_LAYERS), dtype=_field(data, "dtype", str, choices=DTYPE_NAMES),
+            max_len=_field(data, "max_len", int, lo=1, hi=MAX_CONTEXT),
+            n_layers=_field(data, "n_layers", int, lo=1, hi=MAX_LAYERS),
+            hidden_size=_field(data, "hidden_size", int, lo=1, hi=wire.MAX_HIDDEN_SIZE),
+            # K+1 sizes the verify graph: never allocate on a head's word
+            k=_field(data, "k", int, 0, hi=wire.MAX_DRAFT), graphs=_field(data, "graphs", bool, True),
+            quant=_field(data, "quant", str, "none", choices=QUANT_MODES, label="quantisation"),  # a head without 4-bit sends none
+        )
+
+
+@dataclass(frozen=True)
+class Ready:
+    n_layers: int
+    hidden_size: int
+    device: str
+    dtype: str  # what the tail computes in (float16 on a GPU without bf16, for a bf16 head)
+    load_s: float
+    reused: bool  # the tail kept the slice it had loaded for an earlier head
+
+    def to_frame(self) -> bytes:
+        return wire.encode(wire.Control(wire.MsgType.READY, asdict(self)))
+
+    @classmethod
+    def parse(cls, data: dict) -> "Ready":
+        return cls(
+            n_layers=_field(data, "n_layers", int, lo=1, hi=MAX_LAYERS),
+            hidden_size=_field(data, "hidden_size", int, lo=1, hi=wire.MAX_HIDDEN_SIZE),
+            device=_field(data, "device", str), dtype=_field(data, "dtype", str, choices=DTYPE_NAMES),
+            load_s=float(_field(data, "load_s", (int, float), lo=0, hi=1 << 40)),
+            reused=_field(data, "reused", bool),
+        )
