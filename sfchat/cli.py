@@ -19,6 +19,7 @@ from sfchat import UserError, __version__
 from sfchat.config import Settings, merged
 
 EXIT_USER, EXIT_LINK, EXIT_INTERNAL = 2, 3, 4
+SHUTDOWN_S = 10.0  # how long the chat UI's exit waits for the runtime thread
 
 FLAG_FIELDS = {  # flag dest -> Settings field
     "model": "model", "draft": "draft", "revision": "revision", "draft_revision": "draft_revision",
@@ -198,7 +199,14 @@ def run(argv: list[str] | None) -> int:
 
 
 def chat(s: Settings) -> int:
-    """The chat TUI; the models load on the runtime thread while the screen shows progress."""
+    """The chat TUI; the models load on the runtime thread while the screen shows progress.
+
+    After the UI has quit, the runtime thread is given ``SHUTDOWN_S`` to end (it closes the link
+    and drops the models); one still busy loading then is abandoned with ``os._exit``, since
+    interpreter teardown under a live torch thread aborts the process."""
+    if not all(f is not None and f.isatty() for f in (sys.stdin, sys.stdout, sys.stderr)):
+        raise UserError("the chat UI needs a terminal (stdin, stdout and stderr); without one, "
+                        "use --prompt TEXT for a one-shot reply")
     from sfchat.config import history_path
     from sfchat.runtime.worker import RuntimeWorker
     from sfchat.ui import run_tui
@@ -211,7 +219,13 @@ def chat(s: Settings) -> int:
     params = {"max_new_tokens": s.max_new_tokens, "temperature": s.temperature, "top_k": s.top_k,
               "top_p": s.top_p, "seed": s.seed}
     mode = f"relay {s.relay} session {s.session}" if s.relay else "local"
-    run_tui(RuntimeWorker(s), path, params, f"sfchat — {s.model} ({mode}) — loading…")
+    worker = RuntimeWorker(s)
+    run_tui(worker, path, params, f"sfchat — {s.model} ({mode}) — loading…")
+    if not worker.join(SHUTDOWN_S):
+        print("sfchat: the runtime was still loading; stopped it", file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     return 0
 
 
