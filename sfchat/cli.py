@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from sfchat import UserError, __version__
-from sfchat.config import Settings, merged
+from sfchat.config import CPU_DRAFT, CPU_MODEL, GPU_DRAFT, GPU_MODEL, Settings, machine_defaults, merged
 
 EXIT_USER, EXIT_LINK, EXIT_INTERNAL = 2, 3, 4
 SHUTDOWN_S = 10.0  # how long the chat UI's exit waits for the runtime thread
@@ -41,8 +41,10 @@ def build_parser() -> argparse.ArgumentParser:
                "SFCHAT_SESSION / SFCHAT_SECRET; flags win.")
     p.add_argument("--version", action="version", version=f"sfchat {__version__}")
     g = p.add_argument_group("models")
-    g.add_argument("--model", help=f"target model: hub id or local directory (default {d.model})")
-    g.add_argument("--draft", help=f"draft model, or 'none' for no speculation (default {d.draft})")
+    g.add_argument("--model", help=f"target model: hub id or local directory (or SFCHAT_MODEL; default {GPU_MODEL} "
+                                   f"with a CUDA GPU, else {CPU_MODEL}, built locally on first use)")
+    g.add_argument("--draft", help=f"draft model, or 'none' for no speculation (default {GPU_DRAFT}; "
+                                   f"{CPU_DRAFT} with the CPU default model)")
     g.add_argument("--revision", help="hub revision of the target model")
     g.add_argument("--draft-revision", help="hub revision of the draft model")
     g.add_argument("--k", type=int, help=f"draft tokens per round (default {d.k})")
@@ -185,17 +187,42 @@ def one_shot(s: Settings, prompt: str, as_json: bool) -> int:
     return 0
 
 
+def with_models(s: Settings) -> Settings:
+    """The models to run: the user's, else this machine's defaults; the CPU default model is
+    built on first use, and said so in one line."""
+    import torch
+
+    chosen = machine_defaults(s, torch.cuda.is_available())
+    if s.model is None and chosen.model != GPU_MODEL:
+        from sfchat.models import ensure_smollm2
+
+        ensure_smollm2(Path(chosen.model))
+        draft = "without a draft (the fastest on a CPU)" if chosen.draft == "none" else f"draft {chosen.draft}"
+        print(f"sfchat: no CUDA GPU and no --model: using {CPU_MODEL} from {chosen.model}, {draft}; "
+              f"--model picks another", file=sys.stderr)
+    return chosen
+
+
 def run(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
-    s = ask_secret(settings_from(args))
+    s = settings_from(args)
     if getattr(args, "tail", False):
         from sfchat.runtime.tail_node import serve
 
-        return serve(s)
+        return serve(ask_secret(s))
     prompt = getattr(args, "prompt", None)
+    if prompt is None:
+        need_terminal()
+    s = with_models(ask_secret(s))
     if prompt is not None:
         return one_shot(s, prompt, getattr(args, "json", False))
     return chat(s)
+
+
+def need_terminal() -> None:
+    if not all(f is not None and f.isatty() for f in (sys.stdin, sys.stdout, sys.stderr)):
+        raise UserError("the chat UI needs a terminal (stdin, stdout and stderr); without one, "
+                        "use --prompt TEXT for a one-shot reply")
 
 
 def chat(s: Settings) -> int:
@@ -204,9 +231,6 @@ def chat(s: Settings) -> int:
     After the UI has quit, the runtime thread is given ``SHUTDOWN_S`` to end (it closes the link
     and drops the models); one still busy loading then is abandoned with ``os._exit``, since
     interpreter teardown under a live torch thread aborts the process."""
-    if not all(f is not None and f.isatty() for f in (sys.stdin, sys.stdout, sys.stderr)):
-        raise UserError("the chat UI needs a terminal (stdin, stdout and stderr); without one, "
-                        "use --prompt TEXT for a one-shot reply")
     from sfchat.config import history_path
     from sfchat.runtime.worker import RuntimeWorker
     from sfchat.ui import run_tui

