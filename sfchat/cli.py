@@ -2,7 +2,8 @@
 
 Modes: one-shot (``--prompt``; ``--json`` prints exactly one JSON object), the tail node
 (``--tail``), and otherwise the chat TUI. User mistakes become one ``sfchat: error: ...`` line
-on stderr and a non-zero exit, never a traceback (set ``SFCHAT_DEBUG=1`` to see one for an
+on stderr and a non-zero exit (its text through ``sfchat.plaintext.plain``: it may quote a
+peer or the relay), never a traceback (set ``SFCHAT_DEBUG=1`` to see one for an
 unexpected failure). Torch is imported only by the modes that need it, after parsing.
 """
 
@@ -17,6 +18,7 @@ from pathlib import Path
 
 from sfchat import UserError, __version__
 from sfchat.config import CPU_DRAFT, CPU_MODEL, GPU_DRAFT, GPU_MODEL, Settings, machine_defaults, merged
+from sfchat.plaintext import plain
 
 EXIT_USER, EXIT_LINK, EXIT_INTERNAL = 2, 3, 4
 SHUTDOWN_S = 10.0  # how long the chat UI's exit waits for the runtime thread
@@ -150,7 +152,7 @@ def one_shot(s: Settings, prompt: str, as_json: bool) -> int:
             troubled.append(ev.state)
         elif not (ev.state == "connected" and troubled):
             return
-        print(f"sfchat: link {ev.state}: {ev.detail}", file=sys.stderr, flush=True)
+        print(f"sfchat: link {ev.state}: {plain(ev.detail)}", file=sys.stderr, flush=True)
 
     session = ChatSession.load(s, report, connect_relay(s, report))
     messages = ([{"role": "system", "content": s.system}] if s.system else []) + [{"role": "user", "content": prompt}]
@@ -257,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return run(argv)
     except UserError as exc:
-        print(f"sfchat: error: {exc}", file=sys.stderr)
+        print(f"sfchat: error: {plain(exc)}", file=sys.stderr)
         return EXIT_USER
     except KeyboardInterrupt:
         print("sfchat: interrupted", file=sys.stderr)
@@ -271,9 +273,9 @@ def main(argv: list[str] | None = None) -> int:
         from sfchat.secure_link import IntegrityError
 
         if isinstance(exc, (LinkError, LinkClosed, ConnectionError, IntegrityError)):
-            print(f"sfchat: error: link to the tail failed: {exc}", file=sys.stderr)
+            print(f"sfchat: error: link to the tail failed: {plain(exc)}", file=sys.stderr)
             return EXIT_LINK
-        print(f"sfchat: internal error: {type(exc).__name__}: {exc} (set SFCHAT_DEBUG=1 for a traceback)",
+        print(f"sfchat: internal error: {type(exc).__name__}: {plain(exc)} (set SFCHAT_DEBUG=1 for a traceback)",
               file=sys.stderr)
         return EXIT_INTERNAL
 
