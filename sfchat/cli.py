@@ -2,7 +2,8 @@
 
 Modes: one-shot (``--prompt``; ``--json`` prints exactly one JSON object), the tail node
 (``--tail``), and otherwise the chat TUI. User mistakes become one ``sfchat: error: ...`` line
-on stderr and a non-zero exit, never a traceback (set ``SFCHAT_DEBUG=1`` to see one for an
+on stderr and a non-zero exit (its text through ``sfchat.plaintext.plain``: it may quote a
+peer or the relay), never a traceback (set ``SFCHAT_DEBUG=1`` to see one for an
 unexpected failure). Torch is imported only by the modes that need it, after parsing.
 """
 
@@ -16,9 +17,11 @@ import sys
 from pathlib import Path
 
 from sfchat import UserError, __version__
-from sfchat.config import Settings, merged
+from sfchat.config import CPU_DRAFT, CPU_MODEL, GPU_DRAFT, GPU_MODEL, Settings, machine_defaults, merged
+from sfchat.plaintext import plain
 
 EXIT_USER, EXIT_LINK, EXIT_INTERNAL = 2, 3, 4
+SHUTDOWN_S = 10.0  # how long the chat UI's exit waits for the runtime thread
 
 FLAG_FIELDS = {  # flag dest -> Settings field
     "model": "model", "draft": "draft", "revision": "revision", "draft_revision": "draft_revision",
@@ -41,8 +44,10 @@ def build_parser() -> argparse.ArgumentParser:
                "SFCHAT_SESSION / SFCHAT_CODE; flags win.")
     p.add_argument("--version", action="version", version=f"sfchat {__version__}")
     g = p.add_argument_group("models")
-    g.add_argument("--model", help=f"target model: hub id or local directory (default {d.model})")
-    g.add_argument("--draft", help=f"draft model, or 'none' for no speculation (default {d.draft})")
+    g.add_argument("--model", help=f"target model: hub id or local directory (or SFCHAT_MODEL; default {GPU_MODEL} "
+                                   f"with a CUDA GPU, else {CPU_MODEL}, built locally on first use)")
+    g.add_argument("--draft", help=f"draft model, or 'none' for no speculation (default {GPU_DRAFT}; "
+                                   f"{CPU_DRAFT} with the CPU default model)")
     g.add_argument("--revision", help="hub revision of the target model")
     g.add_argument("--draft-revision", help="hub revision of the draft model")
     g.add_argument("--k", type=int, help=f"draft tokens per round (default {d.k})")
@@ -163,7 +168,7 @@ def one_shot(s: Settings, prompt: str, as_json: bool) -> int:
             troubled.append(ev.state)
         elif not (ev.state == "connected" and troubled):
             return
-        print(f"sfchat: link {ev.state}: {ev.detail}", file=sys.stderr, flush=True)
+        print(f"sfchat: link {ev.state}: {plain(ev.detail)}", file=sys.stderr, flush=True)
 
     session = ChatSession.load(s, report, connect_relay(s, report))
     messages = ([{"role": "system", "content": s.system}] if s.system else []) + [{"role": "user", "content": prompt}]
@@ -201,16 +206,35 @@ def one_shot(s: Settings, prompt: str, as_json: bool) -> int:
     return 0
 
 
+def with_models(s: Settings) -> Settings:
+    """The models to run: the user's, else this machine's defaults; the CPU default model is
+    built on first use, and said so in one line."""
+    import torch
+
+    chosen = machine_defaults(s, torch.cuda.is_available())
+    if s.model is None and chosen.model != GPU_MODEL:
+        from sfchat.models import ensure_smollm2
+
+        ensure_smollm2(Path(chosen.model))
+        draft = "without a draft (the fastest on a CPU)" if chosen.draft == "none" else f"draft {chosen.draft}"
+        print(f"sfchat: no CUDA GPU and no --model: using {CPU_MODEL} from {chosen.model}, {draft}; "
+              f"--model picks another", file=sys.stderr)
+    return chosen
+
+
 def run(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
-    s = ask_secret(settings_from(args), getattr(args, "tail", False))
+    s = settings_from(args)
     if getattr(args, "tail", False):
         from sfchat.runtime.tail_node import serve
 
-        return serve(s)
+        return serve(ask_secret(s, True))
     if getattr(args, "serve", False):
-        return serve_http(s, args)
+        return serve_http(with_models(ask_secret(s, False)), args)
     prompt = getattr(args, "prompt", None)
+    if prompt is None:
+        need_terminal()
+    s = with_models(ask_secret(s, False))
     if prompt is not None:
         return one_shot(s, prompt, getattr(args, "json", False))
     return chat(s)
@@ -229,8 +253,18 @@ def serve_http(s: Settings, args: argparse.Namespace) -> int:
     return serve(s, options)
 
 
+def need_terminal() -> None:
+    if not all(f is not None and f.isatty() for f in (sys.stdin, sys.stdout, sys.stderr)):
+        raise UserError("the chat UI needs a terminal (stdin, stdout and stderr); without one, "
+                        "use --prompt TEXT for a one-shot reply")
+
+
 def chat(s: Settings) -> int:
-    """The chat TUI; the models load on the runtime thread while the screen shows progress."""
+    """The chat TUI; the models load on the runtime thread while the screen shows progress.
+
+    After the UI has quit, the runtime thread is given ``SHUTDOWN_S`` to end (it closes the link
+    and drops the models); one still busy loading then is abandoned with ``os._exit``, since
+    interpreter teardown under a live torch thread aborts the process."""
     from sfchat.config import history_path
     from sfchat.runtime.worker import RuntimeWorker
     from sfchat.ui import run_tui
@@ -243,7 +277,13 @@ def chat(s: Settings) -> int:
     params = {"max_new_tokens": s.max_new_tokens, "temperature": s.temperature, "top_k": s.top_k,
               "top_p": s.top_p, "seed": s.seed}
     mode = f"relay {s.relay} session {s.session}" if s.relay else "local"
-    run_tui(RuntimeWorker(s), path, params, f"sfchat — {s.model} ({mode}) — loading…")
+    worker = RuntimeWorker(s)
+    run_tui(worker, path, params, f"sfchat — {s.model} ({mode}) — loading…")
+    if not worker.join(SHUTDOWN_S):
+        print("sfchat: the runtime was still loading; stopped it", file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     return 0
 
 
@@ -251,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return run(argv)
     except UserError as exc:
-        print(f"sfchat: error: {exc}", file=sys.stderr)
+        print(f"sfchat: error: {plain(exc)}", file=sys.stderr)
         return EXIT_USER
     except KeyboardInterrupt:
         print("sfchat: interrupted", file=sys.stderr)
@@ -265,9 +305,9 @@ def main(argv: list[str] | None = None) -> int:
         from sfchat.secure_link import IntegrityError
 
         if isinstance(exc, (LinkError, LinkClosed, ConnectionError, IntegrityError)):
-            print(f"sfchat: error: link to the tail failed: {exc}", file=sys.stderr)
+            print(f"sfchat: error: link to the tail failed: {plain(exc)}", file=sys.stderr)
             return EXIT_LINK
-        print(f"sfchat: internal error: {type(exc).__name__}: {exc} (set SFCHAT_DEBUG=1 for a traceback)",
+        print(f"sfchat: internal error: {type(exc).__name__}: {plain(exc)} (set SFCHAT_DEBUG=1 for a traceback)",
               file=sys.stderr)
         return EXIT_INTERNAL
 

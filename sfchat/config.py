@@ -3,8 +3,15 @@
 Contract: ``Settings`` is a plain dataclass of everything a run can be configured with.
 ``load_file(path)`` reads the TOML config (default: ``config.toml`` in the platformdirs user
 config dir) and rejects unknown keys and wrong types with a ``UserError`` naming the key.
-``SFCHAT_TOKEN``, ``SFCHAT_RELAY``, ``SFCHAT_SESSION`` and ``SFCHAT_CODE`` (or its older name
-``SFCHAT_SECRET``) fill the relay settings when the flags do not. The CLI applies flags last. Torch-free.
+``SFCHAT_MODEL``, ``SFCHAT_TOKEN``, ``SFCHAT_RELAY``, ``SFCHAT_SESSION`` and ``SFCHAT_CODE`` (or
+its older name ``SFCHAT_SECRET``) fill their settings when the flags do not. The CLI applies flags
+last. Torch-free.
+
+Models: ``model`` and ``draft`` stay None unless the user chose them (flag, env or file);
+``machine_defaults(settings, cuda)`` then fills them for the machine at hand. With a CUDA GPU, or
+for a relay head (its tail loads the same model id and is the one with the GPU), that is
+``GPU_MODEL`` with ``GPU_DRAFT``; in local mode without one it is ``CPU_MODEL``, the small real
+model that ``sfchat-model smollm2`` builds into the user cache dir, with ``CPU_DRAFT``.
 """
 
 from __future__ import annotations
@@ -20,12 +27,18 @@ import platformdirs
 from sfchat import UserError
 
 APP = "sfchat"
+GPU_MODEL, GPU_DRAFT = "Qwen/Qwen2.5-7B-Instruct", "Qwen/Qwen2.5-0.5B-Instruct"
+CPU_MODEL = "SmolLM2-135M-Instruct"  # built by ``sfchat-model smollm2`` on first use
+# Measured on a 2-core CPU (README, "Without a GPU"): SmolLM2 alone is faster than with any draft
+# we can make for it, since a draft as large as the target saves nothing and an NF4 copy runs
+# slower on a CPU than the dense model does.
+CPU_DRAFT = "none"
 
 
 @dataclass
 class Settings:
-    model: str = "Qwen/Qwen2.5-7B-Instruct"
-    draft: str = "Qwen/Qwen2.5-0.5B-Instruct"  # "none": no speculation
+    model: str | None = None  # None: machine_defaults picks GPU_MODEL or CPU_MODEL
+    draft: str | None = None  # "none": no speculation; None: the default for the model in use
     revision: str | None = None
     draft_revision: str | None = None
     k: int = 8
@@ -103,6 +116,8 @@ def load_file(path: Path | None = None, settings: Settings | None = None) -> Set
         expected = type(default) if default is not None else None
         if expected is float and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
+        if expected is None and name in ("model", "draft"):
+            expected = str
         if expected is not None and not isinstance(value, expected):
             kind = {"str": "string", "int": "integer", "float": "number", "bool": "boolean"}[expected.__name__]
             raise UserError(f"config file {path}: {key} should be a {kind}")
@@ -111,8 +126,8 @@ def load_file(path: Path | None = None, settings: Settings | None = None) -> Set
 
 
 def apply_env(settings: Settings) -> Settings:
-    for var, name in (("SFCHAT_TOKEN", "token"), ("SFCHAT_RELAY", "relay"), ("SFCHAT_SESSION", "session"),
-                      ("SFCHAT_SECRET", "secret"), ("SFCHAT_CODE", "secret")):
+    for var, name in (("SFCHAT_MODEL", "model"), ("SFCHAT_TOKEN", "token"), ("SFCHAT_RELAY", "relay"),
+                      ("SFCHAT_SESSION", "session"), ("SFCHAT_SECRET", "secret"), ("SFCHAT_CODE", "secret")):
         if os.environ.get(var):
             setattr(settings, name, os.environ[var])
     return settings
@@ -125,3 +140,24 @@ def merged(overrides: dict, path: Path | None = None) -> Settings:
     settings = apply_env(load_file(path))
     valid = {f.name for f in fields(Settings)}
     return dataclasses.replace(settings, **{k: v for k, v in overrides.items() if k in valid}).validate()
+
+
+def cpu_model_dir() -> Path:
+    """Where the CPU default model is built on first use (``SFCHAT_CACHE_DIR`` overrides the
+    user cache dir, as it does for ``sfchat-model``'s wheel cache)."""
+    cache = os.environ.get("SFCHAT_CACHE_DIR") or platformdirs.user_cache_dir(APP)
+    return Path(cache) / "models" / CPU_MODEL
+
+
+def machine_defaults(settings: Settings, cuda: bool) -> Settings:
+    """``settings`` with the models the user left unset chosen for this machine (see the module
+    docstring). ``model`` becomes ``str(cpu_model_dir())`` for the CPU default: the caller makes
+    that directory when it does not exist yet."""
+    if settings.model is not None:
+        draft = GPU_DRAFT if settings.draft is None else settings.draft
+        return dataclasses.replace(settings, draft=draft)
+    if cuda or settings.relay:
+        return dataclasses.replace(settings, model=GPU_MODEL,
+                                   draft=GPU_DRAFT if settings.draft is None else settings.draft)
+    return dataclasses.replace(settings, model=str(cpu_model_dir()),
+                               draft=CPU_DRAFT if settings.draft is None else settings.draft)

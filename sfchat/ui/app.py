@@ -7,6 +7,9 @@ thread-safe ``post_message``. Every widget, every history write and every decisi
 on the app's thread. The app closes the runtime when it exits, and the history too when it
 opened it itself (given a path rather than a ``History``).
 
+Text that came from the network (link details, runtime failure messages: close reasons, tail
+errors, relay refusals) is shown only through ``sfchat.plaintext.plain`` and never as markup.
+
 This module never imports torch or ``sfchat.runtime``: the runtime is injected.
 """
 
@@ -28,6 +31,7 @@ from sfchat.events import (
     TokensCommitted,
 )
 from sfchat.history import ChatSummary, History
+from sfchat.plaintext import plain
 from sfchat.ui.chat import ChatView, ReplyMessage, reply_summary
 from sfchat.ui.meter import Meter
 from sfchat.ui.metrics import MetricsPanel
@@ -65,11 +69,12 @@ class SfchatApp(App[None]):
     TITLE = "sfchat"
     HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (WIDE_COLUMNS, "-wide")]
     BINDINGS = [
-        Binding("ctrl+n", "new_chat", "New chat"),
+        # Short labels: at 80 columns the footer must hold every key, Cancel included.
+        Binding("ctrl+n", "new_chat", "New"),
         Binding("f2,ctrl+h", "history", "History"),
         Binding("f3", "toggle_metrics", "Metrics"),
         # Priority, or the prompt editor would take Ctrl+Y as "redo".
-        Binding("ctrl+y", "copy_reply", "Copy reply", priority=True),
+        Binding("ctrl+y", "copy_reply", "Copy", priority=True),
         Binding("escape", "cancel", "Cancel"),
         Binding("ctrl+q", "quit", "Quit", priority=True),
     ]
@@ -99,6 +104,7 @@ class SfchatApp(App[None]):
         self.state = "loading"
         self.link_state = ""
         self._reply: ReplyMessage | None = None
+        self._waiting_notice: Static | None = None  # "waiting for a tail ..." until it connects
         self._metrics_dirty = False
 
     def compose(self) -> ComposeResult:
@@ -163,17 +169,26 @@ class SfchatApp(App[None]):
                 await self._runtime_failed(event)
 
     async def _link_changed(self, event: LinkState) -> None:
-        self.query_one(HeaderBar).set_link(event.state, event.detail)
-        self.query_one(MetricsPanel).set_link(event.state, event.detail)
+        detail = plain(event.detail)
+        self.query_one(HeaderBar).set_link(event.state, detail)
+        self.query_one(MetricsPanel).set_link(event.state, detail)
         before, self.link_state = self.link_state, event.state
         # The header has room for the state only; what the user must know goes further.
-        if event.state == "waiting" and event.detail:
-            await self.query_one(ChatView).add_notice(event.detail)
+        if event.state == "waiting" and detail:
+            await self._drop_waiting_notice()
+            self._waiting_notice = await self.query_one(ChatView).add_notice(detail)
         elif event.state in ("reconnecting", "stalled"):
-            self.notify(event.detail or event.state, title=f"link {event.state}",
-                        severity="warning")
-        elif event.state == "connected" and before in ("reconnecting", "stalled"):
-            self.notify(event.detail or "the link is back", title="link connected")
+            self.notify(detail or event.state, title=f"link {event.state}", severity="warning",
+                        markup=False)
+        elif event.state == "connected":
+            await self._drop_waiting_notice()  # the tail is back: the notice is history
+            if before in ("reconnecting", "stalled"):
+                self.notify(detail or "the link is back", title="link connected", markup=False)
+
+    async def _drop_waiting_notice(self) -> None:
+        if self._waiting_notice is not None:
+            await self._waiting_notice.remove()
+            self._waiting_notice = None
 
     def _runtime_ready(self, ready: RuntimeReady) -> None:
         self.ready = ready
@@ -219,11 +234,12 @@ class SfchatApp(App[None]):
                 await self._reply.remove()
         self._end_reply()
         chat = self.query_one(ChatView)
-        await chat.add_notice(f"Error: {event.message}", "error")
-        self.notify(event.message, title="runtime error", severity="error")
+        message = plain(event.message)
+        await chat.add_notice(f"Error: {message}", "error")
+        self.notify(message, title="runtime error", severity="error", markup=False)
         if event.fatal:
             self.failed = True
-            self.query_one(HeaderBar).set_error(event.message)
+            self.query_one(HeaderBar).set_error(message)
             self.query_one(LoadPanel).display = False
             self._set_state("failed")
 
@@ -252,7 +268,11 @@ class SfchatApp(App[None]):
 
     def _show_status(self) -> None:
         figures = self.meter.figures() if self.ready else None
-        self.query_one("#status", Static).update(status_text(self.state, figures))
+        status = self.query_one("#status", Static)
+        status.update(status_text(self.state, figures, status.content_size.width or None))
+
+    def on_resize(self) -> None:
+        self.call_after_refresh(self._show_status)  # the status line's figures fit its width
 
     # -- the user's side -----------------------------------------------------------------
 
@@ -309,10 +329,17 @@ class SfchatApp(App[None]):
             return
         self.runtime.new_chat()
         self.session.new()
+        self._forget_reply_figures()
         chat = self.query_one(ChatView)
         await chat.clear()
         chat.border_title = "new chat"
         self.query_one(PromptInput).focus()
+
+    def _forget_reply_figures(self) -> None:
+        """Another chat: the panel and the status line stop showing the last reply's figures."""
+        self.meter.new_chat()
+        self.query_one(MetricsPanel).show(self.meter.figures() if self.ready else None)
+        self._show_status()
 
     def action_history(self) -> None:
         if isinstance(self.screen, HistoryScreen) or self._refuse_while_replying():
@@ -324,6 +351,7 @@ class SfchatApp(App[None]):
             return
         messages = self.session.open(chosen.id, chosen.title)
         self.runtime.new_chat()
+        self._forget_reply_figures()
         chat = self.query_one(ChatView)
         await chat.clear()
         chat.border_title = chosen.title
@@ -339,6 +367,7 @@ class SfchatApp(App[None]):
         shown = panel.display
         panel.set_class(shown, "-hidden")
         panel.set_class(not shown, "-shown")
+        self.call_after_refresh(self._show_status)  # the status line got wider or narrower
 
     def action_copy_reply(self) -> None:
         text = self.session.last_reply()

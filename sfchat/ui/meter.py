@@ -7,7 +7,8 @@ Python (no Textual), so the arithmetic is tested without a screen.
 Scopes: tok/s, time to first token, tokens per round, the acceptance histogram and the
 draft/head/tail times describe the current (or last) reply; the RTT percentiles and the
 sparklines describe the most recent rounds across replies, since the link outlives a reply.
-When a reply finishes, the runtime's own totals replace the running estimates.
+When a reply finishes, the runtime's own totals replace the running estimates; ``new_chat``
+clears the reply's figures.
 """
 
 from __future__ import annotations
@@ -79,6 +80,11 @@ class Meter:
     def set_k(self, k: int) -> None:
         self.k = k
         self._histogram = [0] * (k + 1)
+
+    def new_chat(self) -> None:
+        """A new (or reopened) chat: no reply figures until its first reply; the link's recent
+        rounds (RTT, sparklines) stay."""
+        self._reset_reply()
 
     def reply_started(self, event: ReplyStarted) -> None:
         self._reset_reply()

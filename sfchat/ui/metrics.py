@@ -66,8 +66,9 @@ def _grid(label_cells: int) -> Table:
     return grid
 
 
-class MetricsPanel(VerticalScroll, can_focus=False):
-    """Side panel: speed, acceptance, timings, link and setup."""
+class MetricsPanel(VerticalScroll, can_focus=True):
+    """Side panel: speed, timings, link and setup first (they fit 24 rows), then acceptance
+    histogram and sparklines; focusable (Tab), so that a terminal without a mouse scrolls it."""
 
     def __init__(self, *, id: str | None = None) -> None:
         super().__init__(id=id)
@@ -76,13 +77,13 @@ class MetricsPanel(VerticalScroll, can_focus=False):
 
     def compose(self) -> ComposeResult:
         yield Static(id="speed")
+        yield Static(id="timings")
+        yield Static(id="setup")
+        yield Static(id="histogram")
         yield Label("tok/s per round", classes="spark-label")
         yield Sparkline([], id="spark-tps")
         yield Label("accepted per round", classes="spark-label")
         yield Sparkline([], id="spark-accepted")
-        yield Static(id="histogram")
-        yield Static(id="timings")
-        yield Static(id="setup")
 
     def on_mount(self) -> None:
         self.border_title = "speculation"

@@ -74,10 +74,11 @@ class LoadPanel(Vertical):
         row.query_one(".load-detail", Label).update(Text(event.detail))
 
 
-def status_text(state: str, figures: Figures | None) -> Text:
+def status_text(state: str, figures: Figures | None, width: int | None = None) -> Text:
     """The line above the prompt: what the app is doing, and the reply's speed in short.
 
-    It repeats the panel's main figures so that they stay visible when the panel is hidden.
+    It repeats the panel's main figures so that they stay visible when the panel is hidden;
+    given a ``width``, it keeps only the figures that fit whole (never half a figure).
     """
     labels = {
         "loading": ("loading…", "yellow"),
@@ -97,5 +98,8 @@ def status_text(state: str, figures: Figures | None) -> Text:
             parts.append(f"{figures.tokens_per_round:.2f} tok/round")
         if figures.rtt_p50_ms is not None:
             parts.append(f"RTT {figures.rtt_p50_ms:.0f} ms")
-        text.append("  " + " · ".join(parts), style="dim")
+        while parts and width is not None and len(label) + 2 + len(" · ".join(parts)) > width:
+            parts.pop()
+        if parts:
+            text.append("  " + " · ".join(parts), style="dim")
     return text

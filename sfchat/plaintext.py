@@ -1,0 +1,38 @@
+"""Text from the network, made safe to show: the one sanitiser of sfchat.
+
+Contract: ``plain(text)`` returns ``text`` with ANSI/VT escape sequences (CSI, OSC, DCS and other
+ESC sequences, and their 8-bit C1 forms) and every other control character removed; newlines
+and tabs become spaces, so that a message stays on one line. It does not escape markup: the
+UI shows the result only through widgets and calls that take text literally (``Content(...)``,
+``Text(...)``, ``notify(..., markup=False)``).
+
+Everything a peer, the relay or a man in the middle can influence (close reasons, tail ERROR
+text, relay HTTP refusal bodies, link details, runtime failure messages) goes through one of
+this before the TUI or the terminal shows it. Standard library only.
+"""
+
+from __future__ import annotations
+
+import re
+
+# ESC [ ... final, ESC ] ... (BEL | ESC \), ESC P/X/^/_ ... ESC \, two-character ESC sequences,
+# and the C1 forms (0x9b CSI, 0x9d OSC, 0x90 DCS, 0x98/0x9e/0x9f strings).
+_ESCAPES = re.compile(
+    r"(?:\x1b\[|\x9b)[0-?]*[ -/]*[@-~]"
+    r"|(?:\x1b\]|\x9d)[^\x07\x1b\x9c]*(?:\x07|\x1b\\|\x9c)?"
+    r"|(?:\x1b[PX^_]|[\x90\x98\x9e\x9f])[^\x1b\x9c]*(?:\x1b\\|\x9c)?"
+    r"|\x1b[ -/]*[0-~]?"
+)
+_CONTROLS = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+_BLANKS = re.compile(r"[\t\n\r]")
+MAX_CHARS = 2000  # a message longer than this is cut: nobody reads it, and it could flood the screen
+
+
+def plain(text: object) -> str:
+    """``text`` without escape sequences or control characters, on one line."""
+    s = _ESCAPES.sub("", str(text))
+    s = _CONTROLS.sub("", _BLANKS.sub(" ", s))
+    return s if len(s) <= MAX_CHARS else s[:MAX_CHARS] + "…"
+
+
+__all__ = ["plain", "MAX_CHARS"]
