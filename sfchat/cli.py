@@ -187,12 +187,7 @@ def one_shot(s: Settings, prompt: str, as_json: bool) -> int:
               file=sys.stderr)
     if as_json:
         out = {
-            "text": final.text, "token_ids": list(final.token_ids), "prompt_tokens": final.prompt_tokens,
-            "finish_reason": final.finish_reason, "rounds": final.rounds,
-            "tokens_per_round": final.tokens_per_round, "accepted_histogram": list(final.accepted_histogram),
-            "tps": final.tps, "ttft_s": final.ttft_s, "round_ms": final.round_ms, "rtt_ms": final.rtt_ms,
-            "draft_ms": final.draft_ms, "head_ms": final.head_ms, "tail_ms": final.tail_ms,
-            "wait_ms": final.wait_ms, "overlap_ms": final.overlap_ms, "prepared_hit_rate": final.prepared_hit_rate,
+            "text": final.text, "token_ids": list(final.token_ids), **final.figures(),
             "model": info.model, "draft": info.draft, "k": info.k, "split": info.split,
             "n_layers": info.n_layers, "dtype": info.dtype, "tail_dtype": info.tail_dtype or info.dtype,
             "quant": info.quant, "device": info.device,

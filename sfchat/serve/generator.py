@@ -222,13 +222,7 @@ class GenerationThread:
             reason, n = "stop", self._tokens_until(tokens, stops.end)
         elif reason != "cancelled" and (piece := stops.flush()):
             job.deliver(("text", piece))
-        figures = {"rounds": final.rounds, "tokens_per_round": round(final.tokens_per_round, 3),
-                   "accepted_histogram": list(final.accepted_histogram), "tps": round(final.tps, 2),
-                   "ttft_s": round(final.ttft_s, 4), "prefill_s": round(final.prefill_s, 4),
-                   "queued_s": round(queued_s, 4),
-                   "round_ms": round(final.round_ms, 3), "rtt_ms": round(final.rtt_ms, 3),
-                   "draft_ms": round(final.draft_ms, 3), "head_ms": round(final.head_ms, 3),
-                   "tail_ms": round(final.tail_ms, 3), "prefill_tokens": started.prefill_tokens,
+        figures = {**final.figures(), "queued_s": queued_s, "prefill_tokens": started.prefill_tokens,
                    "k": self.info.k, "mode": self.info.mode}
         return Outcome(reason, stops.text, n, len(job.prompt_ids), started.reused_tokens, figures)
 

@@ -41,6 +41,9 @@ class Figures:
     draft_ms: float | None
     head_ms: float | None
     tail_ms: float | None
+    wait_ms: float | None  # blocked on the verdict
+    overlap_ms: float | None  # the next round prepared while the verdict travelled
+    prepared_hit_rate: float | None  # rounds after the first whose frame was ready when the verdict came
     spark_tps: tuple[float, ...]
     spark_accepted: tuple[float, ...]
     prompt_tokens: int | None
@@ -72,7 +75,8 @@ class Meter:
         self._histogram = [0] * (self.k + 1)
         self._round_ms: list[float] = []
         self._committed: list[int] = []
-        self._draft_ms = self._head_ms = self._tail_ms = 0.0
+        self._draft_ms = self._head_ms = self._tail_ms = self._wait_ms = self._overlap_ms = 0.0
+        self._prepared = 0
         self._ttft_s: float | None = None
         self._started: ReplyStarted | None = None
         self._finished: ReplyFinished | None = None
@@ -103,6 +107,9 @@ class Meter:
         self._draft_ms += s.draft_ms
         self._head_ms += s.head_ms
         self._tail_ms += s.tail_ms
+        self._wait_ms += s.wait_ms
+        self._overlap_ms += s.overlap_ms
+        self._prepared += s.prepared
         self._recent_tps.append(_rate(s.committed, s.round_ms) or 0.0)
         self._recent_accepted.append(float(s.accepted))
         self._recent_rtt.append(s.rtt_ms)
@@ -119,11 +126,14 @@ class Meter:
         tokens_per_round = self._tokens / n if n else None
         draft_ms, head_ms, tail_ms = ((self._draft_ms / n, self._head_ms / n, self._tail_ms / n)
                                       if n else (None, None, None))
+        wait_ms, overlap_ms = (self._wait_ms / n, self._overlap_ms / n) if n else (None, None)
+        hit_rate = self._prepared / (n - 1) if n > 1 else None
         histogram = tuple(self._histogram)
         if fin is not None and fin.rounds:
             # The runtime measured the whole reply (prefill included); trust its totals.
             tps_mean, ttft_s, tokens_per_round = fin.tps, fin.ttft_s, fin.tokens_per_round
             draft_ms, head_ms, tail_ms = fin.draft_ms, fin.head_ms, fin.tail_ms
+            wait_ms, overlap_ms, hit_rate = fin.wait_ms, fin.overlap_ms, fin.prepared_hit_rate
             if fin.accepted_histogram:
                 histogram = tuple(fin.accepted_histogram)
         counted = sum(histogram)
@@ -144,6 +154,9 @@ class Meter:
             draft_ms=draft_ms,
             head_ms=head_ms,
             tail_ms=tail_ms,
+            wait_ms=wait_ms,
+            overlap_ms=overlap_ms,
+            prepared_hit_rate=hit_rate,
             spark_tps=tuple(self._recent_tps),
             spark_accepted=tuple(self._recent_accepted),
             prompt_tokens=self._started.prompt_tokens if self._started else None,

@@ -121,6 +121,9 @@ class MetricsPanel(VerticalScroll, can_focus=True):
         timings.add_row("draft/head/tail", f"{_num(f and f.draft_ms, '.0f')} / "
                                            f"{_num(f and f.head_ms, '.0f')} / "
                                            f"{_num(f and f.tail_ms, '.0f')} ms")
+        timings.add_row("wait/overlap", f"{_num(f and f.wait_ms, '.0f')} / {_num(f and f.overlap_ms, '.0f')} ms")
+        hits = f and f.prepared_hit_rate
+        timings.add_row("prepared hits", "-" if hits is None else f"{hits:.0%}")
         self.query_one("#timings", Static).update(timings)
 
     def set_setup(self, ready: RuntimeReady | None) -> None:

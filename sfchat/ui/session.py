@@ -35,22 +35,7 @@ class Turn:
 
 def reply_stats(event: ReplyFinished) -> dict[str, Any]:
     """The figures of a finished reply worth keeping next to it (no text, no token ids)."""
-    return {
-        "finish_reason": event.finish_reason,
-        "tokens": len(event.token_ids),
-        "prompt_tokens": event.prompt_tokens,
-        "rounds": event.rounds,
-        "tokens_per_round": event.tokens_per_round,
-        "accepted_histogram": list(event.accepted_histogram),
-        "tps": event.tps,
-        "ttft_s": event.ttft_s,
-        "prefill_s": event.prefill_s,
-        "round_ms": event.round_ms,
-        "rtt_ms": event.rtt_ms,
-        "draft_ms": event.draft_ms,
-        "head_ms": event.head_ms,
-        "tail_ms": event.tail_ms,
-    }
+    return event.figures()
 
 
 class ChatSession:
