@@ -59,7 +59,7 @@ fp32), plus at most 64 bytes of per-position fields (token id, tree parent, dept
 largest draft distributions (MAX_DRAFT x MAX_Q_ENTRIES x 8 bytes = 2 MiB) and headers:
 10.03 MiB of plaintext; sealing pads by less than 1/8 (to 11 MiB exactly) and adds 29 bytes.
 A Qwen2.5-7B prefill chunk is 3.5 MiB, a 256-node tree 1.8 MiB. tests/test_relay_memory.py
-recomputes the bound from ``sfchat.wire`` and ``sfchat.secure_link``.
+recomputes the bound from ``sfchat.wire``, ``sfchat.padding`` and ``sfchat.secure_link``.
 
 Memory
 ------

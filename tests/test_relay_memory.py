@@ -10,7 +10,7 @@ from websockets.asyncio.client import connect
 from websockets.frames import Frame, Opcode
 
 from relay.server import MAX_FRAME_BYTES, RelayConfig, serve
-from sfchat import relay_link, secure_link, wire
+from sfchat import padding, relay_link, secure_link, wire
 from relay_process import TOKEN, start_relay, status_kib
 MiB = 1 << 20
 
@@ -19,11 +19,11 @@ def test_the_frame_bound_holds_the_largest_sealed_frame_of_the_protocol():
     positions, hidden_bytes, per_position = 512, 8192 * 2, 64  # see relay.server, "Largest frame"
     plain = (wire.HEADER.size + wire.FORWARD_FIXED.size + positions * (hidden_bytes + per_position)
              + 8 * wire.MAX_DRAFT * wire.MAX_Q_ENTRIES)
-    sealed = secure_link.padded_size(plain + 1) + secure_link.OVERHEAD
+    sealed = padding.padded_size(plain + 1) + secure_link.OVERHEAD
     assert sealed <= MAX_FRAME_BYTES < sealed + 2 * MiB  # room for it, not much more
     assert relay_link.MAX_FRAME_BYTES == MAX_FRAME_BYTES  # both nodes accept what the relay forwards
     chunk_7b = wire.max_frame_size(3584 // 2, n_tokens=512)  # a Qwen2.5-7B prefill chunk in bf16
-    assert secure_link.padded_size(chunk_7b + 1) + secure_link.OVERHEAD < MAX_FRAME_BYTES // 3
+    assert padding.padded_size(chunk_7b + 1) + secure_link.OVERHEAD < MAX_FRAME_BYTES // 3
 
 
 async def dial(port: int, session: str, role: str):

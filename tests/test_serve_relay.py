@@ -17,7 +17,7 @@ from sfchat.serve.main import Server
 
 def test_a_relay_mode_head_serves_what_local_mode_generates(zoo):
     relay, url = start_relay()
-    tail = start_tail(url, "serve")
+    tail = start_tail(url, "serve", zoo["tokenizer"].parent)
     srv = None
     try:
         relayed = dataclasses.replace(settings_for(zoo), relay=url, token=TOKEN, secret=SECRET, session="serve")

@@ -177,7 +177,7 @@ def test_the_kernel_hub_warning_of_bitsandbytes_is_dropped(caplog):
 def test_one_shot_errors_reach_stderr_without_escape_codes(monkeypatch, capsys):
     """A tail ERROR (as the head raises it) carrying ANSI escapes: one plain line on stderr."""
     import sfchat.cli as cli
-    from sfchat.runtime.head import LinkError
+    from sfchat.runtime.driver import LinkError
 
     def tail_error(*args):
         raise LinkError(HOSTILE_ERROR)
