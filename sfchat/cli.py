@@ -249,6 +249,7 @@ def serve_http(s: Settings, args: argparse.Namespace) -> int:
 
 
 def need_terminal() -> None:
+    # all three: Textual draws on stderr (sys.__stderr__), reads stdin and sizes from stdout
     if not all(f is not None and f.isatty() for f in (sys.stdin, sys.stdout, sys.stderr)):
         raise UserError("the chat UI needs a terminal (stdin, stdout and stderr); without one, "
                         "use --prompt TEXT for a one-shot reply")

@@ -17,11 +17,11 @@ TARGET = "qwen2-untied"
 N_NEW = 48
 
 
-def steady_rounds(session, n=N_NEW):
+def all_rounds(session, n=N_NEW):
     ids = session.encode(PROMPT)
     session.eos = set()  # a fixed number of rounds, whatever the tiny model says
     stats = [e.stats for e in session.reply(ids, n, Sampling()) if hasattr(e, "stats")]
-    return ids, stats[1:]  # the first round carries the prefill
+    return ids, stats  # the first round carries the prefill
 
 
 def assert_parts_add_up(rounds):
@@ -33,8 +33,11 @@ def assert_parts_add_up(rounds):
 
 def test_local_figures_add_up_and_the_tail_is_not_counted_as_head(zoo):
     session = ChatSession.load(Settings(model=str(zoo[TARGET]), draft=str(zoo["draft"]), k=4, device="cpu"))
-    _, rounds = steady_rounds(session)
+    _, rounds = all_rounds(session)
+    prefill, rounds = rounds[0], rounds[1:]
     assert len(rounds) > 5
+    # the prefill's compute on the tail is the tail's time, not round trip
+    assert prefill.rtt_ms < 0.5 * prefill.tail_ms, prefill
     assert_parts_add_up(rounds)
     # the in-process tail computes while the head waits: its time is in wait_ms, not in head_ms
     assert all(r.wait_ms >= r.tail_ms > 0 for r in rounds)
@@ -57,7 +60,8 @@ def test_relay_figures_add_up_and_show_the_emulated_round_trip(zoo, slow_relay, 
                  token=TOKEN, secret=SECRET, session="timing")
     session = ChatSession.load(s, link=connect_relay(s, wait_timeout=120))
     try:
-        ids, rounds = steady_rounds(session)
+        ids, rounds = all_rounds(session)
+        rounds = rounds[1:]
         assert list(session.engine.tokens[len(ids):]) == reference(zoo[TARGET], ids, N_NEW, eos=-1)
     finally:
         session.engine.link.close()

@@ -62,6 +62,7 @@ class Verifier:
         self.model: ModelSlice | None = None
         self.hello: Hello | None = None  # the hello whose slice is loaded
         self.rounds = 0
+        self.prefill_s = 0.0  # compute spent on prefill FORWARDs since the last verdict
 
     # -- frames --------------------------------------------------------------------------------
     def handle(self, frame: bytes, emit) -> None:
@@ -121,6 +122,7 @@ class Verifier:
         if not hello.graphs:
             self.model.graphs.clear()
         self.model.kv.reset()
+        self.prefill_s = 0.0
         ready = Ready(n_layers=n_layers(cfg), hidden_size=cfg.hidden_size, device=str(self.device),
                       dtype=DTYPE_NAMES[self.model.dtype], load_s=round(time.perf_counter() - t0, 3), reused=reused)
         self.log(f"ready: {hello.model} layers [{hello.split}, {n_layers(cfg)}) on {self.device}")
@@ -197,6 +199,7 @@ class Verifier:
         logits = m.run(hidden, positions, n_logits=k + 1 if msg.want_verdict else 1, end=msg.start_pos + n)
         m.kv.note(msg.start_pos, msg.tokens)
         if not msg.want_verdict:
+            self.prefill_s += time.perf_counter() - t0
             return
         drafts = torch.tensor(msg.tokens[n - k:], dtype=torch.long)  # verify copies it without a sync
         q_idx = tensor_from_bytes(msg.q_indices, torch.int32, k, msg.n_q, self.device)
@@ -204,6 +207,9 @@ class Verifier:
         gen = sampling.round_generator(msg.sampling.seed, msg.start_pos, "verify", self.device) \
             if msg.sampling.temperature > 0 else None
         n_acc, tokens = sampling.verify(logits, drafts, msg.sampling, q_idx, q_prob, gen)
-        tail_us = min(int((time.perf_counter() - t0) * 1e6), 2 ** 32 - 1)
+        # the round's whole compute here, its prefill chunks included: the head subtracts it from
+        # the round trip, so that RTT is the network's alone
+        tail_us = min(int((time.perf_counter() - t0 + self.prefill_s) * 1e6), 2 ** 32 - 1)
+        self.prefill_s = 0.0
         self.rounds += 1
         emit(wire.encode(wire.Verdict(msg.round, msg.start_pos, n_acc, tuple(tokens), tail_us)))
