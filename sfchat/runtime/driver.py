@@ -202,7 +202,6 @@ class RoundDriver:
         prepared = self.pending is not None and self.pending[1] == s
         plan = self.pending[0] if prepared else self.rounds.plan(s)
         self.pending = None
-        t1 = time.perf_counter()
         for frame in plan.frames:
             self._send(frame)
         t2 = time.perf_counter()
