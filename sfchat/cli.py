@@ -25,7 +25,7 @@ SHUTDOWN_S = 10.0  # how long the chat UI's exit waits for the runtime thread
 
 FLAG_FIELDS = {  # flag dest -> Settings field
     "model": "model", "draft": "draft", "revision": "revision", "draft_revision": "draft_revision",
-    "k": "k", "split": "split", "device": "device", "draft_device": "draft_device", "dtype": "dtype",
+    "k": "k", "tree_budget": "tree_budget", "split": "split", "device": "device", "draft_device": "draft_device", "dtype": "dtype",
     "max_context": "max_context", "max_new_tokens": "max_new_tokens", "temperature": "temperature",
     "top_k": "top_k", "top_p": "top_p", "seed": "seed", "system": "system", "relay": "relay",
     "token": "token", "session": "session", "history": "history", "round_timeout": "round_timeout",
@@ -50,7 +50,11 @@ def build_parser() -> argparse.ArgumentParser:
                                    f"{CPU_DRAFT} with the CPU default model)")
     g.add_argument("--revision", help="hub revision of the target model")
     g.add_argument("--draft-revision", help="hub revision of the draft model")
-    g.add_argument("--k", type=int, help=f"draft tokens per round (default {d.k})")
+    g.add_argument("--k", type=int, help=f"draft tokens per round; with --tree-budget, how deep the tree may grow "
+                                         f"(default {d.k})")
+    g.add_argument("--tree-budget", type=int, metavar="N",
+                   help="verify a tree of N draft tokens per round instead of a chain of K: several candidate "
+                        "continuations for one round trip (0 = a chain; default 0)")
     g.add_argument("--split", type=int, help="first layer run by the tail (default: half the layers)")
     g.add_argument("--device", help="cpu, cuda, cuda:N, or cuda:0,cuda:1 to spread the slice over two GPUs "
                                     "(default: cuda when available)")

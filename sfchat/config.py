@@ -25,6 +25,7 @@ from pathlib import Path
 import platformdirs
 
 from sfchat import UserError
+from sfchat.wire import MAX_NODES as MAX_TREE_BUDGET
 
 APP = "sfchat"
 GPU_MODEL, GPU_DRAFT = "Qwen/Qwen2.5-7B-Instruct", "Qwen/Qwen2.5-0.5B-Instruct"
@@ -42,6 +43,7 @@ class Settings:
     revision: str | None = None
     draft_revision: str | None = None
     k: int = 8
+    tree_budget: int = 0  # draft tokens verified per round as a token tree, at most k deep; 0: a chain of k
     split: int | None = None  # default: half the layers
     device: str | None = None  # default: cuda if available, else cpu; "cuda:0,cuda:1" spreads a slice
     draft_device: str | None = None  # default: a second GPU when there is one, else the head's device
@@ -72,6 +74,8 @@ class Settings:
     def validate(self) -> "Settings":
         if not 0 <= self.k <= 32:
             raise UserError(f"--k must be between 0 and 32, not {self.k}")
+        if not 0 <= self.tree_budget <= MAX_TREE_BUDGET:
+            raise UserError(f"--tree-budget must be between 0 and {MAX_TREE_BUDGET}, not {self.tree_budget}")
         if self.max_new_tokens < 1:
             raise UserError("--max-new-tokens must be at least 1")
         if self.max_context < 2:

@@ -36,6 +36,7 @@ class RuntimeReady:
     max_context: int
     quant: str = "none"  # "nf4" when the target's layers are 4-bit
     tail_dtype: str = ""  # what the tail computes in ("" when it is ``dtype``)
+    tree_budget: int = 0  # draft tokens of each round's token tree (0: a chain of k)
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,8 @@ class RoundStats:
     overlap_ms: float = 0.0  # work done while the verdict travelled (preparing the next round)
     prepared: bool = False  # this round's frame was prepared under the previous round's wait
     forward_bytes: int = 0  # size of the verify FORWARD frame
+    tree_nodes: int = 0  # nodes of the round's token tree (0: a chain)
+    depth: int = 0  # how deep the round's drafts reached (k for a chain)
 
 
 @dataclass(frozen=True)
@@ -100,6 +103,9 @@ class ReplyFinished:
     wait_ms: float = 0.0
     overlap_ms: float = 0.0
     prepared_hit_rate: float = 0.0  # share of rounds after the first whose frame was prepared under the wait
+    tree_budget: int = 0  # nodes per token tree (0: chains)
+    depth_mean: float = 0.0  # mean depth the rounds' drafts reached
+    forward_bytes: float = 0.0  # mean size of a verify FORWARD
 
     def figures(self) -> dict:
         """Every figure of the reply as plain JSON values (no text, no token ids): what the

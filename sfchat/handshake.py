@@ -3,7 +3,7 @@
 Contract
 --------
 ``Hello`` is what a head tells its tail (the model, revision, split, dtype, quantisation and
-context size to load, K, whether to capture CUDA graphs); ``Ready`` is the tail's answer (what
+context size to load, K, the tree budget (0: chains of K), whether to capture CUDA graphs); ``Ready`` is the tail's answer (what
 it loaded and computes in). ``to_frame()`` encodes one as a wire Control frame; ``parse(data)``
 builds one from a decoded Control's JSON object and raises ``wire.WireError`` for a missing
 field, a value not of its exact JSON type (a bool is no int, a float no int), an integer out of
@@ -59,6 +59,7 @@ class Hello:
     k: int
     graphs: bool = True
     quant: str = "none"
+    tree_budget: int = 0  # draft nodes of a tree FORWARD (0: rounds are chains of k)
 
     def identity(self) -> tuple:
         """What names the slice a tail loads for this hello (equal identities reuse the slice)."""
@@ -78,6 +79,7 @@ class Hello:
             # K+1 sizes the verify graph: never allocate on a head's word
             k=_field(data, "k", int, 0, hi=wire.MAX_DRAFT), graphs=_field(data, "graphs", bool, True),
             quant=_field(data, "quant", str, "none", choices=QUANT_MODES, label="quantisation"),  # a head without 4-bit sends none
+            tree_budget=_field(data, "tree_budget", int, 0, hi=wire.MAX_NODES),  # sizes the tree graph, like k
         )
 
 

@@ -17,19 +17,25 @@ Bodies:
   split, K, stage names...). Never tensors. Strict JSON: ``NaN``, ``Infinity`` and numbers
   that overflow a double (``1e999``) are refused, as RFC 8259 has no such values.
 * FORWARD (head -> tail): a run of ``n_tokens`` consecutive positions starting at
-  ``start_pos`` whose last ``n_draft`` tokens are draft proposals to verify. ``hidden`` holds
+  ``start_pos`` whose last ``n_draft`` tokens are draft proposals to verify. With FLAG_TREE
+  the drafts form a token tree instead of a chain: the frame is ``[t0, node 1 .. node N]``
+  (``n_tokens == n_draft + 1``) and ``parents`` (uint16, one per node) names each node's
+  parent by its index in the frame (0 = t0), always an earlier one; a node's depth is its
+  parent's plus one and at most ``MAX_DEPTH``. Tree frames carry no draft distributions. ``hidden`` holds
   the head slice's output for those positions as raw bytes (``dtype`` code, row-major
   ``n_tokens x hidden_size``). With FLAG_VERDICT the tail answers with a VERDICT; without it
   (prefill chunks) the tail only fills its KV cache. Optional sparse draft distributions
   (``n_q`` entries per drafted position) and the sampling parameters travel with the frame,
   so every round is self-contained.
 * VERDICT (tail -> head): ``n_accepted`` drafts were accepted; ``tokens`` are the committed
-  tokens of the round (the accepted drafts, then the target's own next token);
+  tokens of the round (the accepted drafts, then the target's own next token); ``path``
+  (uint16, one per accepted draft) their indices in the FORWARD, ascending (``1..n`` for a chain);
   ``tail_us`` is the tail's compute time, used by the head to separate RTT from work.
 
 This module is torch-free: tensors cross it as ``bytes`` plus a dtype code and a shape.
 Every length is checked before anything is sliced, and any malformed input raises
-``WireError`` (and nothing else), so a hostile peer cannot crash the process.
+``WireError`` (and nothing else; ``TreeError``, a ``WireError``, for a malformed tree or path),
+so a hostile peer cannot crash the process. Version 2 added trees (FLAG_TREE, parents, path).
 """
 
 from __future__ import annotations
@@ -40,7 +46,7 @@ import struct
 from dataclasses import dataclass, field
 
 MAGIC = b"SFCH"
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 HEADER = struct.Struct("<4sBBHII")
 FORWARD_FIXED = struct.Struct("<IIIBIIdIdQ")  # start, n_tok, n_draft, dtype, hidden, n_q, temp, top_k, top_p, seed
@@ -48,16 +54,23 @@ FORWARD_FIXED = struct.Struct("<IIIBIIdIdQ")  # start, n_tok, n_draft, dtype, hi
 VERDICT_FIXED = struct.Struct("<IIII")  # start, n_accepted, n_tokens, tail_us
 
 FLAG_VERDICT = 0x1  # FORWARD: answer with a VERDICT
+FLAG_TREE = 0x2  # FORWARD: the drafts form a tree (``parents`` follows the tokens)
 
 MAX_JSON_BYTES = 1 << 16
 MAX_TOKENS_PER_FRAME = 1 << 12
 MAX_HIDDEN_SIZE = 1 << 15
-MAX_DRAFT = 64
+MAX_DRAFT = 64  # drafts of a chain; also the deepest a tree may reach (MAX_DEPTH)
+MAX_DEPTH = MAX_DRAFT
+MAX_NODES = 256  # drafts of a tree
 MAX_Q_ENTRIES = 1 << 12
 
 
 class WireError(ValueError):
     """A frame that does not follow this protocol (the connection should be closed)."""
+
+
+class TreeError(WireError):
+    """A FORWARD whose token tree, or a VERDICT whose accepted path, is malformed."""
 
 
 class MsgType(enum.IntEnum):
@@ -125,6 +138,7 @@ class Forward:
     n_q: int = 0
     q_indices: bytes = b""  # int32, n_draft * n_q
     q_probs: bytes = b""  # float32, n_draft * n_q
+    parents: tuple[int, ...] | None = None  # a tree: each node's parent (index in the frame); None: a chain
 
 
 @dataclass(frozen=True)
@@ -136,6 +150,11 @@ class Verdict:
     n_accepted: int
     tokens: tuple[int, ...]
     tail_us: int = 0
+    path: tuple[int, ...] | None = None  # the accepted drafts' indices in the FORWARD; None: 1..n_accepted
+
+    def __post_init__(self) -> None:
+        if self.path is None:
+            object.__setattr__(self, "path", tuple(range(1, self.n_accepted + 1)))
 
 
 Message = Control | Forward | Verdict
@@ -146,6 +165,32 @@ def _int32s(values, what: str) -> bytes:
         return struct.pack(f"<{len(values)}i", *values)
     except struct.error as exc:
         raise WireError(f"{what}: {exc}") from None
+
+
+def _uint16s(values, what: str) -> bytes:
+    try:
+        return struct.pack(f"<{len(values)}H", *values)
+    except struct.error as exc:
+        raise WireError(f"{what}: {exc}") from None
+
+
+def tree_depths(parents) -> list[int]:
+    """The depth of each node of a tree frame (t0 has depth 0); TreeError for a malformed tree:
+    a parent at or after its node, or a depth past MAX_DEPTH."""
+    depths = [0]
+    for i, parent in enumerate(parents, start=1):
+        if not 0 <= parent < i:
+            raise TreeError(f"tree node {i} names parent {parent}: a parent must come before its node")
+        depth = depths[parent] + 1
+        if depth > MAX_DEPTH:
+            raise TreeError(f"tree node {i} at depth {depth}, deeper than {MAX_DEPTH}")
+        depths.append(depth)
+    return depths
+
+
+def _check_path(path, n_accepted: int) -> None:
+    if len(path) != n_accepted or any(not a < b for a, b in zip((0,) + tuple(path), path)):
+        raise TreeError(f"VERDICT path {list(path)[:8]} is not {n_accepted} ascending node indices")
 
 
 def encode(msg: Message) -> bytes:
@@ -170,8 +215,15 @@ def _encode(msg: Message) -> bytes:
             raise WireError(f"{msg.type.name} body of {len(body)} bytes exceeds {MAX_JSON_BYTES}")
         return HEADER.pack(MAGIC, PROTOCOL_VERSION, msg.type, 0, msg.round, len(body)) + body
     if isinstance(msg, Forward):
-        _check_forward(len(msg.tokens), msg.n_draft, msg.hidden_size, msg.n_q)
+        tree = msg.parents is not None
+        _check_forward(len(msg.tokens), msg.n_draft, msg.hidden_size, msg.n_q, tree)
         _check_forward_sizes(msg)
+        if tree:
+            if len(msg.parents) != msg.n_draft:
+                raise TreeError(f"a tree of {msg.n_draft} nodes with {len(msg.parents)} parents")
+            tree_depths(msg.parents)
+            if not msg.want_verdict:
+                raise TreeError("a tree FORWARD must ask for a verdict")
         s = msg.sampling
         fixed = FORWARD_FIXED.pack(
             msg.start_pos, len(msg.tokens), msg.n_draft, msg.dtype, msg.hidden_size, msg.n_q,
@@ -179,27 +231,33 @@ def _encode(msg: Message) -> bytes:
         )
         _, _, _, _, _, _, temp, _, top_p, _ = FORWARD_FIXED.unpack(fixed)  # as the peer will read them
         _check_sampling(temp, top_p)
-        body = b"".join((fixed, _int32s(msg.tokens, "tokens"), msg.hidden, msg.q_indices, msg.q_probs))
-        flags = FLAG_VERDICT if msg.want_verdict else 0
+        parents = _uint16s(msg.parents, "parents") if tree else b""
+        body = b"".join((fixed, _int32s(msg.tokens, "tokens"), parents, msg.hidden, msg.q_indices, msg.q_probs))
+        flags = (FLAG_VERDICT if msg.want_verdict else 0) | (FLAG_TREE if tree else 0)
         return HEADER.pack(MAGIC, PROTOCOL_VERSION, MsgType.FORWARD, flags, msg.round, len(body)) + body
     if isinstance(msg, Verdict):
         _check_verdict(msg.n_accepted, len(msg.tokens))
+        _check_path(msg.path, msg.n_accepted)
         fixed = VERDICT_FIXED.pack(msg.start_pos, msg.n_accepted, len(msg.tokens), msg.tail_us)
-        body = fixed + _int32s(msg.tokens, "tokens")
+        body = fixed + _int32s(msg.tokens, "tokens") + _uint16s(msg.path, "path")
         return HEADER.pack(MAGIC, PROTOCOL_VERSION, MsgType.VERDICT, 0, msg.round, len(body)) + body
     raise WireError(f"cannot encode {type(msg).__name__}")
 
 
 def max_frame_size(hidden_size: int, n_tokens: int = MAX_TOKENS_PER_FRAME, n_q: int = 0) -> int:
     """Largest legal FORWARD frame for a model of ``hidden_size`` (used for websocket max_size)."""
-    return (HEADER.size + FORWARD_FIXED.size + 4 * n_tokens + 4 * n_tokens * hidden_size
+    return (HEADER.size + FORWARD_FIXED.size + 6 * n_tokens + 4 * n_tokens * hidden_size
             + 8 * MAX_DRAFT * n_q + MAX_JSON_BYTES)
 
 
-def _check_forward(n_tokens: int, n_draft: int, hidden_size: int, n_q: int) -> None:
+def _check_forward(n_tokens: int, n_draft: int, hidden_size: int, n_q: int, tree: bool = False) -> None:
     if not 1 <= n_tokens <= MAX_TOKENS_PER_FRAME:
         raise WireError(f"FORWARD with {n_tokens} tokens (1..{MAX_TOKENS_PER_FRAME} allowed)")
-    if not 0 <= n_draft <= min(n_tokens - 1, MAX_DRAFT):
+    if tree:
+        if not 1 <= n_draft <= MAX_NODES or n_tokens != n_draft + 1 or n_q:
+            raise TreeError(f"a tree FORWARD with {n_draft} nodes, {n_tokens} tokens and {n_q} distribution "
+                            f"entries (1..{MAX_NODES} nodes, one token more, no distributions)")
+    elif not 0 <= n_draft <= min(n_tokens - 1, MAX_DRAFT):
         raise WireError(f"FORWARD with {n_draft} drafts for {n_tokens} tokens")
     if not 1 <= hidden_size <= MAX_HIDDEN_SIZE:
         raise WireError(f"FORWARD hidden size {hidden_size} out of range")
@@ -279,12 +337,14 @@ def _decode_forward(flags: int, rnd: int, body: memoryview) -> Forward:
     if len(body) < FORWARD_FIXED.size:
         raise WireError("FORWARD body too short")
     start, n_tok, n_draft, dt, hsize, n_q, temp, top_k, top_p, seed = FORWARD_FIXED.unpack_from(body)
-    _check_forward(n_tok, n_draft, hsize, n_q)
+    tree = bool(flags & FLAG_TREE)
+    _check_forward(n_tok, n_draft, hsize, n_q, tree)
     try:
         dtype = DType(dt)
     except ValueError:
         raise WireError(f"unknown hidden dtype code {dt}") from None
-    sizes = (4 * n_tok, n_tok * hsize * dtype.itemsize, 4 * n_draft * n_q, 4 * n_draft * n_q)
+    sizes = (4 * n_tok, 2 * n_draft if tree else 0, n_tok * hsize * dtype.itemsize, 4 * n_draft * n_q,
+             4 * n_draft * n_q)
     if FORWARD_FIXED.size + sum(sizes) != len(body):
         raise WireError("FORWARD body length does not match its header")
     _check_sampling(temp, top_p)
@@ -294,10 +354,16 @@ def _decode_forward(flags: int, rnd: int, body: memoryview) -> Forward:
         parts.append(bytes(body[off:off + size]))
         off += size
     tokens = struct.unpack(f"<{n_tok}i", parts[0])
+    parents = struct.unpack(f"<{n_draft}H", parts[1]) if tree else None
+    if tree:
+        tree_depths(parents)
+        if not flags & FLAG_VERDICT:
+            raise TreeError("a tree FORWARD must ask for a verdict")
     return Forward(
-        round=rnd, start_pos=start, tokens=tokens, hidden=parts[1], dtype=dtype, hidden_size=hsize,
+        round=rnd, start_pos=start, tokens=tokens, hidden=parts[2], dtype=dtype, hidden_size=hsize,
         n_draft=n_draft, want_verdict=bool(flags & FLAG_VERDICT),
-        sampling=Sampling(temp, top_k, top_p, seed), n_q=n_q, q_indices=parts[2], q_probs=parts[3],
+        sampling=Sampling(temp, top_k, top_p, seed), n_q=n_q, q_indices=parts[3], q_probs=parts[4],
+        parents=parents,
     )
 
 
@@ -306,7 +372,10 @@ def _decode_verdict(rnd: int, body: memoryview) -> Verdict:
         raise WireError("VERDICT body too short")
     start, n_acc, n_tok, tail_us = VERDICT_FIXED.unpack_from(body)
     _check_verdict(n_acc, n_tok)
-    if VERDICT_FIXED.size + 4 * n_tok != len(body):
+    if VERDICT_FIXED.size + 4 * n_tok + 2 * n_acc != len(body):
         raise WireError("VERDICT body length does not match its header")
-    tokens = struct.unpack(f"<{n_tok}i", bytes(body[VERDICT_FIXED.size:]))
-    return Verdict(rnd, start, n_acc, tokens, tail_us)
+    off = VERDICT_FIXED.size + 4 * n_tok
+    tokens = struct.unpack(f"<{n_tok}i", bytes(body[VERDICT_FIXED.size:off]))
+    path = struct.unpack(f"<{n_acc}H", bytes(body[off:]))
+    _check_path(path, n_acc)
+    return Verdict(rnd, start, n_acc, tokens, tail_us, path)

@@ -234,22 +234,22 @@ def describe(p_views: dict[str, float]) -> str:
     return ", ".join(f"{name} {p:.3g}" for name, p in p_views.items())
 
 
-def _speculative_part(target, draft, ids, s: Sampling, n: int, first_seed: int):
+def _speculative_part(target, draft, ids, s: Sampling, n: int, first_seed: int, tree_budget: int = 0):
     """One worker's share of ``speculative_sample`` (a process of its own: it loads its session)."""
     torch.set_num_threads(1)
-    session = ChatSession.load(Settings(model=target, draft=draft, k=K, device="cpu"))
+    session = ChatSession.load(Settings(model=target, draft=draft, k=K, device="cpu", tree_budget=tree_budget))
     return speculative_sample(session, ids, s, n, first_seed)
 
 
-def parallel_speculative_sample(models, ids, s: Sampling, n: int, first_seed: int):
+def parallel_speculative_sample(models, ids, s: Sampling, n: int, first_seed: int, tree_budget: int = 0):
     """``speculative_sample`` over two processes when there are two cores: the same seeds, so
     the same outcomes as one process would give."""
     workers = min(2, os.cpu_count() or 1)
     shares = [(first_seed + i * n // workers, (i + 1) * n // workers - i * n // workers) for i in range(workers)]
     counts, histogram = Counter(), np.zeros(K + 1, dtype=int)
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-        parts = [pool.submit(_speculative_part, str(models["target"]), str(models["draft"]), ids, s, size, seed)
-                 for seed, size in shares]
+        parts = [pool.submit(_speculative_part, str(models["target"]), str(models["draft"]), ids, s, size, seed,
+                             tree_budget) for seed, size in shares]
         for part in parts:
             c, h = part.result()
             counts.update(c)

@@ -37,12 +37,12 @@ def tail_proc(url: str, session: str, models_dir):
 K = 3
 
 
-def head_proc(url: str, session: str, model, draft):
+def head_proc(url: str, session: str, model, draft, *extra):
     return subprocess.Popen([sys.executable, "-m", "sfchat.cli", "--relay", url, "--token", TOKEN, "--secret", SECRET,
                              "--session", session, "--model", str(model), "--draft", str(draft), "--k", str(K),
                              "--prompt", PROMPT,
                              "--max-new-tokens", str(N_NEW), "--device", "cpu", "--json",
-                             "--reconnect-timeout", "90"],
+                             "--reconnect-timeout", "90", *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
 
 
@@ -80,24 +80,27 @@ def undisturbed(zoo):
     return list(local_tokens(zoo["qwen3-untied"], "none", 0, N_NEW).token_ids)
 
 
-def reply_under_way(zoo, procs, relay_args, session: str, seconds: float):
+def reply_under_way(zoo, procs, relay_args, session: str, seconds: float, *head_args):
     """Relay, tail and a one-shot head, ``seconds`` into the reply: (relay, url, tail, head)."""
     relay, url = start_relay(*relay_args)
     tail = tail_proc(url, session, zoo["qwen3-untied"].parent)
-    head = head_proc(url, session, zoo["qwen3-untied"], zoo["draft"])
+    head = head_proc(url, session, zoo["qwen3-untied"], zoo["draft"], *head_args)
     procs += [relay, tail, head]
     wait_for_line(tail.stderr, "ready:")
     time.sleep(seconds)
     return relay, url, tail, head
 
 
-def test_tail_killed_mid_reply_and_replaced(zoo, procs, undisturbed):
-    _, url, first, head = reply_under_way(zoo, procs, ("--emulate-rtt-ms", "150"), "kill", 2.0)
+@pytest.mark.parametrize("budget", [0, 12])  # chains, and token trees (re-primed tail, moved K/V)
+def test_tail_killed_mid_reply_and_replaced(zoo, procs, undisturbed, budget):
+    _, url, first, head = reply_under_way(zoo, procs, ("--emulate-rtt-ms", "150"), "kill", 2.0,
+                                          "--tree-budget", str(budget))
     first.send_signal(signal.SIGKILL)
     procs.append(tail_proc(url, "kill", zoo["qwen3-untied"].parent))
     out, err = finish(head)
     assert "reconnecting" in err
     assert out["finish_reason"] == "length" and out["token_ids"] == undisturbed
+    assert out["tree_budget"] == budget
 
 
 def test_relay_restarted_mid_reply(zoo, procs, undisturbed):

@@ -187,3 +187,27 @@ def test_engine_parity_with_a_spread_target(zoo, monkeypatch):
     ref = AutoModelForCausalLM.from_pretrained(path).eval().generate(torch.tensor([ids]), max_new_tokens=16,
                                                                       do_sample=False, pad_token_id=0)
     assert list(fin.token_ids) == ref[0, len(ids):].tolist()
+
+
+def test_a_tree_budget_that_does_not_fit_is_refused_with_its_figures(gpus):
+    """The tail's logits grow with the tree: a 7B tail half on a T4 fits the chain of 8 and a
+    64-node tree, and is refused a 256-node tree (rows of logits), naming the budget as a fix."""
+    from sfchat.runtime.draft import scratch_slots
+
+    def need(budget):
+        return slice_need(qwen7b(), 14, 28, embed=False, head=True, dtype=torch.float16, quant="none",
+                          max_len=4096 + scratch_slots(8, budget, 152064), k=max(8, budget))
+
+    chain, tree64, tree256 = need(0), need(64), need(256)
+    assert tree256.work - chain.work > 248 * 152064 * 14  # the extra rows of logits and their copies
+    assert tree256.kv > chain.kv  # the scratch slots
+    gpus[0] = chain.total + tree64.work - chain.work + (tree64.kv - chain.kv) + (1 << 20)
+    for budget in (0, 64):
+        check_tail(qwen7b(), 14, devices=[torch.device("cuda:0")], dtype=torch.float16, quant="none",
+                   max_len=4096 + scratch_slots(8, budget, 152064), k=8, tree_budget=budget)
+    with pytest.raises(UserError) as err:
+        check_tail(qwen7b(), 14, devices=[torch.device("cuda:0")], dtype=torch.float16, quant="none",
+                   max_len=4096 + scratch_slots(8, 256, 152064), k=8, tree_budget=256)
+    msg = str(err.value)
+    assert "not enough GPU memory on cuda:0" in msg and "tail layers" in msg
+    assert "a smaller --tree-budget on the head (now 256" in msg

@@ -185,8 +185,8 @@ class Tampering(MemoryLink):
 @pytest.mark.parametrize("tamper, message", [
     (lambda m: replace(m, tokens=(-5,) * len(m.tokens)), "outside the vocabulary"),
     (lambda m: replace(m, tokens=(10 ** 6,) * len(m.tokens)), "outside the vocabulary"),
-    (lambda m: replace(m, n_accepted=K, tokens=(0,) * (K + 1)), "not the drafts"),
-    (lambda m: replace(m, n_accepted=K + 1, tokens=(0,) * (K + 2)), f"accepting {K + 1} of {K}"),
+    (lambda m: replace(m, n_accepted=K, tokens=(0,) * (K + 1), path=None), "not the drafts"),
+    (lambda m: replace(m, n_accepted=K + 1, tokens=(0,) * (K + 2), path=None), f"accepting {K + 1} of {K}"),
     (lambda m: replace(m, round=m.round + 7), "which was never sent"),
 ])
 def test_a_forged_verdict_ends_the_reply_with_a_protocol_error(zoo, tamper, message):

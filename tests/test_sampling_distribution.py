@@ -92,4 +92,15 @@ def test_speculative_sampling_is_distributed_as_generate(models, prompt_ids, exa
         assert combined(p_views) < ALPHA, f"{name} passes: {describe(p_views)}"
 
 
+def test_tree_sampling_is_distributed_as_generate(models, prompt_ids, exact):
+    """Token trees (6 nodes, K deep: the draft's chain plus siblings) verified by one draw from the
+    target's warped distribution per node: the same tests, the same sample size."""
+    spec, histogram = parallel_speculative_sample(models, prompt_ids, SAMPLING, N_SPEC, first_seed=50_000,
+                                                  tree_budget=6)
+    assert (histogram >= 200).all(), histogram  # every depth of descent, the whole tree included
+    p_views = view_pvalues(spec, exact)
+    print(f"\ntree speculative n={N_SPEC}, accepted histogram {histogram.tolist()}: {describe(p_views)}")
+    assert combined(p_views) > ALPHA, describe(p_views)
+
+
 # -- seeds ----------------------------------------------------------------------------------------

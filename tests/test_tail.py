@@ -179,3 +179,50 @@ def test_a_tail_computing_in_another_dtype_converts_the_heads_hidden_states(tail
     assert list(verdict.tokens) == ref
     half = encode(Forward(1, 0, msg.tokens, bytes(n * 64 * 2), DType.FLOAT16, 64, n_draft=K))
     assert "hidden states of size 64/float16 do not match the tail's 64/float32" in replies(v, half, fails=True)
+
+
+# -- token trees ------------------------------------------------------------------------------------
+def tree_frame(path, ids, parents, nodes, rnd=1) -> bytes:
+    """A head's tree FORWARD: the context as prefill positions is not needed by a fresh tail
+    here, so the frame carries the context causally and the tree after it, as two frames."""
+    from sfchat.runtime import tree as trees
+
+    src = ModelSource.open(str(path))
+    head = ModelSlice.load(src, 0, SPLIT, embed=True, head=False, dtype=torch.float32,
+                           device=torch.device("cpu"), max_len=64)
+    n = len(ids)
+    pre = head(torch.tensor(ids[:-1]), torch.arange(n - 1))
+    hid = head(torch.tensor(ids[-1:] + nodes), torch.arange(n - 1, n + len(nodes)),
+               tree=trees.mask(parents, n - 1, "cpu"))
+    return (encode(Forward(rnd, 0, tuple(ids[:-1]), hidden_bytes(pre), DType.FLOAT32, pre.shape[-1],
+                           want_verdict=False)),
+            encode(Forward(rnd, n - 1, tuple(ids[-1:] + nodes), hidden_bytes(hid), DType.FLOAT32, hid.shape[-1],
+                           n_draft=len(nodes), parents=tuple(parents))))
+
+
+def test_tail_verifies_a_tree_and_answers_its_path(tail_case):
+    good, _, ref, _ = tail_case
+    v = Verifier(torch.device("cpu"))
+    replies(v, hello_for(good, tree_budget=5), fails=False)
+    wrong = (ref[0] + 1) % 300
+    # t0 -> (wrong, ref0); ref0 -> ref1 -> (wrong, ref2): the target's path is nodes 2, 3, 5
+    pre, fwd = tree_frame(good, PROMPT, [0, 0, 2, 3, 3], [wrong, ref[0], ref[1], wrong, ref[2]])
+    assert replies(v, pre, fails=False) == []
+    (verdict,) = replies(v, fwd, fails=False)
+    assert verdict.path == (2, 3, 5) and list(verdict.tokens) == ref[:4]
+    assert v.model.kv.written == PROMPT + ref[:3]  # the path moved to the positions after the context
+
+
+@pytest.mark.parametrize("budget, k, message", [
+    (4, K, "a tree of 5 nodes; the hello announced at most 4"),
+    (5, 2, "a tree 3 deep; the hello announced at most 2"),
+    (0, K, "a tree of 5 nodes; the hello announced at most 0"),
+])
+def test_tail_refuses_a_tree_larger_than_the_hello_allows(tail_case, budget, k, message):
+    good, _, ref, _ = tail_case
+    v = Verifier(torch.device("cpu"))
+    replies(v, hello_for(good, tree_budget=budget, k=k), fails=False)
+    pre, fwd = tree_frame(good, PROMPT, [0, 0, 2, 3, 3], [1, ref[0], ref[1], 2, ref[2]])
+    replies(v, pre, fails=False)
+    assert replies(v, fwd, fails=True) == message
+    check_serves(v, good, ref, tail_case[3])  # and it serves the next head

@@ -126,7 +126,7 @@ class Fuzzer:
             return wire.encode(wire.Verdict(1, 0, 0, (rng.randrange(self.vocab),)))
         if choice == 3:
             body = rng.randbytes(rng.randint(0, 40))
-            return HEADER.pack(MAGIC, rng.choice([0, 2, 255]), rng.randint(0, 255), 0, 0, len(body)) + body
+            return HEADER.pack(MAGIC, rng.choice([0, 1, 3, 255]), rng.randint(0, 255), 0, 0, len(body)) + body
         return HEADER.pack(MAGIC, PROTOCOL_VERSION, MsgType.HELLO, 0, 0, 5) + b"\xff\xfe{}x"
 
 

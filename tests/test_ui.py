@@ -372,3 +372,22 @@ def test_the_dtype_label_names_a_tail_that_computes_in_another_dtype():
     assert weights(READY) == "bf16"
     assert weights(replace(READY, dtype="bfloat16", tail_dtype="float16")) == "bfloat16/float16"
     assert weights(replace(READY, tail_dtype="float16", quant="nf4")) == "bf16/float16+nf4"
+
+
+def test_the_panel_names_the_tree_its_depth_and_the_frame_size():
+    from dataclasses import replace
+
+    from sfchat.events import RoundStats
+    from sfchat.ui.meter import Meter
+    from sfchat.ui.metrics import drafts_text
+
+    meter = Meter(K)
+    for depth, size in ((5, 455 * 1024), (6, 455 * 1024)):
+        stats = RoundStats(accepted=3, committed=4, draft_ms=1, head_ms=1, tail_ms=1, rtt_ms=80, round_ms=90,
+                           forward_bytes=size, tree_nodes=64, depth=depth)
+        meter.round(TokensCommitted("ab", (1, 2, 3, 4), stats, 0.1))
+    f = meter.figures()
+    assert f.forward_bytes == 455 * 1024 and f.depth_mean == 5.5 and f.tree_nodes == 64
+    assert drafts_text(f, replace(READY, tree_budget=64)) == "tree 64, depth 5.5"
+    assert drafts_text(f, READY) == f"chain {K}, depth 5.5"
+    assert drafts_text(None, None) == "chain 0, depth –"

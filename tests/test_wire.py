@@ -53,7 +53,11 @@ EXAMPLES = [
     Forward(round=2**32 - 1, start_pos=2**32 - 1, tokens=(-(2**31), 2**31 - 1, 0), hidden=b"\xff" * 3 * 2 * 2,
             dtype=DType.FLOAT16, hidden_size=2, n_draft=2, sampling=Sampling(0.75, 40, 0.875, 2**64 - 1),
             n_q=2, q_indices=struct.pack("<4i", 9, 8, 7, 6), q_probs=struct.pack("<4f", 0.5, 0.5, 0.25, 0.75)),
+    # a token tree: t0, two children of t0, a grandchild under the second
+    Forward(round=3, start_pos=9, tokens=(1, 2, 3, 4), hidden=b"\x01\x02" * 4 * 2, dtype=DType.BFLOAT16,
+            hidden_size=2, n_draft=3, parents=(0, 0, 2), sampling=Sampling(0.8, 0, 1.0, 5)),
     Verdict(round=7, start_pos=12, n_accepted=0, tokens=(42,)),
+    Verdict(round=9, start_pos=12, n_accepted=2, tokens=(3, 4, 42), path=(2, 3)),
     Verdict(round=8, start_pos=13, n_accepted=wire.MAX_DRAFT, tokens=tuple(range(wire.MAX_DRAFT + 1)),
             tail_us=123456),
 ]
@@ -131,7 +135,7 @@ def test_decode_of_arbitrary_bytes(raw):
 
 
 @fuzz(800)
-@given(st.sampled_from([PROTOCOL_VERSION] * 6 + [0, 2, 255]), st.integers(0, 255), st.integers(0, 2**16 - 1),
+@given(st.sampled_from([PROTOCOL_VERSION] * 6 + [0, 1, 3, 255]), st.integers(0, 255), st.integers(0, 2**16 - 1),
        u32, st.binary(max_size=300), st.none() | u32)
 def test_decode_of_arbitrary_bodies_behind_a_plausible_header(version, mtype, flags, rnd, body, body_len):
     decodes_or_wire_error(frame(mtype, body, version=version, flags=flags, rnd=rnd, body_len=body_len))
@@ -195,7 +199,7 @@ DECODE_REJECTIONS = [
     (b"", "shorter than the header"),
     (VALID_FORWARD[:HEADER.size - 1], "shorter than the header"),
     (b"ZZZZ" + VALID_FORWARD[4:], "bad magic"),
-    (frame(MsgType.HELLO, b"{}", version=2), "protocol version 2 is not supported"),
+    (frame(MsgType.HELLO, b"{}", version=1), "protocol version 1 is not supported"),
     (frame(MsgType.HELLO, b"{}", version=0), "version 0"),
     (frame(99, b"{}"), "unknown message type 99"),
     (frame(0, b""), "unknown message type 0"),
@@ -314,3 +318,63 @@ def test_encode_gives_a_decodable_frame_or_wire_error(msg):
 def test_error_frames_are_json_objects():
     raw = encode(Control(MsgType.ERROR, {"message": "x"}))
     assert json.loads(raw[HEADER.size:]) == {"message": "x"}
+
+
+# -- token trees (protocol version 2) ------------------------------------------------------------
+def tree_forward(parents, n=None, **kw):
+    n = len(parents) if n is None else n
+    return Forward(round=1, start_pos=4, tokens=tuple(range(n + 1)), hidden=bytes(4 * (n + 1)), dtype=DType.FLOAT16,
+                   hidden_size=2, n_draft=n, parents=tuple(parents), **kw)
+
+
+def forged_tree(parents) -> bytes:
+    """A well-formed tree frame whose parents field is overwritten on the wire."""
+    raw = bytearray(encode(tree_forward([0] * len(parents))))
+    off = HEADER.size + FORWARD_FIXED.size + 4 * (len(parents) + 1)
+    raw[off:off + 2 * len(parents)] = struct.pack(f"<{len(parents)}H", *parents)
+    return bytes(raw)
+
+
+def test_a_chain_verdict_names_its_path():
+    assert Verdict(1, 2, 3, (5, 6, 7, 8)).path == (1, 2, 3)
+    assert decode(encode(Verdict(1, 2, 3, (5, 6, 7, 8)))).path == (1, 2, 3)
+
+
+@pytest.mark.parametrize("parents, message", [
+    ([0, 2], "node 2 names parent 2: a parent must come before its node"),
+    ([0, 0, 5], "node 3 names parent 5"),
+    ([1], "node 1 names parent 1"),
+    (list(range(wire.MAX_DEPTH + 1)), f"deeper than {wire.MAX_DEPTH}"),
+])
+def test_a_malformed_tree_is_refused_by_its_own_error(parents, message):
+    with pytest.raises(wire.TreeError, match=message):
+        decode(forged_tree(parents))
+    with pytest.raises(wire.TreeError, match=message):
+        encode(tree_forward(parents))
+
+
+def test_tree_limits():
+    assert decode(encode(tree_forward(list(range(wire.MAX_DEPTH))))).parents == tuple(range(wire.MAX_DEPTH))
+    wide = [0] * wire.MAX_NODES
+    assert decode(encode(tree_forward(wide))).n_draft == wire.MAX_NODES
+    with pytest.raises(wire.TreeError, match="nodes"):
+        encode(tree_forward(wide + [0]))
+    with pytest.raises(wire.TreeError, match="must ask for a verdict"):
+        encode(tree_forward([0, 1], want_verdict=False))
+    with pytest.raises(wire.TreeError, match="one token more"):
+        encode(Forward(round=1, start_pos=0, tokens=(1, 2, 3), hidden=bytes(12), dtype=DType.FLOAT16,
+                       hidden_size=2, n_draft=1, parents=(0,)))
+    raw = bytearray(encode(tree_forward([0, 1])))
+    raw[6] &= ~wire.FLAG_VERDICT  # the flags field: a tree that asks for nothing
+    with pytest.raises(wire.TreeError, match="must ask for a verdict"):
+        decode(bytes(raw))
+
+
+@pytest.mark.parametrize("path", [(2, 1), (0, 1), (1, 1)])
+def test_a_malformed_verdict_path_is_refused(path):
+    good = encode(Verdict(1, 2, 2, (5, 6, 7), path=(1, 2)))
+    forged = good[:-4] + struct.pack("<2H", *path)
+    with pytest.raises(wire.TreeError, match="ascending node indices"):
+        decode(forged)
+    with pytest.raises(wire.TreeError):
+        encode(Verdict(1, 2, 2, (5, 6, 7), path=path))

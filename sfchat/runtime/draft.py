@@ -13,30 +13,67 @@ gives every round the same shapes, which is what lets the round be captured in a
 (one per attention window, see ``kv.StaticKV.windows``; a compiled draft has one graph, over
 all slots, so that it is compiled once).
 
+``Drafter(model, k, tree_budget=N)`` grows a token tree instead (``grow``): up to ``k`` deep,
+``N`` nodes, best-first by the path's cumulative draft log-probability (of the warped
+distribution when sampling). After the same two-token feed, each depth is one batched forward
+of the ``width`` likeliest frontier nodes, written in scratch slots after the context with the
+tree mask (each sees the context and its own ancestors); each keeps its ``children`` likeliest
+continuations as candidates, and the N best candidates of all depths are the tree (a path's
+score never rises, so the best N include every chosen node's ancestors). The draft's own
+argmax chain, k deep, is always part of the tree (ranked first at every depth), so a tree
+accepts at least what the chain of the same depth would: the rest of the budget goes best-first. No host sync until
+the tree is read, so the greedy grow is one CUDA graph per window too. ``keep(tree, path, n)``
+moves the K/V of the accepted nodes the draft has fed into place after the verdict, so the
+next round's feed is again the last two committed tokens.
+
 The drafter knows nothing about the target, the wire or acceptance.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from sfchat.runtime import sampling
-from sfchat.runtime.kv import PREFILL_CHUNK
+from sfchat.runtime.kv import PREFILL_CHUNK, TreeMask
+from sfchat.runtime.tree import Tree
 from sfchat.runtime.graphs import Graphed, capture_windows, pick
 from sfchat.runtime.slices import ModelSlice
 from sfchat.wire import Sampling
 
 GREEDY = Sampling()
+TREE_WIDTH = 8  # frontier nodes expanded per depth
+CHAIN_FIRST = 1e4  # added to the rank of the argmax chain's nodes (scores are clamped at -1000)
+
+
+def tree_shape(budget: int, depth: int, vocab: int) -> tuple[int, int, int]:
+    """(width, children per expanded node, nodes) of a tree of ``budget`` nodes ``depth`` deep:
+    enough candidates for the budget when the vocabulary allows (else fewer nodes)."""
+    width = max(1, min(TREE_WIDTH, budget))
+    children = min(vocab, max(width, math.ceil(budget / (1 + (depth - 1) * width))))
+    width = min(width, children)
+    return width, children, min(budget, children + (depth - 1) * width * children)
+
+
+def scratch_slots(k: int, tree_budget: int, vocab: int) -> int:
+    """Slots past the context a round may write: K+1 for a chain; for a tree, its frame
+    (t0 and the nodes) and the draft's frontier forwards."""
+    if not tree_budget:
+        return k + 1
+    width, _, nodes = tree_shape(tree_budget, k, vocab)
+    return max(nodes + 1, (k - 1) * width + 1)
 
 
 class Drafter:
-    def __init__(self, model: ModelSlice, k: int, n_q: int = 32):
+    def __init__(self, model: ModelSlice, k: int, n_q: int = 32, tree_budget: int = 0):
         self.model, self.k, self.n_q = model, k, n_q
         self.device = model.device
         self.vocab = model.config.vocab_size
         self.two = torch.arange(2, device=self.device)
         self.graphs: dict[int, Graphed] = {}  # attention window -> the greedy round's graph
         self.guess_graphs: dict[int, Graphed] = {}  # attention window -> the one-token greedy step
+        self.width, self.children, self.budget = tree_shape(tree_budget, k, self.vocab) if tree_budget else (0, 0, 0)
 
     def capture(self, log=None, compile: bool = False) -> bool:
         """Capture the steady-state greedy round (2-token feed + K-1 steps) as one CUDA graph per
@@ -53,6 +90,12 @@ class Drafter:
         ids = torch.zeros(2, dtype=torch.long, device=self.device)
         start = torch.zeros(1, dtype=torch.long, device=self.device)
         kv = self.model.kv
+        if self.budget:  # a tree round: no chain and no guess step (trees are not prepared ahead)
+            scratch = (self.k - 1) * self.width
+            self.graphs = capture_windows(
+                f"draft's {self.budget}-node tree", lambda a, b, w: self._graphed_tree(a, b, forward, w), (ids, start),
+                [kv.max_len] if compile else [w for w in kv.windows if w > scratch + 2], log)
+            return bool(self.graphs)
         windows = [kv.max_len] if compile else [w for w in kv.windows if w > self.k]
         self.graphs = capture_windows(f"draft's {self.k}-step round",
                                       lambda a, b, w: self._graphed_round(a, b, forward, w), (ids, start), windows, log)
@@ -78,6 +121,94 @@ class Drafter:
             if i + 1 < self.k:
                 logits = forward(tok, next_pos + i, n_logits=1, window=window)
         return torch.cat(picks), torch.cat(q_idx), torch.cat(q_prob)
+
+    # -- trees ---------------------------------------------------------------------------------
+    def _graphed_tree(self, ids: torch.Tensor, start: torch.Tensor, forward, window: int):
+        logits = forward(ids, start + self.two, n_logits=1, window=window)
+        return self._grow_steps(logits, start + 2, GREEDY, forward, window)
+
+    @staticmethod
+    def _logp(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
+        return logits.float().log_softmax(-1) if s.temperature == 0 else sampling.warp(logits, s).log()
+
+    def _grow_steps(self, logits, n: torch.Tensor, s: Sampling, forward, window: int):
+        """The tree after the context of length ``n`` (1,), from the draft's logits at t0 (1, V);
+        no host sync. Returns (tokens, parents, fed slots, scores) of the chosen nodes, (N,) each."""
+        W, C, depth = self.width, self.children, self.k
+        dev = logits.device
+        score, tok = self._logp(logits, s).topk(C, dim=-1)
+        toks, scores = [tok[0]], [score[0]]
+        parents = [torch.full((C,), -1, dtype=torch.long, device=dev)]
+        depths = [torch.ones(C, device=dev)]
+        rank0 = torch.arange(C, device=dev) == 0
+        greedy = [rank0]  # the draft's argmax chain: each node the first choice of the one before
+        size = C + (depth - 1) * W * C
+        fed = torch.full((size,), -1, dtype=torch.long, device=dev)
+        front = torch.arange(W, device=dev)  # pool indices of the nodes expanded next
+        seen = torch.zeros(W, (depth - 1) * W, dtype=torch.bool, device=dev)  # their ancestors' scratch slots
+        rows = torch.arange(W, device=dev)
+        for d in range(1, depth):
+            pool_tok, pool_score = torch.cat(toks), torch.cat(scores)
+            col = (d - 1) * W + rows
+            visible = seen.clone()
+            visible[rows, col] = True
+            slots = n + col
+            fed[front] = slots
+            out = forward(pool_tok[front].clamp(max=self.vocab - 1), slots, n_logits=W, window=window,
+                          tree=TreeMask((n - 1 + d).expand(W), n, visible))
+            sc, tk = (self._logp(out, s) + pool_score[front][:, None]).topk(C, dim=-1)  # (W, C)
+            first = pool_tok.shape[0]
+            toks.append(tk.flatten())
+            scores.append(sc.flatten())
+            parents.append(front.repeat_interleave(C))
+            depths.append(torch.full((W * C,), d + 1.0, device=dev))
+            greedy.append((torch.cat(greedy)[front][:, None] & rank0[None]).flatten())
+            if d + 1 < depth:
+                best = (sc.flatten() + CHAIN_FIRST * greedy[-1]).topk(W).indices
+                front = first + best
+                seen = visible[best // C]
+        pool_tok, pool_score, pool_parent = torch.cat(toks), torch.cat(scores), torch.cat(parents)
+        # a child always ranks below its parent; the argmax chain above everything else
+        key = pool_score.clamp(min=-1000.0) - 0.01 * torch.cat(depths) + CHAIN_FIRST * torch.cat(greedy)
+        chosen = key.topk(self.budget).indices.sort().values  # pool order: parents before children
+        frame = torch.zeros(size, dtype=torch.long, device=dev)
+        frame[chosen] = torch.arange(1, self.budget + 1, device=dev)
+        parent = pool_parent[chosen]
+        parent_frame = torch.where(parent >= 0, frame[parent.clamp(min=0)], 0)
+        return pool_tok[chosen], parent_frame, fed[chosen], pool_score[chosen]
+
+    def grow(self, tokens: list[int], s: Sampling) -> Tree:
+        """A tree of ``budget`` nodes after ``tokens`` (greedy: replayed from a graph in the
+        steady state)."""
+        n = len(tokens)
+        kv = self.model.kv
+        start = min(kv.reusable(tokens), n - 1, max(n - 2, 0))
+        window = kv.window_for(n + (self.k - 1) * self.width)
+        if n - start > 2:  # catch up on what the cache lacks, so the round itself is the graphed one
+            self._feed(tokens[start:n - 2], start, window)
+            start = n - 2
+        graph = pick(self.graphs, window) if s.temperature == 0 and n - start == 2 else None
+        if graph is not None:
+            ids = torch.tensor(tokens[-2:], dtype=torch.long).clamp_(max=self.vocab - 1)
+            out = graph(ids, torch.tensor([start]))
+            kv.note(start, tokens[-2:])
+        else:
+            logits = self._feed(tokens[start:], start, window)
+            out = self._grow_steps(logits, torch.tensor([n], device=self.device), s, self.model.forward, window)
+        values = torch.cat([x.double() for x in out]).tolist()  # the one host sync of the draft's round
+        b = self.budget
+        tok, parent, fed = ([int(v) for v in values[i * b:(i + 1) * b]] for i in range(3))
+        return Tree(tok, parent, values[3 * b:], fed)
+
+    def keep(self, tree: Tree, path: list[int], n: int) -> None:
+        """After the verdict: the accepted nodes the draft fed (a prefix of ``path``) move to the
+        slots after the context of length ``n``."""
+        fed = []
+        for node in path:
+            if tree.fed[node - 1] < 0:
+                break
+            fed.append(tree.fed[node - 1])
+        self.model.keep(fed, n, tree.path_tokens(path[:len(fed)]))
 
     def reset(self) -> None:
         self.model.kv.reset()

@@ -218,7 +218,7 @@ class RoundDriver:
 
         tail_ms = verdict.tail_us / 1e3
         rtt_ms = (max(arrived, t2) - t2) * 1e3 - tail_ms
-        all_accepted = bool(plan.drafts) and commit.accepted == len(plan.drafts)
+        all_accepted = bool(plan.drafts) and commit.accepted == plan.depth
         self.policy.observe(
             latency_ms=rtt_ms + tail_ms, compute_ms=None if prepared else plan.draft_ms + plan.head_ms,
             all_accepted=all_accepted, prepared_ms=(t4 - t2) * 1e3 if ahead is not None else None,
@@ -229,7 +229,8 @@ class RoundDriver:
             head_ms=(t2 - t0) * 1e3 - (0.0 if prepared else plan.draft_ms),
             tail_ms=tail_ms, rtt_ms=rtt_ms, round_ms=(t5 - t0) * 1e3,
             wait_ms=(t4 - t3) * 1e3, overlap_ms=(t3 - t2) * 1e3, prepared=prepared,
-            forward_bytes=plan.forward_bytes)
+            forward_bytes=plan.forward_bytes, tree_nodes=len(plan.tree) if plan.tree is not None else 0,
+            depth=plan.depth)
         return RoundOutcome(commit.tokens, commit.accepted, commit.finish, stats)
 
     def _worth_preparing(self) -> bool:

@@ -16,6 +16,13 @@ Contract
   last position: ``window_for(end)``. A fixed set of windows keeps the shapes fixed, so each
   can have its CUDA graph; a masked slot adds exactly nothing to the attention, so the window
   changes no result beyond floating-point summation order.
+* Token trees (``TreeMask``): a forward may write its tokens at slots that are not their
+  positions. ``begin(slots, window, tree)`` then builds the mask from the tree instead: a query
+  sees every slot before ``tree.base`` (the committed context) and, of the ``R`` slots from
+  ``tree.base`` on, those its row of ``tree.visible`` marks (its ancestors and itself); the
+  rotary positions are the tree's ``rope``. Every field is a tensor, so the mask is an input of
+  a CUDA graph. After a verdict ``move(src, dst)`` copies the accepted nodes' keys and values
+  in place to the contiguous slots after the context (no reallocation; other slots untouched).
 * ``written`` records which token id sits at each slot, so ``reusable(tokens)`` can tell how
   much of a new context is already cached (multi-turn reuse, draft catch-up).
 
@@ -26,6 +33,7 @@ of transformers call (``update``), not a subclass of transformers' ``Cache``.
 from __future__ import annotations
 
 import bisect
+from dataclasses import dataclass
 
 import torch
 
@@ -41,6 +49,19 @@ def windows_for(max_len: int, min_window: int | None = None) -> list[int]:
         out.append(w)
         w *= 2
     return out + [max_len]
+
+
+@dataclass(frozen=True)
+class TreeMask:
+    """Where a tree forward's queries look: slots before ``base`` (1,) all, the ``R`` slots from
+    ``base`` on as ``visible`` (n, R) bool says, nothing after them; ``rope`` (n,) their positions."""
+
+    rope: torch.Tensor
+    base: torch.Tensor
+    visible: torch.Tensor
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.rope, self.base, self.visible
 
 
 class StaticKV:
@@ -66,12 +87,21 @@ class StaticKV:
             raise ValueError(f"a forward ending at position {end} does not fit a cache of {self.max_len} slots")
         return self.windows[bisect.bisect_left(self.windows, end)]
 
-    def begin(self, positions: torch.Tensor, window: int | None = None) -> torch.Tensor:
-        """Set the positions of the next forward and the slots it attends over (``window``,
-        default all; every position must lie inside it): the (1, 1, n, window) additive mask."""
+    def begin(self, positions: torch.Tensor, window: int | None = None, tree: TreeMask | None = None
+              ) -> torch.Tensor:
+        """Set the slots the next forward writes (``positions``) and attends over (``window``,
+        default all; every position must lie inside it): the (1, 1, n, window) additive mask,
+        causal by slot, or the tree's (see ``TreeMask``)."""
         self.positions = positions
         self.window = window or self.max_len
-        visible = self.slots[None, :self.window] <= positions[:, None]
+        if tree is None:
+            visible = self.slots[None, :self.window] <= positions[:, None]
+        else:
+            n, span = tree.visible.shape
+            rel = self.slots[None, :self.window] - tree.base[:, None]  # (1, window): slot - base
+            inside = (rel >= 0) & (rel < span)
+            picked = tree.visible.gather(1, rel.clamp(0, span - 1).expand(n, -1))
+            visible = (rel < 0) | (inside & picked)
         zero = torch.zeros((), dtype=self.dtype, device=positions.device)
         self.mask = torch.where(visible, zero, torch.full_like(zero, self.neg))[None, None]
         return self.mask
@@ -82,6 +112,18 @@ class StaticKV:
         k.index_copy_(2, self.positions, key_states.to(k.dtype))
         v.index_copy_(2, self.positions, value_states.to(v.dtype))
         return k[:, :, :self.window], v[:, :, :self.window]
+
+    def move(self, src: list[int], dst: list[int]) -> None:
+        """Copy the keys and values of slots ``src`` to slots ``dst`` in every layer (the two may
+        overlap: all sources are read before any destination is written)."""
+        pairs = [(s, d) for s, d in zip(src, dst) if s != d]
+        if not pairs:
+            return
+        device = self.keys[0].device
+        s = torch.tensor([p[0] for p in pairs], device=device)
+        d = torch.tensor([p[1] for p in pairs], device=device)
+        for buf in self.keys + self.values:
+            buf.index_copy_(2, d, buf.index_select(2, s))
 
     # -- bookkeeping of what the slots hold ------------------------------------------------------
     def note(self, start: int, tokens) -> None:

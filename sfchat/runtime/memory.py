@@ -6,7 +6,7 @@ Contract
 estimates, in bytes, what ``ModelSlice.load`` of layers ``[lo, hi)`` will hold: the weights
 (dense in ``dtype``, or NF4 for the decoder layers' linear weights), the static KV cache of
 ``max_len`` positions, and a workspace for the forwards (a 512-token prefill chunk, the K+1
-verify, the logits, allocator slack, and the memory pools of the CUDA graphs: one per attention
+verify or token tree (``k`` is then the tree budget: its logits are the largest part), the logits, allocator slack, and the memory pools of the CUDA graphs: one per attention
 window of the KV cache, ``GRAPH_POOL_BYTES`` each, from 232 MiB measured for the six windows of
 a Qwen2.5-7B half's 9-token verify on an H200, bf16, 8201 slots). Parameter counts are exact: one decoder
 layer is built on the meta device and counted (biases and q/k norms included). The workspace is
@@ -142,9 +142,12 @@ def check_fits(plan: list[tuple[str, list[torch.device], Need]], hints: list[str
 
 
 def hints(role: str, *, quant: str, max_len: int, kv_per_position: int, gpus: int, spread: bool,
-          draft: str | None = None) -> list[str]:
+          draft: str | None = None, tree_budget: int = 0) -> list[str]:
     """The fixes that apply to ``role`` ("head", "tail" or "local"), most effective first."""
     out = []
+    if tree_budget:
+        out.append(f"a smaller --tree-budget{' on the head' if role == 'tail' else ''} (now {tree_budget}: "
+                   "each node adds a row of logits and a KV slot)")
     if quant != "nf4":
         out.append("--load-in-4bit (NF4: the layers take about a quarter of their 16-bit size)" if role != "tail"
                    else "--load-in-4bit on the head (the tail follows it)")
@@ -163,10 +166,12 @@ def hints(role: str, *, quant: str, max_len: int, kv_per_position: int, gpus: in
 
 
 def check_head(config, split: int, *, devices: list[torch.device], dtype: torch.dtype, quant: str, max_len: int,
-               k: int, draft=None, local: bool = False) -> None:
+               k: int, draft=None, local: bool = False, tree_budget: int = 0) -> None:
     """The head's check: its slice, the draft (``(config, device, dtype, quant)``) and, in local
-    mode, the tail's slice in the same process on the same devices."""
+    mode, the tail's slice in the same process on the same devices; ``max_len`` counts the
+    tree's scratch slots."""
     L = int(config.num_hidden_layers)
+    k = max(k, tree_budget)
     plan = [("head layers", devices, slice_need(config, 0, split, embed=True, head=False, dtype=dtype, quant=quant,
                                                 max_len=max_len, k=k))]
     if local:
@@ -184,17 +189,18 @@ def check_head(config, split: int, *, devices: list[torch.device], dtype: torch.
         draft_hint = ", ".join(fixes + ["--draft none"]) + " (the draft)"
     check_fits(plan, hints("local" if local else "head", quant=quant, max_len=max_len,
                            kv_per_position=kv_bytes_per_position(config, L if local else split, dtype),
-                           gpus=_gpus(), spread=len(devices) > 1, draft=draft_hint))
+                           gpus=_gpus(), spread=len(devices) > 1, draft=draft_hint, tree_budget=tree_budget))
 
 
 def check_tail(config, split: int, *, devices: list[torch.device], dtype: torch.dtype, quant: str,
-               max_len: int, k: int) -> None:
+               max_len: int, k: int, tree_budget: int = 0) -> None:
     L = int(config.num_hidden_layers)
+    k = max(k, tree_budget)
     need = slice_need(config, split, L, embed=False, head=True, dtype=dtype, quant=quant, max_len=max_len, k=k)
     per_position = kv_bytes_per_position(config, L - split, dtype)
     check_fits([("tail layers", devices, need)],
                hints("tail", quant=quant, max_len=max_len, kv_per_position=per_position, gpus=_gpus(),
-                     spread=len(devices) > 1))
+                     spread=len(devices) > 1, tree_budget=tree_budget))
 
 
 def _gpus() -> int:

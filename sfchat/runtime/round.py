@@ -26,6 +26,13 @@ as ``bytes`` in a ``Plan`` and the verdict comes back as a decoded ``wire.Verdic
    written before it), so output is identical whether or not a round was prepared or hit; on a miss
    the next ``plan`` overwrites the slots the preparation wrote.
 
+With a tree budget (``Drafter(tree_budget=N)``) step 1 grows a token tree instead of a chain
+(``Drafter.grow``, plus a prompt-lookup branch grafted at no draft cost: ``tree.lookup``) and the
+verify FORWARD is ``[t0, node 1..N]`` with the nodes' parents, run through the head slice with the
+tree mask; ``take`` checks that the verdict's path descends the tree that was sent and moves the
+accepted nodes' K/V into place on the head slice and the draft (``keep``). Trees are not prepared
+ahead (``can_prepare`` is False).
+
 Random streams are per round and per role (``sampling.round_generator``) and keyed by the context
 length, so a prepared round draws exactly what the same round drafted after the verdict would.
 """
@@ -38,7 +45,7 @@ from dataclasses import dataclass, field
 import torch
 
 from sfchat import UserError, wire
-from sfchat.runtime import sampling
+from sfchat.runtime import sampling, tree as trees
 from sfchat.runtime.draft import Drafter
 from sfchat.runtime.kv import PREFILL_CHUNK
 from sfchat.runtime.slices import DTYPE_NAMES, ModelSlice
@@ -60,10 +67,16 @@ class Plan:
     draft_ms: float
     head_ms: float
     guess: int | None = None  # a prepared plan: the bonus token it assumes
+    tree: trees.Tree | None = None  # a tree round: the tree whose nodes are ``drafts``
     forward_bytes: int = field(init=False)
 
     def __post_init__(self) -> None:
         self.forward_bytes = len(self.frames[-1])
+
+    @property
+    def depth(self) -> int:
+        """How deep the drafts reach: K for a chain, the deepest node of a tree."""
+        return max(self.tree.depths) if self.tree is not None else len(self.drafts)
 
 
 @dataclass(frozen=True)
@@ -122,6 +135,8 @@ class HeadRound:
         return self._plan(self.tokens, s)
 
     def _plan(self, tokens: list[int], s: wire.Sampling, guess: int | None = None) -> Plan:
+        if self.drafter is not None and self.drafter.budget:
+            return self._plan_tree(tokens, s)
         t0 = time.perf_counter()
         n = len(tokens)
         start = self.positions(tokens)
@@ -140,13 +155,32 @@ class HeadRound:
         return Plan(self.round_id, start + verify_from, n, drafts, frames,
                     draft_ms=(t1 - t0) * 1e3, head_ms=(t2 - t1) * 1e3, guess=guess)
 
-    def _forward(self, piece, start, n_draft, want_verdict, s, q_idx, q_prob) -> bytes:
+    def _plan_tree(self, tokens: list[int], s: wire.Sampling) -> Plan:
+        t0 = time.perf_counter()
+        n = len(tokens)
+        start = self.positions(tokens)
+        tree = self.drafter.grow(tokens, s)
+        branch = trees.lookup(tokens, self.k)
+        if branch:
+            tree = trees.graft(tree, branch)
+        t1 = time.perf_counter()
+        self.round_id += 1
+        v = n - 1  # t0's position: the tree's root
+        frames = [self._forward(tokens[i:min(i + PREFILL_CHUNK, v)], i, 0, False, s, None, None)
+                  for i in range(start, v, PREFILL_CHUNK)]  # context the target has not seen yet
+        frames.append(self._forward([tokens[-1]] + tree.tokens, v, len(tree), True, s, None, None, tree))
+        t2 = time.perf_counter()
+        return Plan(self.round_id, v, n, list(tree.tokens), frames,
+                    draft_ms=(t1 - t0) * 1e3, head_ms=(t2 - t1) * 1e3, tree=tree)
+
+    def _forward(self, piece, start, n_draft, want_verdict, s, q_idx, q_prob, tree=None) -> bytes:
         # A draft from a larger draft vocabulary has no embedding row here; any row will do: the
         # tail rejects such a draft (p = 0), so nothing computed from this position is committed.
         ids = torch.tensor(piece, dtype=torch.long, device=self.device).clamp_(max=self.vocab - 1)
         positions = torch.arange(start, start + len(piece), device=self.device)
-        hidden = self.head.run(ids, positions, end=start + len(piece))
-        self.head.kv.note(start, piece)
+        mask = trees.mask(tree.parents, start, self.device) if tree is not None else None
+        hidden = self.head.run(ids, positions, end=start + len(piece), tree=mask)
+        self.head.kv.note(start, piece[:1] if tree is not None else piece)  # a tree's nodes: scratch
         n_q = q_idx.shape[1] if q_idx is not None and n_draft else 0
         return wire.encode(wire.Forward(
             round=self.round_id, start_pos=start, tokens=tuple(piece), hidden=hidden_bytes(hidden),
@@ -154,6 +188,7 @@ class HeadRound:
             want_verdict=want_verdict, sampling=s, n_q=n_q,
             q_indices=q_idx.to(torch.int32).cpu().numpy().tobytes() if n_q else b"",
             q_probs=q_prob.to(torch.float32).cpu().numpy().tobytes() if n_q else b"",
+            parents=tuple(tree.parents) if tree is not None else None,
         ))
 
     # -- 2. take the verdict -----------------------------------------------------------------------
@@ -161,6 +196,11 @@ class HeadRound:
         """Check ``verdict`` against ``plan`` and commit its tokens (ProtocolError if it cannot
         be this round's verdict)."""
         check_verdict(plan, verdict, self.vocab)
+        if plan.tree is not None:  # the accepted nodes' K/V move from scratch to their positions
+            path = list(verdict.path)
+            accepted = plan.tree.path_tokens(path)
+            self.head.keep([plan.verify_start + i for i in path], plan.verify_start + 1, accepted)
+            self.drafter.keep(plan.tree, path, plan.context_len)
         committed, finish = [], None
         for t in verdict.tokens:
             committed.append(t)
@@ -180,7 +220,7 @@ class HeadRound:
         """Whether the all-accepted outcome of ``plan`` could be followed by another full round."""
         k = len(plan.drafts)
         after = plan.context_len + k + 1  # the context if every draft and the bonus are committed
-        return (self.drafter is not None and k > 0 and budget > k + 1
+        return (self.drafter is not None and plan.tree is None and k > 0 and budget > k + 1
                 and after + self.k + 1 <= self.max_context)
 
     def prepare(self, plan: Plan, s: wire.Sampling) -> Plan:
@@ -199,15 +239,27 @@ class HeadRound:
 
 def check_verdict(plan: Plan, v: wire.Verdict, vocab: int) -> None:
     """A verdict the head can commit: this round's, no more accepted than drafted, the accepted
-    tokens exactly the drafts, one token past them, every id in the vocabulary."""
+    tokens exactly the drafts (of a tree: a path down from its root, each node a child of the one
+    before), one token past them, every id in the vocabulary."""
     if v.round != plan.round_id or v.start_pos != plan.verify_start:
         raise ProtocolError(f"a verdict for round {v.round} at position {v.start_pos} answered round "
                             f"{plan.round_id} at {plan.verify_start}")
-    k = len(plan.drafts)
-    if not 0 <= v.n_accepted <= k or len(v.tokens) != v.n_accepted + 1:
+    k = plan.depth
+    if not 0 <= v.n_accepted <= k or len(v.tokens) != v.n_accepted + 1 or len(v.path) != v.n_accepted:
         raise ProtocolError(f"a verdict accepting {v.n_accepted} of {k} drafts with {len(v.tokens)} tokens")
-    if list(v.tokens[:v.n_accepted]) != plan.drafts[:v.n_accepted]:
-        raise ProtocolError("a verdict whose accepted tokens are not the drafts that were sent")
+    if plan.tree is None:
+        if list(v.path) != list(range(1, v.n_accepted + 1)):
+            raise ProtocolError("a chain's verdict whose path skips drafts")
+        if list(v.tokens[:v.n_accepted]) != plan.drafts[:v.n_accepted]:
+            raise ProtocolError("a verdict whose accepted tokens are not the drafts that were sent")
+    else:
+        parents, above = plan.tree.parents, 0
+        for node in v.path:
+            if not 1 <= node <= len(parents) or parents[node - 1] != above:
+                raise ProtocolError(f"a verdict path through node {node}, which does not descend the tree sent")
+            above = node
+        if list(v.tokens[:v.n_accepted]) != plan.tree.path_tokens(v.path):
+            raise ProtocolError("a verdict whose accepted tokens are not the tree's nodes on its path")
     bad = [t for t in v.tokens if not 0 <= t < vocab]
     if bad:
         raise ProtocolError(f"a verdict with token id {bad[0]} outside the vocabulary of {vocab}")

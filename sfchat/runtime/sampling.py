@@ -16,12 +16,17 @@ Contract
   the target's own: greedy by argmax match; sampled by speculative rejection sampling
   (Leviathan et al. 2023, Chen et al. 2023), after which every committed token is distributed
   exactly as if sampled from the target's ``warp``. One host sync per call.
+* ``verify_tree`` (tail side) verifies a token tree: the target's argmax at every node when
+  greedy, else one independent draw per node from its ``warp``; then ``tree.walk`` descends
+  from t0 while the pick is a child. Exact for any tree the draft chooses (SpecExec's rule): each
+  committed token is the target's own pick at a node whose path equals the committed prefix.
+  One host sync per call.
 * ``round_seed`` / ``round_generator`` derive a round's random stream from (seed, start_pos,
   role): a seeded chat is reproducible, a retried round draws the same numbers, and the
   draft's and the verifier's numbers are independent, which the exactness proof requires.
 
 This module knows nothing of models, KV caches, rounds, the wire format or I/O: it sees
-logits, token ids, a sparse proposal distribution and a ``Sampling``.
+logits, token ids, a sparse proposal distribution, a tree's parents and a ``Sampling``.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from sfchat.runtime import tree
 from sfchat.wire import Sampling
 
 Role = Literal["draft", "verify"]
@@ -151,6 +157,18 @@ def verify(logits: Tensor, drafts: Tensor, s: Sampling, q_idx: Tensor, q_prob: T
     out = torch.cat([n.view(1), drafts, nxt]).tolist()  # the one host sync
     n_accepted = out[0]
     return n_accepted, out[1:1 + n_accepted] + [out[-1]]
+
+
+def verify_tree(logits: Tensor, parents, tokens, s: Sampling, generator: torch.Generator | None
+                ) -> tuple[list[int], list[int]]:
+    """Tail side, a tree: logits (N+1, V) at [t0, node 1..N], ``parents``/``tokens`` the nodes'.
+    Returns (accepted node indices, committed tokens: the accepted nodes' and one more)."""
+    if s.temperature == 0:
+        picks = logits.argmax(dim=-1)
+    else:
+        picks = _race(warp(logits, s), generator)
+    path, nxt = tree.walk(parents, tokens, picks.tolist())  # the one host sync
+    return path, [tokens[i - 1] for i in path] + [nxt]
 
 
 def _mix64(x: int) -> int:

@@ -23,7 +23,7 @@ from sfchat import UserError
 from sfchat.config import Settings
 from sfchat.handshake import Hello
 from sfchat.events import LinkState, LoadProgress, ReplyFinished, ReplyStarted, RuntimeReady, TokensCommitted
-from sfchat.runtime.draft import Drafter
+from sfchat.runtime.draft import Drafter, scratch_slots, tree_shape
 from sfchat.runtime.driver import RoundDriver
 from sfchat.runtime.links import MemoryLink
 from sfchat.runtime.memory import check_head
@@ -174,23 +174,24 @@ def build_engine(s: Settings, on_event: Callable = lambda e: None, link=None,
     limit = getattr(src.config, "max_position_embeddings", None) or s.max_context
     max_context = min(s.max_context, limit)
     k = s.k if uses_draft(s) else 0
-    kv_len = max_context + k + 1  # a round may write K+1 positions past the last committed one
-
     drafter = None
     if k:
         dsrc = dsrc or ModelSource.open(s.draft, s.draft_revision, _progress(on_event, "draft"))
+    budget = tree_shape(s.tree_budget, k, dsrc.config.vocab_size)[2] if k and s.tree_budget else 0
+    # a round writes K+1 positions past the last committed one, or a tree's frame and the draft's frontier
+    kv_len = max_context + scratch_slots(k, budget, dsrc.config.vocab_size if k else 1)
     draft_dtype = pick_dtype(draft_device, s.dtype)
-    check_head(src.config, split, devices=devices, dtype=dtype, quant=quant, max_len=kv_len, k=k,
+    check_head(src.config, split, devices=devices, dtype=dtype, quant=quant, max_len=kv_len, k=k, tree_budget=budget,
                draft=(dsrc.config, draft_device, draft_dtype, dquant) if k else None, local=link is None)
     if k:
         dmodel = ModelSlice.load(dsrc, 0, n_layers(dsrc.config), embed=True, head=True,
                                  dtype=draft_dtype, device=draft_device, max_len=kv_len,
                                  progress=_progress(on_event, "draft"), quant=dquant)
-        drafter = Drafter(dmodel, k)
+        drafter = Drafter(dmodel, k, tree_budget=budget)
     head = ModelSlice.load(src, 0, split, embed=True, head=False, dtype=dtype, device=device,
                            max_len=kv_len, progress=_progress(on_event, "head"), quant=quant, devices=devices)
     if s.cuda_graphs and (device.type == "cuda" or draft_device.type == "cuda"):
-        capture_graphs(head, drafter, k, s.compile_draft, _progress(on_event, "head"))
+        capture_graphs(head, drafter, k, budget, s.compile_draft, _progress(on_event, "head"))
     mode = "relay" if link is not None else "local"
     if link is None:
         link = MemoryLink(Verifier(device, devices=devices))
@@ -199,11 +200,12 @@ def build_engine(s: Settings, on_event: Callable = lambda e: None, link=None,
                          reconnect=reconnect, round_timeout=s.round_timeout, reconnect_timeout=s.reconnect_timeout,
                          prepare=s.prepare)
     hello = Hello(model=s.model, revision=s.revision, split=split, dtype=DTYPE_NAMES[dtype], max_len=kv_len,
-                  n_layers=L, hidden_size=src.config.hidden_size, k=k, graphs=s.cuda_graphs, quant=quant)
+                  n_layers=L, hidden_size=src.config.hidden_size, k=k, graphs=s.cuda_graphs, quant=quant,
+                  tree_budget=budget)
     ready = engine.connect(hello, lambda *fields: on_event(LoadProgress("tail", *fields)))
     info = RuntimeReady(model=s.model, draft=s.draft if k else "none", split=split, n_layers=L,
                         dtype=DTYPE_NAMES[dtype], k=k, device=",".join(map(str, devices)), mode=mode,
-                        max_context=max_context, quant=quant,
+                        max_context=max_context, quant=quant, tree_budget=budget,
                         tail_dtype="" if ready.dtype == DTYPE_NAMES[dtype] else ready.dtype)
     on_event(info)
     return engine, info
@@ -274,16 +276,22 @@ class ChatSession:
             prefill_s=rounds[0].round_ms / 1e3 if rounds else 0.0, round_ms=mean("round_ms"),
             rtt_ms=mean("rtt_ms"), draft_ms=mean("draft_ms"), head_ms=mean("head_ms"), tail_ms=mean("tail_ms"),
             wait_ms=mean("wait_ms"), overlap_ms=mean("overlap_ms"), prepared_hit_rate=hit_rate,
+            tree_budget=self.info.tree_budget, depth_mean=mean("depth"), forward_bytes=mean("forward_bytes"),
         )
 
 
-def capture_graphs(head: ModelSlice, drafter: Drafter | None, k: int, compile_draft: bool, progress) -> None:
-    """CUDA graphs for the steady-state round: the draft's K steps and the K+1-token head forward."""
+def capture_graphs(head: ModelSlice, drafter: Drafter | None, k: int, tree_budget: int, compile_draft: bool,
+                   progress) -> None:
+    """CUDA graphs for the steady-state round: the draft's K steps (or its tree) and the head
+    forward of the K+1 verify positions (or of the tree's t0 and nodes)."""
     def warn(message):
         print(f"sfchat: {message}", file=sys.stderr)
 
     progress("capture", 0, 2, "head verify")
-    head.capture(k + 1, log=warn)
+    if tree_budget:
+        head.capture(tree_budget + 1, log=warn, tree=True)
+    else:
+        head.capture(k + 1, log=warn)
     progress("capture", 1, 2, "draft (compiling: the first start takes a minute)" if compile_draft else "draft")
     if drafter is not None and drafter.device.type == "cuda":
         drafter.capture(log=warn, compile=compile_draft)

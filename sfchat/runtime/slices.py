@@ -10,11 +10,15 @@ checkpoints have no ``lm_head.weight``: the embedding matrix is used for it.
 
 ``forward(x, positions, n_logits, window)``: ``x`` is token ids ``(n,)`` when the slice has the
 embedding, else hidden states ``(n, H)``; ``positions`` the absolute positions ``(n,)``;
-``window`` the KV slots attended over (all by default). It returns hidden states ``(n, H)``,
+``window`` the KV slots attended over (all by default); ``tree`` (a ``kv.TreeMask``) makes it a
+tree forward: ``positions`` are then the slots written and the mask and rotary positions come
+from the tree. It returns hidden states ``(n, H)``,
 or — for a slice with the head — logits ``(n_logits, V)`` of the last ``n_logits`` positions.
 ``run(x, positions, n_logits, end=...)`` is the same forward over the smallest window holding
 ``end`` (the host-side end of ``positions``), replayed from a CUDA graph when one was captured
-for that shape (``capture`` captures one per window). The draft model is simply the slice
+for that shape (``capture`` captures one per window, with the tree's tensors as graph inputs for
+a tree forward). ``keep(src, start, tokens)`` moves the K/V of an accepted tree path to the
+slots from ``start`` on, in every KV cache of the slice, and records them. The draft model is simply the slice
 ``[0, L)`` with both ends. The slice does not know which tokens are drafts, nor anything about
 the wire.
 
@@ -35,7 +39,7 @@ from torch import nn
 
 from sfchat import UserError
 from sfchat.runtime.graphs import Graphed, capture_windows, pick
-from sfchat.runtime.kv import StaticKV
+from sfchat.runtime.kv import StaticKV, TreeMask
 from sfchat.runtime.quant import check_mode, quantize_linears
 from sfchat.runtime.source import ModelSource, Progress, _no_progress
 
@@ -123,7 +127,8 @@ class ModelSlice(nn.Module):
         self.kv = self.groups[0][1]
         params = inspect.signature(layer_cls.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
-        self.graphs: dict[tuple[int, int], dict[int, Graphed]] = {}  # (tokens, logits) -> window -> graph
+        # (tokens, logits, tree) -> window -> graph
+        self.graphs: dict[tuple[int, int, bool], dict[int, Graphed]] = {}
 
     # -- loading -------------------------------------------------------------------------------
     def tensor_names(self) -> dict[str, tuple[nn.Module, str]]:
@@ -186,9 +191,10 @@ class ModelSlice(nn.Module):
         return sl.eval()
 
     # -- compute -------------------------------------------------------------------------------
-    def capture(self, n_tokens: int, n_logits: int = 0, log=None) -> bool:
-        """Capture the ``n_tokens`` forward as CUDA graphs, one per attention window that can
-        hold it (before any conversation); False when none could be captured."""
+    def capture(self, n_tokens: int, n_logits: int = 0, log=None, tree: bool = False) -> bool:
+        """Capture the ``n_tokens`` forward (a tree forward with ``tree``) as CUDA graphs, one
+        per attention window that can hold it (before any conversation); False when none could
+        be captured."""
         if len(self.groups) > 1:
             if log is not None:
                 log(f"layers [{self.lo}, {self.hi}) span {len(self.groups)} GPUs: their forward runs eagerly "
@@ -199,35 +205,56 @@ class ModelSlice(nn.Module):
         else:
             x = torch.zeros(n_tokens, self.config.hidden_size, dtype=self.dtype, device=self.device)
         positions = torch.arange(n_tokens, device=self.device)
-        key = (n_tokens, n_logits if self.lm_head is not None else 0)
-        graphs = capture_windows(f"{n_tokens}-token forward of layers [{self.lo}, {self.hi})",
-                                 lambda a, b, w: self.forward(a, b, n_logits, w), (x, positions),
-                                 [w for w in self.kv.windows if w >= n_tokens], log)
+        key = (n_tokens, n_logits if self.lm_head is not None else 0, tree)
+        inputs = (x, positions)
+        if tree:  # a chain as example: rope = slots, base 0, each token sees its predecessors
+            inputs += (positions.clone(), positions[:1].clone(),
+                       torch.ones(n_tokens, n_tokens, dtype=torch.bool, device=self.device).tril())
+
+        def fn(*args):  # (x, positions, [rope, base, visible,] window)
+            *tensors, window = args
+            return self.forward(tensors[0], tensors[1], n_logits, window, TreeMask(*tensors[2:]) if tree else None)
+
+        graphs = capture_windows(f"{n_tokens}-token {'tree ' if tree else ''}forward of layers [{self.lo}, {self.hi})",
+                                 fn, inputs, [w for w in self.kv.windows if w >= n_tokens], log)
         if graphs:
             self.graphs[key] = graphs
         return key in self.graphs
 
-    def run(self, x: torch.Tensor, positions: torch.Tensor, n_logits: int = 0, *, end: int | None = None
-            ) -> torch.Tensor:
+    def run(self, x: torch.Tensor, positions: torch.Tensor, n_logits: int = 0, *, end: int | None = None,
+            tree: TreeMask | None = None) -> torch.Tensor:
         """``forward`` over the smallest window holding positions below ``end`` (all slots when
         None), replayed from a captured graph when one fits the shape."""
         window = self.kv.window_for(end) if end is not None else self.kv.max_len
-        graph = pick(self.graphs.get((x.shape[0], n_logits if self.lm_head is not None else 0), {}), window)
+        key = (x.shape[0], n_logits if self.lm_head is not None else 0, tree is not None)
+        graph = pick(self.graphs.get(key, {}), window)
         if graph is not None:
-            return graph(x, positions)
-        return self.forward(x, positions, n_logits, window)
+            return graph(x, positions, *(tree.tensors() if tree is not None else ()))
+        return self.forward(x, positions, n_logits, window, tree)
+
+    def keep(self, src: list[int], start: int, tokens: list[int]) -> None:
+        """After a tree verdict: the K/V of the accepted nodes, written at slots ``src``, move to
+        ``start, start + 1, ...`` (in every KV cache of the slice); ``tokens`` are recorded there."""
+        dst = list(range(start, start + len(src)))
+        for _, kv, _ in self.groups:
+            kv.move(src, dst)
+        self.kv.note(start, tokens)
 
     @torch.no_grad()
     def forward(self, x: torch.Tensor, positions: torch.Tensor, n_logits: int = 0,
-                window: int | None = None) -> torch.Tensor:
+                window: int | None = None, tree: TreeMask | None = None) -> torch.Tensor:
         h = self.embed_tokens(x) if self.embed_tokens is not None else x.to(self.dtype)
         h = h[None]
-        pos = positions[None]
+        pos = (tree.rope if tree is not None else positions)[None]
+        slots = positions
         rope = self.rotary(h, pos)
         for dev, kv, layers in self.groups:
             if len(self.groups) > 1 and h.device != dev:  # the next layers live on the node's other GPU
                 h, pos, rope = h.to(dev), pos.to(dev), tuple(r.to(dev) for r in rope)
-            mask = kv.begin(pos[0], window)
+                slots = slots.to(dev)
+                if tree is not None:
+                    tree = TreeMask(*(t.to(dev) for t in tree.tensors()))
+            mask = kv.begin(slots, window, tree)
             kw = {self._cache_kw: kv}
             for layer in layers:
                 h = layer(h, attention_mask=mask, position_ids=pos, position_embeddings=rope, **kw)

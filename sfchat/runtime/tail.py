@@ -9,7 +9,9 @@ dtype and context size; the tail loads its slice (reporting PROGRESS), checks th
 loaded agrees with the hello, and answers READY (naming the dtype it computes in: float16
 instead of the head's bfloat16 on a GPU without bf16, such as a T4; the head's hidden states
 are then converted on arrival). A FORWARD fills the KV cache at the positions
-it names and, when it asks for a verdict, verifies its drafts with ``sampling.verify``.
+it names and, when it asks for a verdict, verifies its drafts with ``sampling.verify``; a tree
+FORWARD (at most the hello's ``tree_budget`` nodes, at most ``k`` deep) runs with the tree mask,
+is verified by ``sampling.verify_tree``, and the accepted nodes' K/V move into place at once.
 
 Every frame is hostile until checked: each HELLO field is checked for its exact JSON type and
 range before anything is allocated or opened (``handshake.Hello.parse``); a FORWARD must agree with the
@@ -30,7 +32,7 @@ import torch
 
 from sfchat import UserError, wire
 from sfchat.handshake import Hello, Ready, shown
-from sfchat.runtime import sampling
+from sfchat.runtime import sampling, tree
 from sfchat.runtime.memory import check_tail
 from sfchat.runtime.slices import DTYPE_NAMES, DTYPES, ModelSlice, n_layers, pick_dtype, runnable_dtype
 from sfchat.runtime.source import ModelSource
@@ -116,7 +118,7 @@ class Verifier:
             self._fail(emit, f"tail's model has {n_layers(cfg)} layers / hidden {cfg.hidden_size}, "
                              f"the head's {hello.n_layers} / {hello.hidden_size}: not the same model")
         k = hello.k
-        if hello.graphs and self.device.type == "cuda" and (k + 1, k + 1) not in self.model.graphs:
+        if hello.graphs and self.device.type == "cuda" and (k + 1, k + 1, False) not in self.model.graphs:
             # the verify of a round is always K+1 positions: one fixed shape to capture
             self.model.capture(k + 1, k + 1, log=self.log)
         if not hello.graphs:
@@ -151,7 +153,7 @@ class Verifier:
         split = hello.split
         if not 0 <= split <= L:
             raise UserError(f"split {split} out of range 0..{L}")
-        limit = (getattr(src.config, "max_position_embeddings", 0) or 1 << 20) + wire.MAX_DRAFT + 1
+        limit = (getattr(src.config, "max_position_embeddings", 0) or 1 << 20) + wire.MAX_NODES + 1
         if hello.max_len > limit:  # a head must not make the tail allocate without bound
             raise UserError(f"a context of {hello.max_len} positions exceeds the model's {limit}")
         asked = pick_dtype(self.device, hello.dtype)
@@ -163,7 +165,7 @@ class Verifier:
         quant = hello.quant
         where = ",".join(map(str, self.devices))
         check_tail(src.config, split, devices=self.devices, dtype=dtype, quant=quant, max_len=hello.max_len,
-                   k=hello.k)
+                   k=hello.k, tree_budget=hello.tree_budget)
         self.log(f"loading {hello.model} layers [{split}, {L}) as {DTYPE_NAMES[dtype]}"
                  f"{' with NF4 weights' if quant == 'nf4' else ''} on {where}")
         return ModelSlice.load(src, split, L, embed=False, head=True, dtype=dtype, device=self.device,
@@ -182,9 +184,16 @@ class Verifier:
         if msg.start_pos + n > m.kv.max_len:
             self._fail(emit, f"positions up to {msg.start_pos + n} exceed the context of {m.kv.max_len}")
         k = msg.n_draft
-        if k > self.k:
+        if msg.parents is not None:
+            budget = self.hello.tree_budget
+            if k > budget:
+                self._fail(emit, f"a tree of {k} nodes; the hello announced at most {budget}")
+            deepest = max(wire.tree_depths(msg.parents))
+            if deepest > self.k:
+                self._fail(emit, f"a tree {deepest} deep; the hello announced at most {self.k}")
+        elif k > self.k:
             self._fail(emit, f"a FORWARD with {k} drafts; the hello announced at most {self.k}")
-        sampled = msg.want_verdict and k > 0 and msg.sampling.temperature > 0
+        sampled = msg.want_verdict and k > 0 and msg.sampling.temperature > 0 and msg.parents is None
         if sampled and msg.n_q == 0:
             self._fail(emit, "a sampled verify without the draft's proposal distributions (n_q = 0)")
         q_probs = torch.frombuffer(bytearray(msg.q_probs), dtype=torch.float32) if sampled else None
@@ -196,20 +205,29 @@ class Verifier:
         t0 = time.perf_counter()
         hidden = tensor_from_bytes(msg.hidden, sent, n, msg.hidden_size, self.device).to(m.dtype)
         positions = torch.arange(msg.start_pos, msg.start_pos + n, device=self.device)
-        logits = m.run(hidden, positions, n_logits=k + 1 if msg.want_verdict else 1, end=msg.start_pos + n)
-        m.kv.note(msg.start_pos, msg.tokens)
+        mask = tree.mask(msg.parents, msg.start_pos, self.device) if msg.parents is not None else None
+        logits = m.run(hidden, positions, n_logits=k + 1 if msg.want_verdict else 1, end=msg.start_pos + n,
+                       tree=mask)
+        m.kv.note(msg.start_pos, msg.tokens[:1] if mask is not None else msg.tokens)  # tree nodes: scratch
         if not msg.want_verdict:
             self.prefill_s += time.perf_counter() - t0
             return
-        drafts = torch.tensor(msg.tokens[n - k:], dtype=torch.long)  # verify copies it without a sync
-        q_idx = tensor_from_bytes(msg.q_indices, torch.int32, k, msg.n_q, self.device)
-        q_prob = tensor_from_bytes(msg.q_probs, torch.float32, k, msg.n_q, self.device)
         gen = sampling.round_generator(msg.sampling.seed, msg.start_pos, "verify", self.device) \
             if msg.sampling.temperature > 0 else None
-        n_acc, tokens = sampling.verify(logits, drafts, msg.sampling, q_idx, q_prob, gen)
+        path = None
+        if mask is not None:
+            path, tokens = sampling.verify_tree(logits, msg.parents, msg.tokens[1:], msg.sampling, gen)
+            n_acc = len(path)
+            m.keep([msg.start_pos + i for i in path], msg.start_pos + 1, tokens[:-1])
+        else:
+            drafts = torch.tensor(msg.tokens[n - k:], dtype=torch.long)  # verify copies it without a sync
+            q_idx = tensor_from_bytes(msg.q_indices, torch.int32, k, msg.n_q, self.device)
+            q_prob = tensor_from_bytes(msg.q_probs, torch.float32, k, msg.n_q, self.device)
+            n_acc, tokens = sampling.verify(logits, drafts, msg.sampling, q_idx, q_prob, gen)
         # the round's whole compute here, its prefill chunks included: the head subtracts it from
         # the round trip, so that RTT is the network's alone
         tail_us = min(int((time.perf_counter() - t0 + self.prefill_s) * 1e6), 2 ** 32 - 1)
         self.prefill_s = 0.0
         self.rounds += 1
-        emit(wire.encode(wire.Verdict(msg.round, msg.start_pos, n_acc, tuple(tokens), tail_us)))
+        emit(wire.encode(wire.Verdict(msg.round, msg.start_pos, n_acc, tuple(tokens), tail_us,
+                                      tuple(path) if path is not None else None)))

@@ -55,6 +55,13 @@ def bar(fraction: float, cells: int = BAR_CELLS) -> str:
     return ("█" * full + (BLOCKS[rest] if rest else "")).ljust(cells)
 
 
+def drafts_text(f: Figures | None, ready: RuntimeReady | None) -> str:
+    """What each round verifies: a tree (its budget) or a chain, and how deep the drafts reached."""
+    budget = ready.tree_budget if ready is not None else (f.tree_nodes if f else 0)
+    shape = f"tree {budget}" if budget else f"chain {ready.k if ready is not None else (f.k if f else 0)}"
+    return f"{shape}, depth {_num(f and f.depth_mean, '.1f')}"
+
+
 def _num(value: float | None, fmt: str, unit: str = "") -> str:
     return "–" if value is None else f"{value:{fmt}}{unit}"
 
@@ -98,6 +105,8 @@ class MetricsPanel(VerticalScroll, can_focus=True):
         speed.add_row("tokens/round", _num(f and f.tokens_per_round, ".2f"))
         accepted = _num(f and f.accepted_mean, ".2f")
         speed.add_row("accepted", f"{accepted} of {f.k}" if f and f.k else accepted)
+        speed.add_row("drafts", drafts_text(f, self._ready))
+        speed.add_row("frame", _num(f and f.forward_bytes and f.forward_bytes / 1024, ".0f", " KiB"))
         if f and f.prompt_tokens is not None:
             speed.add_row("prompt", f"{f.prompt_tokens} tok ({f.reused_tokens} cached)")
         self.query_one("#speed", Static).update(speed)
@@ -124,6 +133,7 @@ class MetricsPanel(VerticalScroll, can_focus=True):
         timings.add_row("wait/overlap", f"{_num(f and f.wait_ms, '.0f')} / {_num(f and f.overlap_ms, '.0f')} ms")
         hits = f and f.prepared_hit_rate
         timings.add_row("prepared hits", "-" if hits is None else f"{hits:.0%}")
+
         self.query_one("#timings", Static).update(timings)
 
     def set_setup(self, ready: RuntimeReady | None) -> None:
