@@ -81,7 +81,7 @@ def test_each_attention_window_has_its_graph_and_matches_eager(zoo, monkeypatch)
     dev = torch.device("cuda")
     tail = ModelSlice.load(src, 2, 4, embed=False, head=True, dtype=torch.bfloat16, device=dev, max_len=64)
     k = 4
-    assert tail.capture(k + 1, k + 1) and sorted(tail.graphs[(k + 1, k + 1)]) == [16, 32, 64]
+    assert tail.capture(k + 1, k + 1) and sorted(tail.graphs[(k + 1, k + 1, False)]) == [16, 32, 64]
     hidden = torch.randn(60, 64, device=dev).to(torch.bfloat16)
     tail.forward(hidden[:55], torch.arange(55, device=dev), 1)
     for first in (3, 20, 40, 55):  # windows 16, 32, 64, 64
@@ -105,3 +105,36 @@ def test_each_attention_window_has_its_graph_and_matches_eager(zoo, monkeypatch)
             results.append(drafter.propose(tokens, Sampling(), None)[0])
         assert results[0] == results[1]
         tokens += results[0][:3]
+
+
+@pytest.mark.parametrize("budget", [8, 32])
+def test_graphed_tree_engine_keeps_greedy_parity(zoo, budget):
+    """Trees on a GPU: the draft's tree, the head's and the tail's tree forwards all replayed from
+    graphs (the mask a graph input), and the output still generate()'s."""
+    from transformers import AutoModelForCausalLM
+
+    path = zoo["qwen2-tied"]
+    session = ChatSession.load(Settings(model=str(path), draft=str(zoo["draft"]), k=5, tree_budget=budget,
+                                        device="cuda", dtype="float32", compile_draft=False))
+    engine = session.engine
+    assert (budget + 1, 0, True) in engine.head.graphs and engine.drafter.graphs
+    assert (budget + 1, budget + 1, True) in engine.link.verifier.model.graphs
+    ids = session.encode([{"role": "user", "content": "hello world"}])
+    fin = [e for e in session.reply(ids, 32, Sampling()) if isinstance(e, ReplyFinished)][0]
+    model = AutoModelForCausalLM.from_pretrained(path).cuda().eval()
+    ref = model.generate(torch.tensor([ids], device="cuda"), max_new_tokens=32, do_sample=False, pad_token_id=0)
+    assert list(fin.token_ids) == ref[0, len(ids):].tolist()
+
+
+def test_graphed_tree_forward_is_bit_identical_to_eager(zoo):
+    from sfchat.runtime import tree as trees
+
+    src = ModelSource.open(str(zoo["qwen2-untied"]))
+    dev = torch.device("cuda")
+    tail = ModelSlice.load(src, 2, 4, embed=False, head=True, dtype=torch.bfloat16, device=dev, max_len=64)
+    assert tail.capture(9, 9, tree=True)
+    hidden = torch.randn(9, 64, device=dev, dtype=torch.bfloat16)
+    mask = trees.mask([0, 0, 1, 1, 2, 5, 6, 6], 20, dev)
+    pos = torch.arange(20, 29, device=dev)
+    assert torch.equal(tail.forward(hidden, pos, 9, tail.kv.max_len, mask).clone(),
+                       tail.run(hidden, pos, 9, tree=mask).clone())

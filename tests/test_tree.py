@@ -204,3 +204,35 @@ def test_a_verdict_off_the_tree_is_a_protocol_error_and_commits_nothing(zoo):
     commit = rounds.take(plan, v([above, child], [t.tokens[above - 1], t.tokens[child - 1], 7]), set(), 100)
     assert commit.tokens == (t.tokens[above - 1], t.tokens[child - 1], 7)
     assert rounds.head.kv.written == before + [t.tokens[above - 1], t.tokens[child - 1]]
+
+
+def test_the_tree_holds_the_drafts_own_chain_and_a_graft_never_drops_it(zoo):
+    from sfchat.runtime.draft import CHAIN_FIRST, Drafter
+
+    src = ModelSource.open(str(zoo["draft"]), None)
+
+    def drafter(**kw):
+        model = ModelSlice.load(src, 0, 2, embed=True, head=True, dtype=torch.float32, device=torch.device("cpu"),
+                                max_len=256)
+        return Drafter(model, 5, **kw)
+
+    ctx = [5, 17, 33, 90, 12, 7, 64, 3]
+    chain, _, _ = drafter().propose(ctx, Sampling(), None)
+    t = drafter(tree_budget=24).grow(ctx, Sampling())
+    first = [i for i in range(1, len(t) + 1) if t.scores[i - 1] > CHAIN_FIRST / 2]
+    assert len(first) == 5 and [t.parents[i - 1] for i in first] == [0] + first[:-1]
+    assert t.path_tokens(first) == chain
+    grafted = trees.graft(t, [chain[0] + 1, 9, 9, 9, 9])  # a branch beside the chain: leaves make room
+    path, _ = trees.walk(grafted.parents, grafted.tokens, _picks_along(grafted, chain))
+    assert grafted.path_tokens(path) == chain and len(grafted) == 24
+
+
+def _picks_along(t, tokens):
+    """Picks that follow ``tokens`` down the tree as far as they go."""
+    picks, node = [-1] * (len(t) + 1), 0
+    for tok in tokens:
+        picks[node] = tok
+        node = next((i for i in range(1, len(t) + 1) if t.parents[i - 1] == node and t.tokens[i - 1] == tok), None)
+        if node is None:
+            break
+    return picks

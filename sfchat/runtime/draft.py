@@ -133,7 +133,8 @@ class Drafter:
 
     def _grow_steps(self, logits, n: torch.Tensor, s: Sampling, forward, window: int):
         """The tree after the context of length ``n`` (1,), from the draft's logits at t0 (1, V);
-        no host sync. Returns (tokens, parents, fed slots, scores) of the chosen nodes, (N,) each."""
+        no host sync. Returns (tokens, parents, fed slots, ranks) of the chosen nodes, (N,) each:
+        a rank is the path's score, the argmax chain's raised above all others (``graft`` keeps it)."""
         W, C, depth = self.width, self.children, self.k
         dev = logits.device
         score, tok = self._logp(logits, s).topk(C, dim=-1)
@@ -147,11 +148,11 @@ class Drafter:
         front = torch.arange(W, device=dev)  # pool indices of the nodes expanded next
         seen = torch.zeros(W, (depth - 1) * W, dtype=torch.bool, device=dev)  # their ancestors' scratch slots
         rows = torch.arange(W, device=dev)
+        slot_ids = torch.arange((depth - 1) * W, device=dev)
         for d in range(1, depth):
             pool_tok, pool_score = torch.cat(toks), torch.cat(scores)
             col = (d - 1) * W + rows
-            visible = seen.clone()
-            visible[rows, col] = True
+            visible = seen | (slot_ids[None] == col[:, None])  # and itself (no scalar write: graph-safe)
             slots = n + col
             fed[front] = slots
             out = forward(pool_tok[front].clamp(max=self.vocab - 1), slots, n_logits=W, window=window,
@@ -174,8 +175,8 @@ class Drafter:
         frame = torch.zeros(size, dtype=torch.long, device=dev)
         frame[chosen] = torch.arange(1, self.budget + 1, device=dev)
         parent = pool_parent[chosen]
-        parent_frame = torch.where(parent >= 0, frame[parent.clamp(min=0)], 0)
-        return pool_tok[chosen], parent_frame, fed[chosen], pool_score[chosen]
+        parent_frame = torch.where(parent >= 0, frame[parent.clamp(min=0)], torch.zeros_like(parent))
+        return pool_tok[chosen], parent_frame, fed[chosen], key[chosen]
 
     def grow(self, tokens: list[int], s: Sampling) -> Tree:
         """A tree of ``budget`` nodes after ``tokens`` (greedy: replayed from a graph in the

@@ -117,10 +117,10 @@ class Verifier:
         if n_layers(cfg) != hello.n_layers or cfg.hidden_size != hello.hidden_size:
             self._fail(emit, f"tail's model has {n_layers(cfg)} layers / hidden {cfg.hidden_size}, "
                              f"the head's {hello.n_layers} / {hello.hidden_size}: not the same model")
-        k = hello.k
-        if hello.graphs and self.device.type == "cuda" and (k + 1, k + 1, False) not in self.model.graphs:
-            # the verify of a round is always K+1 positions: one fixed shape to capture
-            self.model.capture(k + 1, k + 1, log=self.log)
+        # the verify of a round is always K+1 positions, or a tree of tree_budget nodes: one shape
+        m, tree = (hello.tree_budget + 1, True) if hello.tree_budget else (hello.k + 1, False)
+        if hello.graphs and self.device.type == "cuda" and (m, m, tree) not in self.model.graphs:
+            self.model.capture(m, m, log=self.log, tree=tree)
         if not hello.graphs:
             self.model.graphs.clear()
         self.model.kv.reset()

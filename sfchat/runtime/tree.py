@@ -8,8 +8,8 @@ node ``i``) comes before it, so depths and masks are built in one pass. A node a
 sits at position ``t0's + d`` and attends to the committed context and to its own ancestors
 (``mask``); in the KV cache the frame's tokens occupy consecutive scratch slots from t0's.
 
-* ``Tree`` is what the draft grew: node tokens, parents, the draft's cumulative log-probability
-  of each node's path (``scores``) and the draft KV slot each node was fed at (``fed``, -1 when
+* ``Tree`` is what the draft grew: node tokens, parents, each node's rank (``scores``: the
+  draft's cumulative log-probability of its path, the draft's argmax chain raised above all) and the draft KV slot each node was fed at (``fed``, -1 when
   the draft never ran it: leaves, grafted branches).
 * ``lookup(context, length)`` finds the latest earlier occurrence of the context's last few
   tokens and returns what followed it: a branch that costs no draft compute (it wins where the
