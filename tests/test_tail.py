@@ -101,6 +101,8 @@ def test_tail_refuses_malformed_frames_and_stays_usable(tail_case):
     ({"dtype": ["float32"]}, "incomplete hello"),
     ({"split": 9}, "out of range"),
     ({"dtype": "float64"}, "unknown dtype"),
+    ({"tree_budget": 257}, "tree_budget=257 out of range 0..256"),
+    ({"tree_budget": True}, "tree_budget=True is not of the expected type"),
 ])
 def test_tail_refuses_a_bad_hello_and_stays_usable(tail_case, changes, message):
     good, other, ref, fwd = tail_case
@@ -183,8 +185,8 @@ def test_a_tail_computing_in_another_dtype_converts_the_heads_hidden_states(tail
 
 # -- token trees ------------------------------------------------------------------------------------
 def tree_frame(path, ids, parents, nodes, rnd=1) -> bytes:
-    """A head's tree FORWARD: the context as prefill positions is not needed by a fresh tail
-    here, so the frame carries the context causally and the tree after it, as two frames."""
+    """What a head sends a fresh tail for a tree round: the context but t0 as a prefill FORWARD,
+    then t0 and the nodes (with the tree mask) as the tree FORWARD."""
     from sfchat.runtime import tree as trees
 
     src = ModelSource.open(str(path))
