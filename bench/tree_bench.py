@@ -107,7 +107,6 @@ def tail_parts(target: Path, budgets: list[int], n: int) -> dict:
             "whole": cuda_ms(lambda: verify(tensor_from_bytes(raw, dtype, m, H, dev),
                                             trees.mask(parents, ctx - 1, dev) if budget else None), n),
         }
-    del tail
     return out
 
 
