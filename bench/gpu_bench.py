@@ -175,6 +175,19 @@ def head_link(url: str, session: str = "bench"):
     return secure(link, SECRET, session, "head")
 
 
+def engine_facing(s: Settings, url: str, session: str, engine=None):
+    """A head engine for ``s`` talking to the tail behind ``url``: built on the first call; on
+    later calls the same loaded head, re-pointed at this tail (fresh hello, context re-sent)."""
+    link = head_link(url, session)
+    if engine is None:
+        return build_engine(s, link=link)[0]
+    engine.link.close()
+    engine.link = link
+    engine.connect(engine.hello)
+    engine.rounds.forget_tail()
+    return engine
+
+
 def relay_figures(target: Path, draft: Path, k: int, rtt_ms: int, n: int, variants) -> dict:
     """Round ms per variant through sfchat-relay on loopback with a tail process on the GPU."""
     out = {}

@@ -35,11 +35,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import gpu_bench  # noqa: E402
-from gpu_bench import (GREEDY, QWEN25_05B, QWEN25_7B, TINY_DRAFT, TINY_TARGET, head_link,  # noqa: E402
+from gpu_bench import (GREEDY, QWEN25_05B, QWEN25_7B, TINY_DRAFT, TINY_TARGET, engine_facing,  # noqa: E402
                        relay_and_tail, write_checkpoint)
 from sfchat.config import Settings  # noqa: E402
 from sfchat.runtime.policy import PreparePolicy  # noqa: E402
-from sfchat.runtime.session import build_engine  # noqa: E402
 
 K = 8
 PROMPT = list(range(200, 328))
@@ -90,14 +89,7 @@ def main() -> None:
                          compile_draft=compiled)
             engine = None
             for rtt in rtts:
-                link = head_link(urls[rtt], f"rtt{rtt}")
-                if engine is None:
-                    engine, _ = build_engine(s, link=link)
-                else:  # the same loaded head, now facing this RTT's tail
-                    engine.link.close()
-                    engine.link = link
-                    engine.connect(engine.hello)
-                    engine.rounds.forget_tail()
+                engine = engine_facing(s, urls[rtt], f"rtt{rtt}", engine)
                 for mode in ("off", "auto"):
                     res[f"{rtt}|{name}|{mode}"] = measure(engine, mode, args.rounds)
                     print(f"rtt {rtt} {name} {mode}: {res[f'{rtt}|{name}|{mode}']['round_ms']:.1f} ms",

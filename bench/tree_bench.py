@@ -38,11 +38,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import gpu_bench  # noqa: E402
-from gpu_bench import (GREEDY, QWEN25_05B, QWEN25_7B, TINY_DRAFT, TINY_TARGET, cuda_ms, head_link,  # noqa: E402
+from gpu_bench import (GREEDY, QWEN25_05B, QWEN25_7B, TINY_DRAFT, TINY_TARGET, cuda_ms, engine_facing,  # noqa: E402
                        relay_and_tail, write_checkpoint)
 from sfchat.config import Settings  # noqa: E402
 from sfchat.runtime import tree as trees  # noqa: E402
-from sfchat.runtime.session import build_engine  # noqa: E402
 
 K = 8
 PROMPT = list(range(200, 600))  # context ~400, as the figures
@@ -137,14 +136,7 @@ def main() -> None:
             engine = None
             row = res.setdefault(budget, {})
             for rtt in rtts:
-                link = head_link(urls[rtt], f"rtt{rtt}")
-                if engine is None:
-                    engine, _ = build_engine(s, link=link)
-                else:  # the same loaded head, now facing this RTT's tail
-                    engine.link.close()
-                    engine.link = link
-                    engine.connect(engine.hello)
-                    engine.rounds.forget_tail()
+                engine = engine_facing(s, urls[rtt], f"rtt{rtt}", engine)
                 stats = steady(engine, args.rounds)
 
                 def mean(attr):

@@ -6,9 +6,10 @@ Contract
 estimates, in bytes, what ``ModelSlice.load`` of layers ``[lo, hi)`` will hold: the weights
 (dense in ``dtype``, or NF4 for the decoder layers' linear weights), the static KV cache of
 ``max_len`` positions, and a workspace for the forwards (a 512-token prefill chunk, the K+1
-verify or token tree (``k`` is then the tree budget: its logits are the largest part), the logits, allocator slack, and the memory pools of the CUDA graphs: one per attention
-window of the KV cache, ``GRAPH_POOL_BYTES`` each, from 232 MiB measured for the six windows of
-a Qwen2.5-7B half's 9-token verify on an H200, bf16, 8201 slots). Parameter counts are exact: one decoder
+verify or the token tree, whose rows of logits grow with the budget (``k`` is then the budget),
+allocator slack, and the memory pools of the CUDA graphs: one per attention window of the KV
+cache, ``GRAPH_POOL_BYTES`` each, from 232 MiB measured for the six windows of a Qwen2.5-7B
+half's 9-token verify on an H200, bf16, 8201 slots). Parameter counts are exact: one decoder
 layer is built on the meta device and counted (biases and q/k norms included). The workspace is
 a deliberately generous estimate, checked against torch's peak allocation on an H200
 (``bench/nf4_memory_bench.py``, fp16, 4105 slots: 4-5 % above the peak for a Qwen2.5-7B half,

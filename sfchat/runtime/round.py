@@ -70,13 +70,11 @@ class Plan:
     tree: trees.Tree | None = None  # a tree round: the tree whose nodes are ``drafts``
     forward_bytes: int = field(init=False)
 
+    depth: int = field(init=False)  # how deep the drafts reach: K for a chain, the deepest node of a tree
+
     def __post_init__(self) -> None:
         self.forward_bytes = len(self.frames[-1])
-
-    @property
-    def depth(self) -> int:
-        """How deep the drafts reach: K for a chain, the deepest node of a tree."""
-        return max(self.tree.depths) if self.tree is not None else len(self.drafts)
+        self.depth = max(self.tree.depths) if self.tree is not None else len(self.drafts)
 
 
 @dataclass(frozen=True)
@@ -145,14 +143,11 @@ class HeadRound:
             gen = sampling.round_generator(s.seed, n, "draft", self.drafter.device) if s.temperature > 0 else None
             drafts, q_idx, q_prob = self.drafter.propose(tokens, s, gen)
         t1 = time.perf_counter()
-        seq = tokens[start:] + drafts
-        verify_from = len(seq) - (len(drafts) + 1)
         self.round_id += 1
-        frames = [self._forward(seq[i:min(i + PREFILL_CHUNK, verify_from)], start + i, 0, False, s, None, None)
-                  for i in range(0, verify_from, PREFILL_CHUNK)]  # context the target has not seen yet
-        frames.append(self._forward(seq[verify_from:], start + verify_from, len(drafts), True, s, q_idx, q_prob))
+        frames = self._prefill(tokens, start, s)
+        frames.append(self._forward(tokens[-1:] + drafts, n - 1, len(drafts), True, s, q_idx, q_prob))
         t2 = time.perf_counter()
-        return Plan(self.round_id, start + verify_from, n, drafts, frames,
+        return Plan(self.round_id, n - 1, n, drafts, frames,
                     draft_ms=(t1 - t0) * 1e3, head_ms=(t2 - t1) * 1e3, guess=guess)
 
     def _plan_tree(self, tokens: list[int], s: wire.Sampling) -> Plan:
@@ -166,12 +161,17 @@ class HeadRound:
         t1 = time.perf_counter()
         self.round_id += 1
         v = n - 1  # t0's position: the tree's root
-        frames = [self._forward(tokens[i:min(i + PREFILL_CHUNK, v)], i, 0, False, s, None, None)
-                  for i in range(start, v, PREFILL_CHUNK)]  # context the target has not seen yet
+        frames = self._prefill(tokens, start, s)
         frames.append(self._forward([tokens[-1]] + tree.tokens, v, len(tree), True, s, None, None, tree))
         t2 = time.perf_counter()
         return Plan(self.round_id, v, n, list(tree.tokens), frames,
                     draft_ms=(t1 - t0) * 1e3, head_ms=(t2 - t1) * 1e3, tree=tree)
+
+    def _prefill(self, tokens: list[int], start: int, s: wire.Sampling) -> list[bytes]:
+        """FORWARDs of the context the target has not seen yet: positions ``start`` up to t0's."""
+        end = len(tokens) - 1
+        return [self._forward(tokens[i:min(i + PREFILL_CHUNK, end)], i, 0, False, s, None, None)
+                for i in range(start, end, PREFILL_CHUNK)]
 
     def _forward(self, piece, start, n_draft, want_verdict, s, q_idx, q_prob, tree=None) -> bytes:
         # A draft from a larger draft vocabulary has no embedding row here; any row will do: the

@@ -184,11 +184,13 @@ class Verifier:
         if msg.start_pos + n > m.kv.max_len:
             self._fail(emit, f"positions up to {msg.start_pos + n} exceed the context of {m.kv.max_len}")
         k = msg.n_draft
+        depths = None
         if msg.parents is not None:
             budget = self.hello.tree_budget
             if k > budget:
                 self._fail(emit, f"a tree of {k} nodes; the hello announced at most {budget}")
-            deepest = max(wire.tree_depths(msg.parents))
+            depths = wire.tree_depths(msg.parents)
+            deepest = max(depths)
             if deepest > self.k:
                 self._fail(emit, f"a tree {deepest} deep; the hello announced at most {self.k}")
         elif k > self.k:
@@ -205,7 +207,7 @@ class Verifier:
         t0 = time.perf_counter()
         hidden = tensor_from_bytes(msg.hidden, sent, n, msg.hidden_size, self.device).to(m.dtype)
         positions = torch.arange(msg.start_pos, msg.start_pos + n, device=self.device)
-        mask = tree.mask(msg.parents, msg.start_pos, self.device) if msg.parents is not None else None
+        mask = tree.mask(msg.parents, msg.start_pos, self.device, depths) if depths is not None else None
         logits = m.run(hidden, positions, n_logits=k + 1 if msg.want_verdict else 1, end=msg.start_pos + n,
                        tree=mask)
         m.kv.note(msg.start_pos, msg.tokens[:1] if mask is not None else msg.tokens)  # tree nodes: scratch

@@ -9,8 +9,9 @@ sits at position ``t0's + d`` and attends to the committed context and to its ow
 (``mask``); in the KV cache the frame's tokens occupy consecutive scratch slots from t0's.
 
 * ``Tree`` is what the draft grew: node tokens, parents, each node's rank (``scores``: the
-  draft's cumulative log-probability of its path, the draft's argmax chain raised above all) and the draft KV slot each node was fed at (``fed``, -1 when
-  the draft never ran it: leaves, grafted branches).
+  draft's cumulative log-probability of its path, the draft's argmax chain raised above all)
+  and the draft KV slot each node was fed at (``fed``, -1 when the draft never ran it: leaves,
+  grafted branches).
 * ``lookup(context, length)`` finds the latest earlier occurrence of the context's last few
   tokens and returns what followed it: a branch that costs no draft compute (it wins where the
   reply repeats its context: summaries, retrieval, code edits). ``graft`` adds such a branch to a
@@ -57,15 +58,15 @@ class Tree:
         return [self.tokens[i - 1] for i in path]
 
 
-def mask(parents, t0_pos: int, device) -> TreeMask:
+def mask(parents, t0_pos: int, device, depths: list[int] | None = None) -> TreeMask:
     """The mask of a tree frame written from slot ``t0_pos`` on: t0 and node ``i`` at slot
-    ``t0_pos + i``, rotary position ``t0_pos + depth``, each seeing its ancestors and itself."""
+    ``t0_pos + i``, rotary position ``t0_pos + depth``, each seeing its ancestors and itself
+    (``depths``: ``wire.tree_depths(parents)``, when the caller has them already)."""
     m = len(parents) + 1
     visible = np.eye(m, dtype=bool)
-    depths = np.zeros(m, dtype=np.int64)
     for i, p in enumerate(parents, start=1):
         visible[i] |= visible[p]
-        depths[i] = depths[p] + 1
+    depths = np.asarray(wire.tree_depths(parents) if depths is None else depths, dtype=np.int64)
     return TreeMask(rope=torch.from_numpy(depths + t0_pos).to(device),
                     base=torch.tensor([t0_pos], device=device),
                     visible=torch.from_numpy(visible).to(device))
