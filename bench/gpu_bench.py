@@ -47,8 +47,14 @@ DEVICE = "cuda"
 GREEDY = Sampling()
 
 
-def write_checkpoint(path: Path, shape: dict, seed: int, layers_per_shard: int = 4) -> None:
-    """A random bf16 Qwen2 checkpoint (sharded safetensors + index), generated on the GPU."""
+def write_checkpoint(path: Path, shape: dict, seed: int, layers_per_shard: int = 4, follows: int = 0) -> None:
+    """A random bf16 Qwen2 checkpoint (sharded safetensors + index), generated on the GPU.
+
+    With ``follows`` (a vocabulary size V), one whose greedy next token is a fixed permutation of
+    the current one (the same permutation for every checkpoint written so, whatever its shape): the
+    layers' output projections are zero, so the residual stream is the token's embedding, and
+    lm_head's row pi(t) is token t's embedding (untied). Two such checkpoints agree on every token
+    below V by wide margins; the compute is a random checkpoint's."""
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, Qwen2Config
 
@@ -60,11 +66,17 @@ def write_checkpoint(path: Path, shape: dict, seed: int, layers_per_shard: int =
         names.pop("lm_head.weight", None)
     gen = torch.Generator(device=DEVICE).manual_seed(seed)
     shards: dict[str, dict[str, torch.Tensor]] = {}
+    perm = torch.randperm(follows, generator=torch.Generator().manual_seed(1234)) if follows else None
     for name, shape_ in names.items():
         m = re.match(r"model\.layers\.(\d+)\.", name)
         shard = f"layers-{int(m.group(1)) // layers_per_shard:02d}" if m else "outer"
         if name.endswith("norm.weight"):
             t = torch.ones(shape_, dtype=torch.bfloat16)
+        elif follows and name.endswith(("o_proj.weight", "down_proj.weight")):
+            t = torch.zeros(shape_, dtype=torch.bfloat16)
+        elif follows and name == "lm_head.weight":
+            t = torch.zeros(shape_, dtype=torch.bfloat16)
+            t[perm] = shards["outer"]["model.embed_tokens.weight"][:follows]
         else:
             t = (torch.randn(shape_, device=DEVICE, generator=gen) * 0.02).to(torch.bfloat16).cpu()
         shards.setdefault(shard, {})[name] = t

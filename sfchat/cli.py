@@ -17,7 +17,8 @@ import sys
 from pathlib import Path
 
 from sfchat import UserError, __version__
-from sfchat.config import CPU_DRAFT, CPU_MODEL, GPU_DRAFT, GPU_MODEL, Settings, machine_defaults, merged
+from sfchat.config import (AUTO_K, AUTO_TREE_BUDGET, CPU_DRAFT, CPU_MODEL, GPU_DRAFT, GPU_MODEL, Settings,
+                           machine_defaults, merged)
 from sfchat.plaintext import plain
 
 EXIT_USER, EXIT_LINK, EXIT_INTERNAL = 2, 3, 4
@@ -31,7 +32,7 @@ FLAG_FIELDS = {  # flag dest -> Settings field
     "token": "token", "session": "session", "history": "history", "round_timeout": "round_timeout",
     "reconnect_timeout": "reconnect_timeout", "secret": "secret",
     "load_in_4bit": "load_in_4bit", "models_dir": "models_dir", "draft_load_in_4bit": "draft_load_in_4bit",
-    "prepare": "prepare",
+    "max_in_flight": "max_in_flight",
 }
 
 
@@ -50,11 +51,13 @@ def build_parser() -> argparse.ArgumentParser:
                                    f"{CPU_DRAFT} with the CPU default model)")
     g.add_argument("--revision", help="hub revision of the target model")
     g.add_argument("--draft-revision", help="hub revision of the draft model")
-    g.add_argument("--k", type=int, help=f"draft tokens per round; with --tree-budget, how deep the tree may grow "
-                                         f"(default {d.k})")
-    g.add_argument("--tree-budget", type=int, metavar="N",
-                   help="verify a tree of N draft tokens per round instead of a chain of K: several candidate "
-                        "continuations for one round trip (0 = a chain; default 0)")
+    g.add_argument("--k", metavar="K|auto",
+                   help=f"draft tokens per round, the deepest a tree may grow; auto (default): each round picks "
+                        f"0, 2, 4 or {AUTO_K} from the measured link, compute and acceptance")
+    g.add_argument("--tree-budget", metavar="N|auto",
+                   help="token trees of N draft tokens: several candidate continuations for one round trip "
+                        f"(0 = chains only); auto (default): a {AUTO_TREE_BUDGET}-node tree on a GPU when it pays, "
+                        "none on a CPU")
     g.add_argument("--split", type=int, help="first layer run by the tail (default: half the layers)")
     g.add_argument("--device", help="cpu, cuda, cuda:N, or cuda:0,cuda:1 to spread the slice over two GPUs "
                                     "(default: cuda when available)")
@@ -69,9 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run the draft and the verify forwards eagerly (debugging, comparisons)")
     g.add_argument("--no-compile-draft", action="store_true",
                    help="skip torch.compile of the draft model (faster start, slower drafting)")
-    g.add_argument("--prepare", choices=["auto", "on", "off"],
-                   help="draft the next round while a verdict travels over the relay: auto (default: when the "
-                        "measured wait is longer than the work), on, off")
+    g.add_argument("--max-in-flight", type=int, metavar="N",
+                   help=f"rounds sent over the relay before their verdicts come, each assuming the likeliest "
+                        f"outcome of the one before; the number in use is picked from the measured hit rate "
+                        f"(1 = one round per round trip; default {d.max_in_flight})")
     g.add_argument("--max-context", type=int, help=f"context window in tokens (default {d.max_context})")
     g = p.add_argument_group("generation")
     g.add_argument("--prompt", help="one-shot: answer this prompt and exit")

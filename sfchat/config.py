@@ -34,6 +34,11 @@ CPU_MODEL = "SmolLM2-135M-Instruct"  # built by ``sfchat-model smollm2`` on firs
 # we can make for it, since a draft as large as the target saves nothing and an NF4 copy runs
 # slower on a CPU than the dense model does.
 CPU_DRAFT = "none"
+MAX_K = 32
+AUTO_K = 8  # the deepest --k auto drafts (the reference pair's K)
+AUTO_TREE_BUDGET = 64  # the tree --tree-budget auto offers on a GPU (7 KiB per node at 7B: 455 KiB)
+MAX_IN_FLIGHT = 16
+AUTO_OR_INT = ("k", "tree_budget")  # settings that are "auto" or a number
 
 
 @dataclass
@@ -42,8 +47,9 @@ class Settings:
     draft: str | None = None  # "none": no speculation; None: the default for the model in use
     revision: str | None = None
     draft_revision: str | None = None
-    k: int = 8
-    tree_budget: int = 0  # draft tokens verified per round as a token tree, at most k deep; 0: a chain of k
+    k: int | str = "auto"  # drafts per round (the deepest a tree grows); "auto": chosen each round, up to AUTO_K
+    tree_budget: int | str = "auto"  # nodes of a token tree; 0: chains only; "auto": AUTO_TREE_BUDGET on a GPU
+    max_in_flight: int = 4  # rounds sent before their verdicts come (1: one round per round trip)
     split: int | None = None  # default: half the layers
     device: str | None = None  # default: cuda if available, else cpu; "cuda:0,cuda:1" spreads a slice
     draft_device: str | None = None  # default: a second GPU when there is one, else the head's device
@@ -60,7 +66,6 @@ class Settings:
     chat_template: bool = True
     cuda_graphs: bool = True
     compile_draft: bool = True  # torch.compile the draft before capturing its graph (CUDA only)
-    prepare: str = "auto"  # draft the next round while a verdict travels: auto (when the wait pays for it), on, off
     relay: str | None = None
     token: str | None = None
     session: str = "default"
@@ -72,10 +77,10 @@ class Settings:
     history: str | None = None  # SQLite file; default under the platformdirs data dir
 
     def validate(self) -> "Settings":
-        if not 0 <= self.k <= 32:
-            raise UserError(f"--k must be between 0 and 32, not {self.k}")
-        if not 0 <= self.tree_budget <= MAX_TREE_BUDGET:
-            raise UserError(f"--tree-budget must be between 0 and {MAX_TREE_BUDGET}, not {self.tree_budget}")
+        self.k = auto_or_int(self.k, "--k", 0, MAX_K)
+        self.tree_budget = auto_or_int(self.tree_budget, "--tree-budget", 0, MAX_TREE_BUDGET)
+        if type(self.max_in_flight) is not int or not 1 <= self.max_in_flight <= MAX_IN_FLIGHT:
+            raise UserError(f"--max-in-flight must be between 1 and {MAX_IN_FLIGHT}, not {self.max_in_flight!r}")
         if self.max_new_tokens < 1:
             raise UserError("--max-new-tokens must be at least 1")
         if self.max_context < 2:
@@ -86,11 +91,32 @@ class Settings:
             raise UserError("--top-k must be >= 0 (0 disables it)")
         if self.round_timeout <= 0 or self.reconnect_timeout < 0:
             raise UserError("--round-timeout must be > 0 and --reconnect-timeout >= 0")
-        if self.prepare not in ("auto", "on", "off"):
-            raise UserError(f"--prepare must be auto, on or off, not {self.prepare!r}")
         if not 0 < self.top_p <= 1:
             raise UserError("--top-p must be in (0, 1]")
         return self
+
+    @property
+    def depth(self) -> int:
+        """The deepest a round drafts: K, or AUTO_K under --k auto."""
+        return AUTO_K if self.k == "auto" else self.k
+
+    def budget(self, cuda: bool) -> int:
+        """Tree nodes a round may verify: --tree-budget, or under auto AUTO_TREE_BUDGET on a GPU
+        (a tree costs a CPU compute in proportion to its size, so none there)."""
+        if self.tree_budget == "auto":
+            return AUTO_TREE_BUDGET if cuda else 0
+        return self.tree_budget
+
+
+def auto_or_int(value, flag: str, lo: int, hi: int) -> int | str:
+    """``value`` as "auto" or an integer in lo..hi (a UserError otherwise)."""
+    if value == "auto":
+        return value
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if type(value) is not int or not lo <= value <= hi:
+        raise UserError(f"{flag} must be auto or a whole number between {lo} and {hi}, not {value!r}")
+    return value
 
 
 def config_path() -> Path:
@@ -122,9 +148,14 @@ def load_file(path: Path | None = None, settings: Settings | None = None) -> Set
             value = float(value)
         if expected is None and name in ("model", "draft"):
             expected = str
-        if expected is not None and not isinstance(value, expected):
-            kind = {"str": "string", "int": "integer", "float": "number", "bool": "boolean"}[expected.__name__]
-            raise UserError(f"config file {path}: {key} should be a {kind}")
+        if name in AUTO_OR_INT:
+            expected = (str, int)
+        if name in AUTO_OR_INT and isinstance(value, str) and value != "auto":
+            value = None  # refused just below, naming the key
+        if expected is not None and (not isinstance(value, expected) or isinstance(value, bool) and expected is not bool):
+            kind = "auto or an integer" if name in AUTO_OR_INT else \
+                "a " + {"str": "string", "int": "integer", "float": "number", "bool": "boolean"}[expected.__name__]
+            raise UserError(f"config file {path}: {key} should be {kind}")
         setattr(settings, name, value)
     return settings
 

@@ -36,7 +36,9 @@ class RuntimeReady:
     max_context: int
     quant: str = "none"  # "nf4" when the target's layers are 4-bit
     tail_dtype: str = ""  # what the tail computes in ("" when it is ``dtype``)
-    tree_budget: int = 0  # draft tokens of each round's token tree (0: a chain of k)
+    tree_budget: int = 0  # draft tokens of a round's token tree (0: chains only)
+    shapes: tuple[str, ...] = ()  # the round shapes rounds choose from ("chain 8", "tree 64, depth 8")
+    max_in_flight: int = 1  # the most rounds sent before their verdicts
 
 
 @dataclass(frozen=True)
@@ -59,11 +61,12 @@ class RoundStats:
     rtt_ms: float  # from sending to the verdict's arrival, less the tail's compute
     round_ms: float
     wait_ms: float = 0.0  # blocked on the verdict (after any work done under the wait)
-    overlap_ms: float = 0.0  # work done while the verdict travelled (preparing the next round)
-    prepared: bool = False  # this round's frame was prepared under the previous round's wait
+    overlap_ms: float = 0.0  # rounds speculated while the verdict travelled
+    speculated: bool = False  # this round's frame went out before the verdict it assumed, which held
     forward_bytes: int = 0  # size of the verify FORWARD frame
     tree_nodes: int = 0  # nodes of the round's token tree (0: a chain)
     depth: int = 0  # how deep the round's drafts reached (k for a chain)
+    in_flight: int = 1  # frames sent and not answered when this round's verdict came
 
 
 @dataclass(frozen=True)
@@ -102,7 +105,8 @@ class ReplyFinished:
     tail_ms: float
     wait_ms: float = 0.0
     overlap_ms: float = 0.0
-    prepared_hit_rate: float = 0.0  # share of rounds after the first whose frame was prepared under the wait
+    hit_rate: float = 0.0  # share of rounds after the first whose frame was sent before the verdict it assumed
+    in_flight_mean: float = 1.0  # frames in flight when a verdict came, on average
     tree_budget: int = 0  # nodes per token tree (0: chains)
     depth_mean: float = 0.0  # mean depth the rounds' drafts reached
     forward_bytes: float = 0.0  # mean size of a verify FORWARD

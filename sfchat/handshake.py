@@ -3,7 +3,9 @@
 Contract
 --------
 ``Hello`` is what a head tells its tail (the model, revision, split, dtype, quantisation and
-context size to load, K, the tree budget (0: chains of K), whether to capture CUDA graphs); ``Ready`` is the tail's answer (what
+context size to load, K (the deepest a round may draft), ``depths`` (the chain depths rounds may
+use: the tail captures a verify graph for each), the tree budget (0: no trees), whether to
+capture CUDA graphs); ``Ready`` is the tail's answer (what
 it loaded and computes in). ``to_frame()`` encodes one as a wire Control frame; ``parse(data)``
 builds one from a decoded Control's JSON object and raises ``wire.WireError`` for a missing
 field, a value not of its exact JSON type (a bool is no int, a float no int), an integer out of
@@ -59,7 +61,15 @@ class Hello:
     k: int
     graphs: bool = True
     quant: str = "none"
-    tree_budget: int = 0  # draft nodes of a tree FORWARD (0: rounds are chains of k)
+    tree_budget: int = 0  # draft nodes of a tree FORWARD (0: rounds are chains)
+    depths: tuple[int, ...] | None = None  # chain depths a round may draft (None: k alone)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "depths", (self.k,) if self.depths is None else tuple(self.depths))
+
+    def shapes(self) -> list[tuple[int, bool]]:
+        """(positions, tree) of every verify FORWARD this hello allows: one graph each."""
+        return [(d + 1, False) for d in self.depths] + ([(self.tree_budget + 1, True)] if self.tree_budget else [])
 
     def identity(self) -> tuple:
         """What names the slice a tail loads for this hello (equal identities reuse the slice)."""
@@ -77,10 +87,23 @@ class Hello:
             n_layers=_field(data, "n_layers", int, lo=1, hi=MAX_LAYERS),
             hidden_size=_field(data, "hidden_size", int, lo=1, hi=wire.MAX_HIDDEN_SIZE),
             # K+1 sizes the verify graph: never allocate on a head's word
-            k=_field(data, "k", int, 0, hi=wire.MAX_DRAFT), graphs=_field(data, "graphs", bool, True),
+            k=(k := _field(data, "k", int, 0, hi=wire.MAX_DRAFT)), graphs=_field(data, "graphs", bool, True),
             quant=_field(data, "quant", str, "none", choices=QUANT_MODES, label="quantisation"),  # a head without 4-bit sends none
             tree_budget=_field(data, "tree_budget", int, 0, hi=wire.MAX_NODES),  # sizes the tree graph, like k
+            depths=_depths(data, k),
         )
+
+
+MAX_DEPTHS = 8  # chain depths a hello may list (each costs the tail a graph)
+
+
+def _depths(data: dict, k: int) -> tuple[int, ...]:
+    value = data.get("depths", [k])
+    if type(value) is not list or len(value) > MAX_DEPTHS or any(type(d) is not int for d in value):
+        raise wire.WireError(f"depths={shown(value)} is not a list of at most {MAX_DEPTHS} integers")
+    if any(not 0 <= d <= k for d in value) or value != sorted(set(value)):
+        raise wire.WireError(f"depths={shown(value)} must ascend, without repeats, within 0..k={k}")
+    return tuple(value)
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,11 @@ Bodies:
   ``n_tokens x hidden_size``). With FLAG_VERDICT the tail answers with a VERDICT; without it
   (prefill chunks) the tail only fills its KV cache. Optional sparse draft distributions
   (``n_q`` entries per drafted position) and the sampling parameters travel with the frame,
-  so every round is self-contained.
+  so every round is self-contained. Every FORWARD names its ``epoch`` and what it ``assumes``:
+  the committed tokens of the verdict just before it in the same epoch (empty: it assumes
+  nothing, and a new epoch starts with such a frame). A frame sent before that verdict was known
+  (speculation in flight) is verified only if the verdict is what it assumes; otherwise the tail
+  drops it and every later frame of its epoch (see ``runtime/tail.py``).
 * VERDICT (tail -> head): ``n_accepted`` drafts were accepted; ``tokens`` are the committed
   tokens of the round (the accepted drafts, then the target's own next token); ``path``
   (uint16, one per accepted draft) their indices in the FORWARD, ascending (``1..n`` for a chain);
@@ -35,7 +39,8 @@ Bodies:
 This module is torch-free: tensors cross it as ``bytes`` plus a dtype code and a shape.
 Every length is checked before anything is sliced, and any malformed input raises
 ``WireError`` (and nothing else; ``TreeError``, a ``WireError``, for a malformed tree or path),
-so a hostile peer cannot crash the process. Version 2 added trees (FLAG_TREE, parents, path).
+so a hostile peer cannot crash the process. Version 2 added trees (FLAG_TREE, parents, path);
+version 3 epochs and assumed outcomes (frames in flight).
 """
 
 from __future__ import annotations
@@ -46,10 +51,11 @@ import struct
 from dataclasses import dataclass, field
 
 MAGIC = b"SFCH"
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 HEADER = struct.Struct("<4sBBHII")
-FORWARD_FIXED = struct.Struct("<IIIBIIdIdQ")  # start, n_tok, n_draft, dtype, hidden, n_q, temp, top_k, top_p, seed
+FORWARD_FIXED = struct.Struct("<IIIBIIdIdQIH")
+# start, n_tok, n_draft, dtype, hidden, n_q, temp, top_k, top_p, seed, epoch, n_assumes
 # temperature and top_p travel as doubles: the tail must cut exactly where generate() would
 VERDICT_FIXED = struct.Struct("<IIII")  # start, n_accepted, n_tokens, tail_us
 
@@ -63,6 +69,7 @@ MAX_DRAFT = 64  # drafts of a chain; also the deepest a tree may reach (MAX_DEPT
 MAX_DEPTH = MAX_DRAFT
 MAX_NODES = 256  # drafts of a tree
 MAX_Q_ENTRIES = 1 << 12
+MAX_ASSUMED = MAX_DEPTH + 1  # a verdict's tokens: every draft of the deepest path, and one more
 
 
 class WireError(ValueError):
@@ -139,6 +146,8 @@ class Forward:
     q_indices: bytes = b""  # int32, n_draft * n_q
     q_probs: bytes = b""  # float32, n_draft * n_q
     parents: tuple[int, ...] | None = None  # a tree: each node's parent (index in the frame); None: a chain
+    epoch: int = 0
+    assumes: tuple[int, ...] = ()  # the previous verdict's tokens this frame was built on; (): none
 
 
 @dataclass(frozen=True)
@@ -154,7 +163,8 @@ class Verdict:
 
     def __post_init__(self) -> None:
         if self.path is None:
-            object.__setattr__(self, "path", tuple(range(1, self.n_accepted + 1)))
+            n = self.n_accepted if isinstance(self.n_accepted, int) else 0
+            object.__setattr__(self, "path", tuple(range(1, min(n, MAX_DRAFT + 1) + 1)))  # encode refuses more
 
 
 Message = Control | Forward | Verdict
@@ -216,7 +226,7 @@ def _encode(msg: Message) -> bytes:
         return HEADER.pack(MAGIC, PROTOCOL_VERSION, msg.type, 0, msg.round, len(body)) + body
     if isinstance(msg, Forward):
         tree = msg.parents is not None
-        _check_forward(len(msg.tokens), msg.n_draft, msg.hidden_size, msg.n_q, tree)
+        _check_forward(len(msg.tokens), msg.n_draft, msg.hidden_size, msg.n_q, tree, len(msg.assumes))
         _check_forward_sizes(msg)
         if tree:
             if len(msg.parents) != msg.n_draft:
@@ -227,12 +237,13 @@ def _encode(msg: Message) -> bytes:
         s = msg.sampling
         fixed = FORWARD_FIXED.pack(
             msg.start_pos, len(msg.tokens), msg.n_draft, msg.dtype, msg.hidden_size, msg.n_q,
-            s.temperature, s.top_k, s.top_p, s.seed,
+            s.temperature, s.top_k, s.top_p, s.seed, msg.epoch, len(msg.assumes),
         )
-        _, _, _, _, _, _, temp, _, top_p, _ = FORWARD_FIXED.unpack(fixed)  # as the peer will read them
+        _, _, _, _, _, _, temp, _, top_p, _, _, _ = FORWARD_FIXED.unpack(fixed)  # as the peer will read them
         _check_sampling(temp, top_p)
         parents = _uint16s(msg.parents, "parents") if tree else b""
-        body = b"".join((fixed, _int32s(msg.tokens, "tokens"), parents, msg.hidden, msg.q_indices, msg.q_probs))
+        body = b"".join((fixed, _int32s(msg.tokens, "tokens"), parents, _int32s(msg.assumes, "assumes"), msg.hidden,
+                         msg.q_indices, msg.q_probs))
         flags = (FLAG_VERDICT if msg.want_verdict else 0) | (FLAG_TREE if tree else 0)
         return HEADER.pack(MAGIC, PROTOCOL_VERSION, MsgType.FORWARD, flags, msg.round, len(body)) + body
     if isinstance(msg, Verdict):
@@ -246,11 +257,14 @@ def _encode(msg: Message) -> bytes:
 
 def max_frame_size(hidden_size: int, n_tokens: int = MAX_TOKENS_PER_FRAME, n_q: int = 0) -> int:
     """Largest legal FORWARD frame for a model of ``hidden_size`` (used for websocket max_size)."""
-    return (HEADER.size + FORWARD_FIXED.size + 6 * n_tokens + 4 * n_tokens * hidden_size
+    return (HEADER.size + FORWARD_FIXED.size + 6 * n_tokens + 4 * MAX_ASSUMED + 4 * n_tokens * hidden_size
             + 8 * MAX_DRAFT * n_q + MAX_JSON_BYTES)
 
 
-def _check_forward(n_tokens: int, n_draft: int, hidden_size: int, n_q: int, tree: bool = False) -> None:
+def _check_forward(n_tokens: int, n_draft: int, hidden_size: int, n_q: int, tree: bool = False,
+                   n_assumes: int = 0) -> None:
+    if not 0 <= n_assumes <= MAX_ASSUMED:
+        raise WireError(f"FORWARD assuming {n_assumes} tokens (at most {MAX_ASSUMED})")
     if not 1 <= n_tokens <= MAX_TOKENS_PER_FRAME:
         raise WireError(f"FORWARD with {n_tokens} tokens (1..{MAX_TOKENS_PER_FRAME} allowed)")
     if tree:
@@ -336,15 +350,15 @@ def _finite(text: str) -> float:
 def _decode_forward(flags: int, rnd: int, body: memoryview) -> Forward:
     if len(body) < FORWARD_FIXED.size:
         raise WireError("FORWARD body too short")
-    start, n_tok, n_draft, dt, hsize, n_q, temp, top_k, top_p, seed = FORWARD_FIXED.unpack_from(body)
+    start, n_tok, n_draft, dt, hsize, n_q, temp, top_k, top_p, seed, epoch, n_assumes = FORWARD_FIXED.unpack_from(body)
     tree = bool(flags & FLAG_TREE)
-    _check_forward(n_tok, n_draft, hsize, n_q, tree)
+    _check_forward(n_tok, n_draft, hsize, n_q, tree, n_assumes)
     try:
         dtype = DType(dt)
     except ValueError:
         raise WireError(f"unknown hidden dtype code {dt}") from None
-    sizes = (4 * n_tok, 2 * n_draft if tree else 0, n_tok * hsize * dtype.itemsize, 4 * n_draft * n_q,
-             4 * n_draft * n_q)
+    sizes = (4 * n_tok, 2 * n_draft if tree else 0, 4 * n_assumes, n_tok * hsize * dtype.itemsize,
+             4 * n_draft * n_q, 4 * n_draft * n_q)
     if FORWARD_FIXED.size + sum(sizes) != len(body):
         raise WireError("FORWARD body length does not match its header")
     _check_sampling(temp, top_p)
@@ -360,10 +374,10 @@ def _decode_forward(flags: int, rnd: int, body: memoryview) -> Forward:
         if not flags & FLAG_VERDICT:
             raise TreeError("a tree FORWARD must ask for a verdict")
     return Forward(
-        round=rnd, start_pos=start, tokens=tokens, hidden=parts[2], dtype=dtype, hidden_size=hsize,
+        round=rnd, start_pos=start, tokens=tokens, hidden=parts[3], dtype=dtype, hidden_size=hsize,
         n_draft=n_draft, want_verdict=bool(flags & FLAG_VERDICT),
-        sampling=Sampling(temp, top_k, top_p, seed), n_q=n_q, q_indices=parts[3], q_probs=parts[4],
-        parents=parents,
+        sampling=Sampling(temp, top_k, top_p, seed), n_q=n_q, q_indices=parts[4], q_probs=parts[5],
+        parents=parents, epoch=epoch, assumes=struct.unpack(f"<{n_assumes}i", parts[2]),
     )
 
 

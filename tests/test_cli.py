@@ -155,12 +155,12 @@ def test_no_chat_template_and_no_draft(runs, zoo):
     ("foreign-draft", r"the draft '.*foreign-draft' uses a different tokenizer"),
     ("split", r"--split 99 is out of range: .* has 4 layers \(0\.\.4\)"),
     ("too-long", r"the prompt has \d+ tokens, the context window is 8: shorten it or raise --max-context"),
-    ("k", r"--k must be between 0 and 32, not -1"),
+    ("k", r"--k must be auto or a whole number between 0 and 32, not '-1'"),
     ("top-p", r"--top-p must be in \(0, 1\]"),
     ("cuda", r"device 'cuda' requested but no CUDA GPU is available"),
     ("tail", r"--tail needs --relay"),
     ("unknown-key", r"config file .*unknown\.toml: unknown setting 'colour'"),
-    ("wrong-type", r"config file .*wrong-type\.toml: k should be a int"),
+    ("wrong-type", r"config file .*wrong-type\.toml: k should be auto or an integer"),
 ])
 def test_user_errors_are_one_line_and_exit_2(runs, name, message):
     if name == "cuda" and torch.cuda.is_available():

@@ -80,11 +80,11 @@ def undisturbed(zoo):
     return list(local_tokens(zoo["qwen3-untied"], "none", 0, N_NEW).token_ids)
 
 
-def reply_under_way(zoo, procs, relay_args, session: str, seconds: float, *head_args):
+def reply_under_way(zoo, procs, relay_args, session: str, seconds: float, *head_args, draft="draft"):
     """Relay, tail and a one-shot head, ``seconds`` into the reply: (relay, url, tail, head)."""
     relay, url = start_relay(*relay_args)
     tail = tail_proc(url, session, zoo["qwen3-untied"].parent)
-    head = head_proc(url, session, zoo["qwen3-untied"], zoo["draft"], *head_args)
+    head = head_proc(url, session, zoo["qwen3-untied"], zoo[draft], *head_args)
     procs += [relay, tail, head]
     wait_for_line(tail.stderr, "ready:")
     time.sleep(seconds)
@@ -101,6 +101,20 @@ def test_tail_killed_mid_reply_and_replaced(zoo, procs, undisturbed, budget):
     assert "reconnecting" in err
     assert out["finish_reason"] == "length" and out["token_ids"] == undisturbed
     assert out["tree_budget"] == budget
+
+
+def test_tail_killed_with_frames_in_flight(zoo, procs, undisturbed):
+    """The target drafting for itself: every assumption holds, so rounds go out several at a time
+    and the kill cuts off frames in flight (their verdicts, if any arrive, are never applied)."""
+    # a long round trip keeps the reply under way: the first verdict after ~1 s, four frames then in flight
+    _, url, first, head = reply_under_way(zoo, procs, ("--emulate-rtt-ms", "1000"), "flight", 1.5,
+                                          "--max-in-flight", "4", draft="qwen3-untied")
+    first.send_signal(signal.SIGKILL)
+    procs.append(tail_proc(url, "flight", zoo["qwen3-untied"].parent))
+    out, err = finish(head)
+    assert "reconnecting" in err
+    assert out["finish_reason"] == "length" and out["token_ids"] == undisturbed
+    assert out["in_flight_mean"] > 1.3 and out["hit_rate"] > 0.3
 
 
 def test_relay_restarted_mid_reply(zoo, procs, undisturbed):

@@ -92,7 +92,7 @@ def test_each_attention_window_has_its_graph_and_matches_eager(zoo, monkeypatch)
         assert torch.equal(tail.run(x, pos, k + 1, end=first + k + 1), eager)
     drafter = Drafter(ModelSlice.load(ModelSource.open(str(zoo["draft"])), 0, 2, embed=True, head=True,
                                       dtype=torch.bfloat16, device=dev, max_len=64), k)
-    assert drafter.capture() and sorted(drafter.graphs) == [16, 32, 64]
+    assert drafter.capture() and sorted(drafter.graphs[drafter.k]) == [16, 32, 64]
     tokens = list(range(5, 30))  # rounds in the 32 window, then the 64 one
     graphs = drafter.graphs
     for _ in range(6):
@@ -117,7 +117,7 @@ def test_graphed_tree_engine_keeps_greedy_parity(zoo, budget):
     session = ChatSession.load(Settings(model=str(path), draft=str(zoo["draft"]), k=5, tree_budget=budget,
                                         device="cuda", dtype="float32", compile_draft=False))
     engine = session.engine
-    assert (budget + 1, 0, True) in engine.head.graphs and engine.drafter.graphs
+    assert (budget + 1, 0, True) in engine.head.graphs and engine.drafter.tree_graphs
     assert (budget + 1, budget + 1, True) in engine.link.verifier.model.graphs
     ids = session.encode([{"role": "user", "content": "hello world"}])
     fin = [e for e in session.reply(ids, 32, Sampling()) if isinstance(e, ReplyFinished)][0]

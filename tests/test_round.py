@@ -1,4 +1,4 @@
-"""The sans-I/O round (plan, verdict checks, commit, preparing under the wait) and its driver."""
+"""The sans-I/O round (plan, verdict checks, commit, speculating the next round) and its driver."""
 
 from __future__ import annotations
 
@@ -98,74 +98,45 @@ def test_an_impossible_verdict_is_a_protocol_error_and_commits_nothing(planned, 
     assert rounds.tokens == before
 
 
-def test_a_prepared_round_assumes_every_draft_and_the_drafts_own_bonus(planned):
+def test_a_speculated_round_assumes_every_draft_and_the_drafts_own_bonus(planned):
     rounds, plan = planned
     n = len(rounds.tokens)
-    assert rounds.can_prepare(plan, 100) and not rounds.can_prepare(plan, K + 1)
-    ahead = rounds.prepare(plan, Sampling())
+    assert rounds.can_speculate(plan, 100, set()) and not rounds.can_speculate(plan, K + 1, set())
+    assert not rounds.can_speculate(plan, 100, {plan.drafts[-1]})  # an assumed EOS ends the reply
+    ahead = rounds.speculate(plan, Sampling())
+    guess = ahead.basis[-1]
     assert ahead.context_len == n + K + 1 and ahead.verify_start == n + K and len(ahead.drafts) == K
-    assert ahead.guess == rounds.drafter.next_token(rounds.tokens + plan.drafts)
+    assert guess == rounds.drafter.next_token(rounds.tokens + plan.drafts)
     frame = wire.decode(ahead.frames[0])
-    assert len(ahead.frames) == 1 and list(frame.tokens) == [ahead.guess] + ahead.drafts
-    hit = rounds.take(plan, verdict(plan, K, plan.drafts + [ahead.guess]), set(), 100)
-    assert rounds.prepared_for(ahead, plan, hit) is ahead
-    # the prepared plan is exactly what planning after that verdict computes
-    again = rounds.plan(Sampling())
-    assert again.drafts == ahead.drafts and again.frames[0][HEADER:] == ahead.frames[0][HEADER:]
+    assert len(ahead.frames) == 1 and list(frame.tokens) == [guess] + ahead.drafts
+    assert frame.epoch == plan.epoch and frame.assumes == tuple(plan.drafts) + (guess,)
+    hit = verdict(plan, K, plan.drafts + [guess])
+    assert rounds.holds(plan, hit)
+    rounds.take(plan, hit, set(), 100)
+    # the speculated round is exactly what planning after that verdict computes
+    again = wire.decode(rounds.plan(Sampling()).frames[0])
+    assert again.tokens == frame.tokens and again.hidden == frame.hidden and again.start_pos == frame.start_pos
+    assert again.epoch == plan.epoch + 1 and again.assumes == ()
 
 
-HEADER = wire.HEADER.size  # the round id differs; everything after the header must not
-
-
-def test_a_miss_is_not_taken_for_the_prepared_outcome(planned):
+def test_a_miss_breaks_the_assumption_and_the_next_plan_writes_over_it(planned):
     rounds, plan = planned
-    ahead = rounds.prepare(plan, Sampling())
-    other = (ahead.guess + 1) % rounds.vocab
-    miss = rounds.take(plan, verdict(plan, K, plan.drafts + [other]), set(), 100)
-    assert rounds.prepared_for(ahead, plan, miss) is None
-    # the next plan writes over what the preparation left in the head's cache
+    ahead = rounds.speculate(plan, Sampling())
+    other = (ahead.basis[-1] + 1) % rounds.vocab
+    miss = verdict(plan, K, plan.drafts + [other])
+    assert not rounds.holds(plan, miss)
+    rounds.take(plan, miss, set(), 100)
     nxt = rounds.plan(Sampling())
     assert nxt.verify_start == len(rounds.tokens) - 1
     assert rounds.head.kv.written == rounds.tokens + nxt.drafts
 
 
-# -- the driver: preparing never changes output --------------------------------------------------
-@pytest.mark.parametrize("draft, min_hit_rate, max_full_rounds", [
-    (TARGET, 0.5, 1.0),  # full acceptance: the draft's own next token is the target's bonus
-    ("draft", 0.0, 0.9),  # a draft that disagrees: rounds that reject drafts miss the prepared outcome
-])
-def test_prepared_rounds_keep_greedy_parity_with_generate(zoo, draft, min_hit_rate, max_full_rounds):
-    session = load(zoo, draft=draft, prepare="on")
-    ids = session.encode(PROMPT)
-    fin = finished(session, ids, 40)
-    assert list(fin.token_ids) == reference(zoo[TARGET], ids, 40)
-    assert fin.prepared_hit_rate >= min_hit_rate
-    assert fin.accepted_histogram[K] <= max_full_rounds * fin.rounds
-    off = load(zoo, draft=draft, prepare="off")
-    assert finished(off, ids, 40).prepared_hit_rate == 0.0
-
-
-def test_prepared_hits_take_drafting_off_the_critical_path(zoo):
-    session = load(zoo, draft=TARGET, prepare="on")
-    stats = rounds_of(session, session.encode(PROMPT), 40)
-    hits = [r for r in stats if r.prepared]
-    assert hits and all(r.draft_ms == 0.0 for r in hits)
-    assert all(r.overlap_ms > 0 for r in stats[:-2])  # the last rounds cannot be followed by a full one
-
-
-@pytest.mark.parametrize("draft, min_hit_rate", [(TARGET, 0.05), ("draft", 0.0)])
-def test_sampled_replies_are_the_same_draws_with_and_without_preparing(zoo, draft, min_hit_rate):
-    outs = []
-    for prepare in ("off", "on"):
-        session = load(zoo, draft=draft, prepare=prepare)
-        outs.append(finished(session, session.encode(PROMPT), 40, SAMPLED))
-    assert outs[0].token_ids == outs[1].token_ids
-    assert outs[1].prepared_hit_rate >= min_hit_rate
-
-
-def test_auto_never_prepares_in_local_mode(zoo):
-    session = load(zoo, draft=TARGET)
-    assert all(r.overlap_ms < 1.0 and not r.prepared for r in rounds_of(session, session.encode(PROMPT), 30))
+# -- the driver ---------------------------------------------------------------------------------
+def test_local_mode_never_sends_ahead(zoo):
+    session = load(zoo, draft=TARGET, max_in_flight=4)
+    assert session.engine.policy.max_in_flight == 1
+    rounds = rounds_of(session, session.encode(PROMPT), 30)
+    assert all(r.in_flight == 1 and not r.speculated and r.overlap_ms < 1.0 for r in rounds)
 
 
 # -- the driver: a hostile tail gets a protocol error, not a crash --------------------------------

@@ -67,8 +67,8 @@ def test_relay_figures_add_up_and_show_the_emulated_round_trip(zoo, slow_relay, 
         session.engine.link.close()
     assert_parts_add_up(rounds)
     assert 90 <= statistics.mean(r.rtt_ms for r in rounds) <= 130
-    # with a draft that is the target, 100 ms of wait is worth preparing the next round under, and
-    # the prepared outcome is the real one: those rounds drafted nothing themselves
-    hits = [r for r in rounds if r.prepared]
+    # with a draft that is the target, 100 ms of wait is worth sending the next rounds under, and
+    # the outcome they assumed is the real one: those rounds drafted nothing in their own call
+    hits = [r for r in rounds if r.speculated]
     assert all(r.draft_ms == 0 for r in hits)
     assert len(hits) >= min_hits * len(rounds)

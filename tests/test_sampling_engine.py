@@ -115,6 +115,7 @@ class FrameLog:
 
     def __init__(self, link):
         self.link, self.forwards = link, []
+        self.overlaps = link.overlaps  # local mode's tail computes inside recv: nothing is sent ahead
 
     def send(self, frame: bytes) -> None:
         msg = wire.decode(frame)
@@ -160,8 +161,8 @@ def test_sampled_rounds_send_q_and_the_tail_verifies_with_it(models, prompt_ids,
     proposed, verified = [], []
     propose, verify = Drafter.propose, tail_module.sampling.verify
 
-    def spy_propose(self, tokens, s, generator):
-        proposed.append(propose(self, tokens, s, generator))
+    def spy_propose(self, tokens, s, generator, k=None):
+        proposed.append(propose(self, tokens, s, generator, k))
         return proposed[-1]
 
     def spy_verify(logits, drafts, s, q_idx, q_prob, generator):

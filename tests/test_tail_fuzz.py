@@ -77,7 +77,7 @@ class Fuzzer:
         seed = rng.getrandbits(64)
         try:
             fixed = FORWARD_FIXED.pack(start, max(n, 0), max(n_draft, 0), dtype, max(hsize, 0), n_q, temp,
-                                       top_k, top_p, seed)
+                                       top_k, top_p, seed, 0 if rng.random() < 0.97 else rng.getrandbits(32), 0)
         except struct.error:
             return self.other_frame()
         tokens = [rng.randrange(self.vocab) if rng.random() < 0.9 else rng.randint(-2 ** 31, 2 ** 31 - 1)

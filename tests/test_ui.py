@@ -374,20 +374,27 @@ def test_the_dtype_label_names_a_tail_that_computes_in_another_dtype():
     assert weights(replace(READY, tail_dtype="float16", quant="nf4")) == "bf16/float16+nf4"
 
 
-def test_the_panel_names_the_tree_its_depth_and_the_frame_size():
+def test_the_panel_names_the_round_shape_its_depth_frames_in_flight_and_hits():
     from dataclasses import replace
 
     from sfchat.events import RoundStats
     from sfchat.ui.meter import Meter
-    from sfchat.ui.metrics import drafts_text
+    from sfchat.ui.metrics import drafts_text, flight_text
 
     meter = Meter(K)
-    for depth, size in ((5, 455 * 1024), (6, 455 * 1024)):
+    rounds = ((5, 64, 455 * 1024, 1, False), (6, 64, 455 * 1024, 3, True), (4, 0, 63 * 1024, 4, True))
+    for depth, nodes, size, flight, speculated in rounds:
         stats = RoundStats(accepted=3, committed=4, draft_ms=1, head_ms=1, tail_ms=1, rtt_ms=80, round_ms=90,
-                           forward_bytes=size, tree_nodes=64, depth=depth)
+                           forward_bytes=size, tree_nodes=nodes, depth=depth, in_flight=flight,
+                           speculated=speculated)
         meter.round(TokensCommitted("ab", (1, 2, 3, 4), stats, 0.1))
+        if nodes:
+            assert drafts_text(meter.figures(), READY).startswith("tree 64, depth ")
     f = meter.figures()
-    assert f.forward_bytes == 455 * 1024 and f.depth_mean == 5.5 and f.tree_nodes == 64
-    assert drafts_text(f, replace(READY, tree_budget=64)) == "tree 64, depth 5.5"
-    assert drafts_text(f, READY) == f"chain {K}, depth 5.5"
-    assert drafts_text(None, None) == "chain 0, depth –"
+    assert f.depth_mean == 5.0 and f.tree_nodes == 0 and f.in_flight == 4
+    assert drafts_text(f, READY) == "chain 4, depth 5.0"
+    assert flight_text(f) == "4 · 100% hits"
+    shapes = ("chain 0", "chain 2", "chain 4", "chain 8", "tree 64, depth 8")
+    assert drafts_text(None, replace(READY, shapes=shapes)) == "auto: " + " / ".join(shapes)
+    assert drafts_text(None, replace(READY, shapes=("chain 8",))) == "chain 8"
+    assert drafts_text(None, None) == "–" and flight_text(None) == "–"

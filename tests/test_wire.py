@@ -30,7 +30,7 @@ def frame(mtype: int, body: bytes, *, version: int = PROTOCOL_VERSION, flags: in
 
 def forward_body(n_tok: int, n_draft: int, hsize: int, *, dtype: int = DType.FLOAT32, n_q: int = 0,
                  temp: float = 0.0, top_p: float = 1.0, hidden_bytes_: int | None = None) -> bytes:
-    fixed = FORWARD_FIXED.pack(0, n_tok, n_draft, dtype, hsize, n_q, temp, 0, top_p, 0)
+    fixed = FORWARD_FIXED.pack(0, n_tok, n_draft, dtype, hsize, n_q, temp, 0, top_p, 0, 0, 0)
     hidden = bytes(n_tok * hsize * 4 if hidden_bytes_ is None else hidden_bytes_)
     return fixed + struct.pack(f"<{n_tok}i", *range(n_tok)) + hidden + bytes(8 * n_draft * n_q)
 

@@ -2,16 +2,17 @@
 
 Contract
 --------
-``Drafter.propose(tokens, sampling, generator)`` takes the whole committed context (token ids)
-and returns K proposed continuations plus the sparse proposal distributions they were drawn
+``Drafter.propose(tokens, sampling, generator, k)`` takes the whole committed context (token ids)
+and returns ``k`` (at most K; one of ``depths`` to be graphed) proposed continuations plus the sparse proposal distributions they were drawn
 from (empty when greedy). It keeps its own static KV cache in step with the context by
 itself: whatever prefix of ``tokens`` is already cached is reused (multi-turn, rejected
 drafts), the rest is fed first. In the steady state the feed is exactly the last two committed
 tokens (re-writing one already-cached position): this covers both "some drafts rejected"
 (one new token) and "all K accepted" (d_K was never fed to the draft, plus the bonus), and it
 gives every round the same shapes, which is what lets the round be captured in a CUDA graph
-(one per attention window, see ``kv.StaticKV.windows``; a compiled draft has one graph, over
-all slots, so that it is compiled once).
+(one per depth and attention window, see ``kv.StaticKV.windows``; a compiled draft has one graph
+per depth, over all slots, so that it is compiled once). ``next_token(tokens)`` is the draft's
+greedy guess of one token (graphed too): the bonus a round in flight assumes.
 
 ``Drafter(model, k, tree_budget=N)`` grows a token tree instead (``grow``): up to ``k`` deep,
 ``N`` nodes, best-first by the path's cumulative draft log-probability (of the warped
@@ -66,19 +67,24 @@ def scratch_slots(k: int, tree_budget: int, vocab: int) -> int:
 
 
 class Drafter:
-    def __init__(self, model: ModelSlice, k: int, n_q: int = 32, tree_budget: int = 0):
+    def __init__(self, model: ModelSlice, k: int, n_q: int = 32, tree_budget: int = 0,
+                 depths: tuple[int, ...] = ()):
         self.model, self.k, self.n_q = model, k, n_q
+        self.depths = tuple(d for d in (depths or (k,)) if d > 0)  # chain depths rounds may ask for
         self.device = model.device
         self.vocab = model.config.vocab_size
         self.two = torch.arange(2, device=self.device)
-        self.graphs: dict[int, Graphed] = {}  # attention window -> the greedy round's graph
+        self.graphs: dict[int, dict[int, Graphed]] = {}  # depth -> attention window -> the greedy round
+        self.tree_graphs: dict[int, Graphed] = {}  # attention window -> the greedy tree
         self.guess_graphs: dict[int, Graphed] = {}  # attention window -> the one-token greedy step
+        self.fed = 0  # context tokens the last propose or grow fed (2 in the steady state)
         self.width, self.children, self.budget = tree_shape(tree_budget, k, self.vocab) if tree_budget else (0, 0, 0)
 
     def capture(self, log=None, compile: bool = False) -> bool:
-        """Capture the steady-state greedy round (2-token feed + K-1 steps) as one CUDA graph per
-        attention window (one graph over all slots when compiled: each window would be compiled
-        anew, and a compiled round over all slots still beats an uncompiled one over few).
+        """Capture the steady-state greedy round (2-token feed + k-1 steps, for each depth; the
+        tree with a tree budget; the one-token guess) as one CUDA graph per attention window (one
+        graph over all slots when compiled: each window would be compiled anew, and a compiled
+        round over all slots still beats an uncompiled one over few).
 
         With ``compile``, the draft's forward is first compiled by torch.compile (Inductor fuses
         the many small elementwise kernels of a small model's decode step); the compiled code
@@ -90,35 +96,37 @@ class Drafter:
         ids = torch.zeros(2, dtype=torch.long, device=self.device)
         start = torch.zeros(1, dtype=torch.long, device=self.device)
         kv = self.model.kv
-        if self.budget:  # a tree round: no chain and no guess step (trees are not prepared ahead)
+        if self.budget:
             scratch = (self.k - 1) * self.width
-            self.graphs = capture_windows(
+            self.tree_graphs = capture_windows(
                 f"draft's {self.budget}-node tree", lambda a, b, w: self._graphed_tree(a, b, forward, w), (ids, start),
                 [kv.max_len] if compile else [w for w in kv.windows if w > scratch + 2], log)
-            return bool(self.graphs)
-        windows = [kv.max_len] if compile else [w for w in kv.windows if w > self.k]
-        self.graphs = capture_windows(f"draft's {self.k}-step round",
-                                      lambda a, b, w: self._graphed_round(a, b, forward, w), (ids, start), windows, log)
-        # the guess of a bonus token while a verdict travels (``next_token``): one step, not compiled
+        for k in self.depths:
+            windows = [kv.max_len] if compile else [w for w in kv.windows if w > k]
+            self.graphs[k] = capture_windows(
+                f"draft's {k}-step round", lambda a, b, w, k=k: self._graphed_round(a, b, forward, w, k), (ids, start),
+                windows, log)
+        # the guess of a bonus token for a round in flight (``next_token``): one step, not compiled
         # (a compiled forward would compile again for the one-token shape)
         self.guess_graphs = capture_windows(
             "draft's one-token step", lambda a, b, w: self.model.forward(a, b, 1, w).argmax(-1),
             (ids[:1], start), list(kv.windows), log)
-        return bool(self.graphs)
+        return bool(self.tree_graphs or any(self.graphs.values()))
 
-    def _graphed_round(self, ids: torch.Tensor, start: torch.Tensor, forward, window: int):
+    def _graphed_round(self, ids: torch.Tensor, start: torch.Tensor, forward, window: int, k: int):
         logits = forward(ids, start + self.two, n_logits=1, window=window)
-        return self._steps(logits, start + 2, GREEDY, 0, None, forward, window)
+        return self._steps(logits, start + 2, GREEDY, 0, None, forward, window, k)
 
-    def _steps(self, logits, next_pos: torch.Tensor, s: Sampling, n_q: int, generator, forward, window: int):
-        """K drafts from the logits after the context; no host sync, so it can be graphed."""
+    def _steps(self, logits, next_pos: torch.Tensor, s: Sampling, n_q: int, generator, forward, window: int,
+               k: int):
+        """``k`` drafts from the logits after the context; no host sync, so it can be graphed."""
         picks, q_idx, q_prob = [], [], []
-        for i in range(self.k):
+        for i in range(k):
             tok, qi, qp = sampling.choose(logits, s, n_q, generator)
             picks.append(tok)
             q_idx.append(qi)
             q_prob.append(qp)
-            if i + 1 < self.k:
+            if i + 1 < k:
                 logits = forward(tok, next_pos + i, n_logits=1, window=window)
         return torch.cat(picks), torch.cat(q_idx), torch.cat(q_prob)
 
@@ -184,11 +192,12 @@ class Drafter:
         n = len(tokens)
         kv = self.model.kv
         start = min(kv.reusable(tokens), n - 1, max(n - 2, 0))
+        self.fed = n - start
         window = kv.window_for(n + (self.k - 1) * self.width)
         if n - start > 2:  # catch up on what the cache lacks, so the round itself is the graphed one
             self._feed(tokens[start:n - 2], start, window)
             start = n - 2
-        graph = pick(self.graphs, window) if s.temperature == 0 and n - start == 2 else None
+        graph = pick(self.tree_graphs, window) if s.temperature == 0 and n - start == 2 else None
         if graph is not None:
             ids = torch.tensor(tokens[-2:], dtype=torch.long).clamp_(max=self.vocab - 1)
             out = graph(ids, torch.tensor([start]))
@@ -243,13 +252,16 @@ class Drafter:
         kv.note(start, tokens[-1:])
         return guess
 
-    def propose(self, tokens: list[int], s: Sampling, generator: torch.Generator | None):
-        """K drafts after ``tokens``: (list of ids, q_idx (K, n_q) int32, q_prob (K, n_q) float32)."""
+    def propose(self, tokens: list[int], s: Sampling, generator: torch.Generator | None, k: int | None = None):
+        """``k`` (default K) drafts after ``tokens``: (list of ids, q_idx (k, n_q) int32, q_prob (k, n_q)
+        float32)."""
+        k = self.k if k is None else k
         n = len(tokens)
         kv = self.model.kv
         start = min(kv.reusable(tokens), n - 1, max(n - 2, 0))
-        window = kv.window_for(n + self.k - 1)  # the last step feeds position n + K - 2
-        graph = pick(self.graphs, window) if s.temperature == 0 and n - start == 2 else None
+        self.fed = n - start
+        window = kv.window_for(n + k - 1)  # the last step feeds position n + k - 2
+        graph = pick(self.graphs.get(k, {}), window) if s.temperature == 0 and n - start == 2 else None
         if graph is not None:
             ids = torch.tensor(tokens[-2:], dtype=torch.long).clamp_(max=self.vocab - 1)
             picks, q_idx, q_prob = graph(ids, torch.tensor([start]))
@@ -258,7 +270,7 @@ class Drafter:
             logits = self._feed(tokens[start:], start, window)
             n_q = self.n_q if s.temperature > 0 else 0
             next_pos = torch.tensor([n], device=self.device)
-            picks, q_idx, q_prob = self._steps(logits, next_pos, s, n_q, generator, self.model.forward, window)
+            picks, q_idx, q_prob = self._steps(logits, next_pos, s, n_q, generator, self.model.forward, window, k)
         drafts = picks.tolist()  # the round's one host sync on the draft side
         self.model.kv.note(n, drafts[:-1])
         return drafts, q_idx, q_prob

@@ -4,24 +4,28 @@ Contract
 --------
 ``RoundDriver(rounds, link, ...)`` is the only code that talks to the tail, in local mode (a
 ``MemoryLink``) and relay mode alike. ``connect(hello)`` performs the HELLO/READY handshake;
-``begin(prompt_ids)`` sets the context; each ``round(s, eos_ids, budget)`` runs one round of the
-sans-I/O ``round.HeadRound``:
+``begin(prompt_ids)`` sets the context; each ``round(s, eos_ids, budget)`` returns the outcome of
+one verdict of the sans-I/O ``round.HeadRound``:
 
-    plan (draft + head slice)  ->  send  ->  [prepare the next round]  ->  wait  ->  take the verdict
+    [plan (draft + head slice), send]  ->  speculate and send while frames in flight < m
+        ->  wait for the oldest frame's verdict  ->  take it  ->  [drop the rest if it broke them]
 
-and returns a ``RoundOutcome`` with honest figures, each measured where it happens:
-``draft_ms`` and ``head_ms`` (head slice, frame building and sending) on the critical path,
-``overlap_ms`` the work done after sending while the verdict travels, ``wait_ms`` the time
-blocked on the verdict after that, ``tail_ms`` the tail's own compute (from the verdict) and
-``rtt_ms`` the time from sending to the verdict's arrival less the tail's compute. The parts add
-up to ``round_ms``. When a round was prepared under the wait and the verdict is the outcome it
-assumed, the next round sends the prepared frame at once (``prepared`` in its stats) and its
-draft and head compute are off the critical path.
+Frames in flight: the rounds sent but not answered yet, oldest first, each built on the
+likeliest outcome of the one before (``HeadRound.speculate``). When a verdict is not the
+outcome the next frame assumed (or the reply ends, or the sampling changes), the rest are
+dropped: the tail drops them too, as a broken epoch, and the next round is planned from the
+committed context in a new epoch. The shape of each round and ``m`` come from
+``policy.SpeculationPolicy`` (``max_in_flight`` bounds ``m``; 1 is the sequential round), fed
+every verdict. Nothing is in flight over a link whose tail computes inside ``recv`` (local
+mode's ``MemoryLink``, ``overlaps = False``). Output never depends on any of it (see ``round``).
 
-Preparing pays only while the verdict is in flight: never over a link whose tail computes inside
-``recv`` (local mode's ``MemoryLink``, ``overlaps = False``); over a relay, when ``policy.
-PreparePolicy`` finds from the measured rounds that a hit saves more than preparing delays
-(``prepare="auto"``; "on" / "off" force it). Output never depends on it (see ``round``).
+Each ``RoundOutcome`` has honest figures, measured where they happen: ``draft_ms`` and ``head_ms``
+(head slice, frame building and sending) of a round planned in this call, ``overlap_ms`` the
+rounds speculated while verdicts travel, ``wait_ms`` the time blocked on the verdict after that,
+``tail_ms`` the tail's own compute (from the verdict) and ``rtt_ms`` the time from sending the
+round to its verdict's arrival less the tail's compute. The parts add up to ``round_ms``, the
+time between two verdicts taken. ``speculated`` marks a round whose frame went out before the
+verdict before it was known, and whose assumption held.
 
 Faults (relay mode): a lost link (tail gone, relay gone, no verdict within ``round_timeout``)
 during a round or during the handshake is re-established with backoff for up to
@@ -40,7 +44,9 @@ from sfchat import UserError, wire
 from sfchat.events import LinkState, RoundStats
 from sfchat.handshake import Hello, Ready
 from sfchat.relay_link import LinkClosed, PeerGone
-from sfchat.runtime.policy import PreparePolicy
+from collections import deque
+
+from sfchat.runtime.policy import SpeculationPolicy
 from sfchat.runtime.round import HeadRound, Plan, ProtocolError
 
 STALL_NOTICE_S = 3.0  # a round without a verdict for this long is reported as stalled
@@ -74,19 +80,24 @@ def progress_fields(data: dict) -> tuple[str, int, int, str]:
 
 class RoundDriver:
     def __init__(self, rounds: HeadRound, link, *, on_event=lambda event: None, reconnect=None,
-                 round_timeout: float = 60.0, reconnect_timeout: float = 300.0, prepare: str = "auto"):
+                 round_timeout: float = 60.0, reconnect_timeout: float = 300.0, max_in_flight: int = 1):
         """``reconnect(timeout) -> link`` makes a new link to a tail (relay mode); without it a
         lost link is an error. ``on_event`` receives LinkState changes."""
-        if prepare not in ("auto", "on", "off"):
-            raise ValueError(f"prepare must be auto, on or off, not {prepare!r}")
+        if max_in_flight < 1:
+            raise ValueError(f"max_in_flight must be at least 1, not {max_in_flight}")
         self.rounds, self.link = rounds, link
         self.on_event, self.reconnect = on_event, reconnect
         self.round_timeout, self.reconnect_timeout = round_timeout, reconnect_timeout
-        self.prepare_mode = prepare
         self.hello: Hello | None = None
         self.on_progress = None
-        self.pending: tuple[Plan, wire.Sampling] | None = None  # the prepared next round
-        self.policy = PreparePolicy()
+        self.flight: deque[Plan] = deque()  # sent, not answered yet; oldest first
+        self.flight_sampling: wire.Sampling | None = None
+        self.max_in_flight = max_in_flight
+        self.policy = self.new_policy()
+
+    def new_policy(self) -> SpeculationPolicy:
+        overlaps = getattr(self.link, "overlaps", True)
+        return SpeculationPolicy(self.rounds.shapes, self.max_in_flight if overlaps else 1)
 
     # what the rest of the head reads of the engine
     head = property(lambda self: self.rounds.head)
@@ -125,7 +136,7 @@ class RoundDriver:
     def _recover(self, cause: LinkLost) -> Ready:
         """Reconnect with backoff and re-HELLO; the next round re-sends the whole context."""
         self.on_event(LinkState("reconnecting", str(cause)))
-        self.pending = None
+        self.flight.clear()
         deadline = time.monotonic() + self.reconnect_timeout
         delay = 0.5
         while True:
@@ -179,12 +190,12 @@ class RoundDriver:
     # -- generation ----------------------------------------------------------------------------
     def begin(self, prompt_ids: list[int]) -> int:
         """Make ``prompt_ids`` the context; returns how many of its positions are already cached."""
-        self.pending = None
+        self.flight.clear()
         return self.rounds.begin(prompt_ids)
 
     def reset(self) -> None:
         """Forget the conversation (a new chat)."""
-        self.pending = None
+        self.flight.clear()
         self.rounds.reset()
 
     def round(self, s: wire.Sampling, eos_ids: set[int], budget: int) -> RoundOutcome:
@@ -199,44 +210,60 @@ class RoundDriver:
 
     def _round(self, s: wire.Sampling, eos_ids: set[int], budget: int) -> RoundOutcome:
         t0 = time.perf_counter()
-        prepared = self.pending is not None and self.pending[1] == s
-        plan = self.pending[0] if prepared else self.rounds.plan(s)
-        self.pending = None
-        for frame in plan.frames:
-            self._send(frame)
+        if self.flight and self.flight_sampling != s:
+            self.flight.clear()
+        speculated = bool(self.flight)
+        planned = None
+        if not self.flight:
+            shape, _ = self.policy.choose()
+            planned = self.rounds.plan(s, shape)
+            self._send_plan(planned)
+            self.flight_sampling = s
+        first = self.flight[0]
+        built = planned.draft_ms + planned.head_ms if planned else 0.0
         t2 = time.perf_counter()
-        ahead = None
-        if self._worth_preparing() and self.rounds.can_prepare(plan, budget):
-            ahead = self.rounds.prepare(plan, s)
+        while True:  # speculation in flight: the likeliest outcome of the newest frame, sent now
+            shape, m = self.policy.choose()
+            last = self.flight[-1]
+            if len(self.flight) >= m or not self.rounds.can_speculate(last, budget, eos_ids):
+                break
+            ahead = self.rounds.speculate(last, s, shape)
+            self._send_plan(ahead)
+            built += ahead.draft_ms + ahead.head_ms
         t3 = time.perf_counter()
-        verdict, arrived = self._await_verdict(plan.round_id)
+        verdict, arrived = self._await_verdict(first.round_id)
         t4 = time.perf_counter()
-        commit = self._checked(self.rounds.take, plan, verdict, eos_ids, budget)
-        hit = self.rounds.prepared_for(ahead, plan, commit)
-        self.pending = (hit, s) if hit is not None else None
+        commit = self._checked(self.rounds.take, first, verdict, eos_ids, budget)
+        in_flight = len(self.flight)
+        self.flight.popleft()
+        holds = self.rounds.holds(first, verdict)
+        if self.flight and (commit.finish is not None or not holds):
+            self.flight.clear()  # frames built on an outcome that did not happen: the tail drops them too
         t5 = time.perf_counter()
 
         tail_ms = verdict.tail_us / 1e3
-        rtt_ms = (max(arrived, t2) - t2) * 1e3 - tail_ms
-        all_accepted = bool(plan.drafts) and commit.accepted == plan.depth
+        rtt_ms = (max(arrived, first.sent_at) - first.sent_at) * 1e3 - tail_ms
+        full = list(verdict.path) == first.likeliest()
         self.policy.observe(
-            latency_ms=rtt_ms + tail_ms, compute_ms=None if prepared else plan.draft_ms + plan.head_ms,
-            all_accepted=all_accepted, prepared_ms=(t4 - t2) * 1e3 if ahead is not None else None,
-            guess_right=verdict.tokens[-1] == ahead.guess if ahead is not None and all_accepted else None)
+            first.shape, accepted=commit.accepted, full=full, sent_bytes=first.sent_bytes, rtt_ms=rtt_ms,
+            tail_ms=tail_ms, compute_ms=first.draft_ms + first.head_ms if first.steady else None,
+            guess_right=holds if first.outcome is not None and full else None,
+            overhead_ms=(t5 - t0 - (t4 - t3)) * 1e3 - built)
         stats = RoundStats(
             accepted=commit.accepted, committed=len(commit.tokens),
-            draft_ms=0.0 if prepared else plan.draft_ms,
-            head_ms=(t2 - t0) * 1e3 - (0.0 if prepared else plan.draft_ms),
+            draft_ms=planned.draft_ms if planned else 0.0,
+            head_ms=(t2 - t0) * 1e3 - (planned.draft_ms if planned else 0.0),
             tail_ms=tail_ms, rtt_ms=rtt_ms, round_ms=(t5 - t0) * 1e3,
-            wait_ms=(t4 - t3) * 1e3, overlap_ms=(t3 - t2) * 1e3, prepared=prepared,
-            forward_bytes=plan.forward_bytes, tree_nodes=len(plan.tree) if plan.tree is not None else 0,
-            depth=plan.depth)
+            wait_ms=(t4 - t3) * 1e3, overlap_ms=(t3 - t2) * 1e3, speculated=speculated,
+            forward_bytes=first.forward_bytes, tree_nodes=len(first.tree) if first.tree is not None else 0,
+            depth=first.depth, in_flight=in_flight)
         return RoundOutcome(commit.tokens, commit.accepted, commit.finish, stats)
 
-    def _worth_preparing(self) -> bool:
-        if self.prepare_mode != "auto":
-            return self.prepare_mode == "on"
-        return getattr(self.link, "overlaps", True) and self.policy.worth()
+    def _send_plan(self, plan: Plan) -> None:
+        for frame in plan.frames:
+            self._send(frame)
+        plan.sent_at = time.perf_counter()
+        self.flight.append(plan)
 
     def _await_verdict(self, round_id: int) -> tuple[wire.Verdict, float]:
         """The verdict of ``round_id`` and when it arrived (``perf_counter``)."""

@@ -5,36 +5,37 @@ Contract
 ``HeadRound`` holds the committed context (token ids) of one conversation, the draft model and
 the head slice, and does every computation of a round, but never touches a link: frames go out
 as ``bytes`` in a ``Plan`` and the verdict comes back as a decoded ``wire.Verdict``. The driver
-(``driver.RoundDriver``) moves them and owns every clock and failure. A round, top to bottom:
+(``driver.RoundDriver``) moves them and owns every clock, failure and the number of frames in
+flight. A round, top to bottom:
 
-1. ``plan(s)``: where to write (``positions``: the first position whose cached K/V does not
-   hold the committed token, computed once here and handed to the drafter, the head slice and
-   the frame), K drafts after the context, the head slice over every position the target has not
-   cached yet (the prompt on a first round, less what an earlier turn left) plus ``[t0, d1..dK]``;
-   the context the tail lacks travels as prefill FORWARDs of ``PREFILL_CHUNK`` positions, the
-   last K+1 positions as the FORWARD that asks for a verdict.
-2. ``take(plan, verdict, eos, budget)``: the verdict is checked against the plan (round id,
-   position, accepted count at most the drafts sent, the accepted tokens equal to those drafts,
-   every id in the target's vocabulary; anything else is a ``ProtocolError``, never a token on
-   screen), then committed and cut at the first EOS, at the token budget and at the context window.
-3. ``prepare(plan, s, budget)``: optional, done while the verdict travels. It plans the next round
-   for the outcome "every draft accepted, and the bonus is the draft's own next token": the draft
-   proposes after ``context + drafts + [guess]`` and the head slice runs on it. ``prepared_for``
-   tells whether a committed outcome is that one; then the prepared plan is the next round and its
-   frame goes out without drafting. A prepared plan computes exactly what ``plan`` would compute
-   after that verdict (same positions, window, random stream and graph; the slots it reads were
-   written before it), so output is identical whether or not a round was prepared or hit; on a miss
-   the next ``plan`` overwrites the slots the preparation wrote.
+1. ``plan(s, shape)``: a round after the committed context, opening a new epoch. Where to write
+   (``positions``: the first position whose cached K/V does not hold the committed token), the
+   drafts of ``shape`` (a chain of ``shape.depth`` drafts, none at depth 0, or a token tree:
+   ``Drafter.grow`` plus a prompt-lookup branch grafted at no draft cost, ``tree.lookup``), the
+   head slice over every position the target has not cached yet plus ``[t0, drafts]`` (a tree's
+   nodes with the tree mask); the context the tail lacks travels as prefill FORWARDs of
+   ``PREFILL_CHUNK`` positions, the verify positions as the FORWARD that asks for a verdict.
+2. ``speculate(plan, s, shape)``: the round that follows ``plan`` if its likeliest outcome
+   happens: every draft on its likeliest path accepted (a chain's drafts; a tree's argmax chain,
+   ``Tree.likeliest``) and the bonus the draft's own next token. Its frame names the same epoch
+   and ``assumes`` that outcome, and the driver sends it before ``plan``'s verdict is known. A
+   tree's assumed path has its K/V moved into place first, on the head and the draft.
+3. ``take(plan, verdict, eos, budget)``: the verdict is checked against the plan (round id,
+   position, accepted count at most the drafts sent, the accepted tokens equal to those drafts or
+   a path down the tree, every id in the target's vocabulary; anything else is a
+   ``ProtocolError``, never a token on screen), then committed and cut at the first EOS, at the
+   token budget and at the context window. ``holds(plan, verdict)`` says whether the round
+   speculated after ``plan`` assumed this verdict; if not, the driver drops the rounds in flight
+   and plans anew: the tail drops their frames too (see ``tail``), and the cached K/V they wrote
+   on the head and draft sits past the committed context, stale, until overwritten (``positions``
+   compares the cache with the committed tokens; a tree's moved path is cut where the real path
+   leaves it, and the next round re-sends from there).
 
-With a tree budget (``Drafter(tree_budget=N)``) step 1 grows a token tree instead of a chain
-(``Drafter.grow``, plus a prompt-lookup branch grafted at no draft cost: ``tree.lookup``) and the
-verify FORWARD is ``[t0, node 1..N]`` with the nodes' parents, run through the head slice with the
-tree mask; ``take`` checks that the verdict's path descends the tree that was sent and moves the
-accepted nodes' K/V into place on the head slice and the draft (``keep``). Trees are not prepared
-ahead (``can_prepare`` is False).
-
-Random streams are per round and per role (``sampling.round_generator``) and keyed by the context
-length, so a prepared round draws exactly what the same round drafted after the verdict would.
+A speculated round computes exactly what ``plan`` would compute after that verdict (same
+positions, window, random stream and graph; the slots it reads were written before it), so the
+output does not depend on how many frames were in flight. Random streams are per round and per
+role (``sampling.round_generator``) and keyed by the context length, so a round sent early draws
+exactly what the same round drafted after its verdict would.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from sfchat import UserError, wire
 from sfchat.runtime import sampling, tree as trees
 from sfchat.runtime.draft import Drafter
 from sfchat.runtime.kv import PREFILL_CHUNK
+from sfchat.runtime.policy import Shape
 from sfchat.runtime.slices import DTYPE_NAMES, ModelSlice
 
 
@@ -60,21 +62,35 @@ class Plan:
     """One round, ready to send: its frames and what the verdict will be checked against."""
 
     round_id: int
-    verify_start: int  # position of t0, the last committed token, in the verify FORWARD
-    context_len: int  # committed tokens when the round was planned
+    epoch: int
+    verify_start: int  # position of t0, the last token of ``basis``, in the verify FORWARD
+    basis: list[int]  # the context it was drafted after: the committed one, or one it assumes
     drafts: list[int]
     frames: list[bytes]
     draft_ms: float
     head_ms: float
-    guess: int | None = None  # a prepared plan: the bonus token it assumes
+    shape: Shape
     tree: trees.Tree | None = None  # a tree round: the tree whose nodes are ``drafts``
+    assumes: tuple[int, ...] = ()  # the verdict tokens of the round before it that it assumes
+    outcome: tuple[tuple[int, ...], tuple[int, ...]] | None = None  # (path, tokens) a round after it assumes
+    sent_at: float = 0.0  # perf_counter when its frames went out
+    steady: bool = True  # no prefill and no catch-up feed of the draft: its compute is a round's alone
     forward_bytes: int = field(init=False)
-
+    sent_bytes: int = field(init=False)
     depth: int = field(init=False)  # how deep the drafts reach: K for a chain, the deepest node of a tree
 
     def __post_init__(self) -> None:
         self.forward_bytes = len(self.frames[-1])
+        self.sent_bytes = sum(map(len, self.frames))
         self.depth = max(self.tree.depths) if self.tree is not None else len(self.drafts)
+
+    @property
+    def context_len(self) -> int:
+        return len(self.basis)
+
+    def likeliest(self) -> list[int]:
+        """The accepted path this round most likely gets (node indices; 1..K for a chain)."""
+        return self.tree.likeliest() if self.tree is not None else list(range(1, len(self.drafts) + 1))
 
 
 @dataclass(frozen=True)
@@ -89,12 +105,16 @@ def hidden_bytes(h: torch.Tensor) -> bytes:
 
 
 class HeadRound:
-    def __init__(self, head: ModelSlice, drafter: Drafter | None, *, max_context: int):
+    def __init__(self, head: ModelSlice, drafter: Drafter | None, *, max_context: int,
+                 shapes: list[Shape] | None = None):
+        """``shapes``: those rounds may take (default: the drafter's own chain or tree)."""
         self.head, self.drafter = head, drafter
         self.k = drafter.k if drafter is not None else 0
+        self.shapes = shapes or [Shape(self.k, drafter.budget if drafter is not None else 0)]
         self.max_context = max_context
         self.tokens: list[int] = []
         self.round_id = 0
+        self.epoch = 0
         self.device = head.device
         self.vocab = head.config.vocab_size
         self.wire_dtype = wire.DType[DTYPE_NAMES[head.dtype].upper()]
@@ -129,43 +149,39 @@ class HeadRound:
         return min(self.head.kv.reusable(tokens), len(tokens) - 1)
 
     # -- 1. plan ---------------------------------------------------------------------------------
-    def plan(self, s: wire.Sampling) -> Plan:
-        return self._plan(self.tokens, s)
+    def plan(self, s: wire.Sampling, shape: Shape | None = None) -> Plan:
+        """A round after the committed context: the first of a new epoch."""
+        self.epoch += 1
+        return self._plan(self.tokens, s, shape or self.shapes[0], ())
 
-    def _plan(self, tokens: list[int], s: wire.Sampling, guess: int | None = None) -> Plan:
-        if self.drafter is not None and self.drafter.budget:
-            return self._plan_tree(tokens, s)
+    def _plan(self, tokens: list[int], s: wire.Sampling, shape: Shape, assumes: tuple[int, ...]) -> Plan:
         t0 = time.perf_counter()
         n = len(tokens)
         start = self.positions(tokens)
-        drafts, q_idx, q_prob = [], None, None
-        if self.drafter is not None:
+        drafts, q_idx, q_prob, tree = [], None, None, None
+        fed = 0
+        if shape.budget:
+            tree = self.drafter.grow(tokens, s)
+            branch = trees.lookup(tokens, self.k)
+            if branch:
+                tree = trees.graft(tree, branch)
+            drafts = list(tree.tokens)
+            fed = self.drafter.fed
+        elif shape.depth:
             gen = sampling.round_generator(s.seed, n, "draft", self.drafter.device) if s.temperature > 0 else None
-            drafts, q_idx, q_prob = self.drafter.propose(tokens, s, gen)
+            drafts, q_idx, q_prob = self.drafter.propose(tokens, s, gen, shape.depth)
+            fed = self.drafter.fed
         t1 = time.perf_counter()
         self.round_id += 1
+        v = n - 1  # t0's position (a tree's root)
         frames = self._prefill(tokens, start, s)
-        frames.append(self._forward(tokens[-1:] + drafts, n - 1, len(drafts), True, s, q_idx, q_prob))
+        if assumes and frames:  # the frame that assumes a verdict must start where it leaves the context
+            raise RuntimeError(f"a speculated round over {n} tokens would re-send positions {start}..{v}")
+        frames.append(self._forward([tokens[-1]] + drafts, v, len(drafts), True, s, q_idx, q_prob, tree, assumes))
         t2 = time.perf_counter()
-        return Plan(self.round_id, n - 1, n, drafts, frames,
-                    draft_ms=(t1 - t0) * 1e3, head_ms=(t2 - t1) * 1e3, guess=guess)
-
-    def _plan_tree(self, tokens: list[int], s: wire.Sampling) -> Plan:
-        t0 = time.perf_counter()
-        n = len(tokens)
-        start = self.positions(tokens)
-        tree = self.drafter.grow(tokens, s)
-        branch = trees.lookup(tokens, self.k)
-        if branch:
-            tree = trees.graft(tree, branch)
-        t1 = time.perf_counter()
-        self.round_id += 1
-        v = n - 1  # t0's position: the tree's root
-        frames = self._prefill(tokens, start, s)
-        frames.append(self._forward([tokens[-1]] + tree.tokens, v, len(tree), True, s, None, None, tree))
-        t2 = time.perf_counter()
-        return Plan(self.round_id, v, n, list(tree.tokens), frames,
-                    draft_ms=(t1 - t0) * 1e3, head_ms=(t2 - t1) * 1e3, tree=tree)
+        return Plan(self.round_id, self.epoch, v, list(tokens), drafts, frames,
+                    draft_ms=(t1 - t0) * 1e3, head_ms=(t2 - t1) * 1e3, shape=shape, tree=tree, assumes=assumes,
+                    steady=len(frames) == 1 and fed <= 2)
 
     def _prefill(self, tokens: list[int], start: int, s: wire.Sampling) -> list[bytes]:
         """FORWARDs of the context the target has not seen yet: positions ``start`` up to t0's."""
@@ -173,7 +189,7 @@ class HeadRound:
         return [self._forward(tokens[i:min(i + PREFILL_CHUNK, end)], i, 0, False, s, None, None)
                 for i in range(start, end, PREFILL_CHUNK)]
 
-    def _forward(self, piece, start, n_draft, want_verdict, s, q_idx, q_prob, tree=None) -> bytes:
+    def _forward(self, piece, start, n_draft, want_verdict, s, q_idx, q_prob, tree=None, assumes=()) -> bytes:
         # A draft from a larger draft vocabulary has no embedding row here; any row will do: the
         # tail rejects such a draft (p = 0), so nothing computed from this position is committed.
         ids = torch.tensor(piece, dtype=torch.long, device=self.device).clamp_(max=self.vocab - 1)
@@ -188,19 +204,57 @@ class HeadRound:
             want_verdict=want_verdict, sampling=s, n_q=n_q,
             q_indices=q_idx.to(torch.int32).cpu().numpy().tobytes() if n_q else b"",
             q_probs=q_prob.to(torch.float32).cpu().numpy().tobytes() if n_q else b"",
-            parents=tuple(tree.parents) if tree is not None else None,
+            parents=tuple(tree.parents) if tree is not None else None, epoch=self.epoch, assumes=assumes,
         ))
 
-    # -- 2. take the verdict -----------------------------------------------------------------------
+    # -- 2. speculate: the next round, before this one's verdict ---------------------------------
+    def can_speculate(self, plan: Plan, budget: int, eos_ids: set[int]) -> bool:
+        """Whether a round may follow ``plan``'s likeliest outcome: a draft to guess the bonus,
+        room in the token budget and the context window, and no EOS among the assumed drafts."""
+        if self.drafter is None:
+            return False
+        path = plan.likeliest()
+        ahead = plan.context_len + len(path) + 1  # the context if that outcome is committed
+        drafted = plan.tree.path_tokens(path) if plan.tree is not None else plan.drafts
+        return (ahead - len(self.tokens) < budget and ahead + self.k + 1 <= self.max_context
+                and not eos_ids.intersection(drafted))
+
+    def speculate(self, plan: Plan, s: wire.Sampling, shape: Shape | None = None) -> Plan:
+        """The round after ``plan``'s likeliest outcome (call ``can_speculate`` first)."""
+        path = plan.likeliest()
+        if plan.tree is not None:  # that path's K/V moves into place, as ``take`` would move it
+            accepted = plan.tree.path_tokens(path)
+            self.head.keep([plan.verify_start + i for i in path], plan.verify_start + 1, accepted)
+            self.drafter.keep(plan.tree, path, plan.context_len)
+        else:
+            accepted = plan.drafts
+        assumed = plan.basis + accepted
+        guess = self.drafter.next_token(assumed)
+        plan.outcome = (tuple(path), tuple(accepted) + (guess,))
+        return self._plan(assumed + [guess], s, shape or plan.shape, plan.outcome[1])
+
+    def holds(self, plan: Plan, verdict: wire.Verdict) -> bool:
+        """Whether ``verdict`` (of ``plan``) is the outcome the round speculated after it assumed."""
+        return plan.outcome is not None and tuple(verdict.tokens) == plan.outcome[1]
+
+    # -- 3. take the verdict -----------------------------------------------------------------------
     def take(self, plan: Plan, verdict: wire.Verdict, eos_ids: set[int], budget: int) -> Commit:
         """Check ``verdict`` against ``plan`` and commit its tokens (ProtocolError if it cannot
         be this round's verdict)."""
         check_verdict(plan, verdict, self.vocab)
-        if plan.tree is not None:  # the accepted nodes' K/V move from scratch to their positions
-            path = list(verdict.path)
+        if len(self.tokens) != plan.context_len or self.tokens != plan.basis:
+            raise RuntimeError("a verdict taken out of order")  # the driver's bug, never the tail's
+        path = list(verdict.path)
+        if plan.tree is not None and plan.outcome is None:  # the accepted nodes' K/V move into place
             accepted = plan.tree.path_tokens(path)
             self.head.keep([plan.verify_start + i for i in path], plan.verify_start + 1, accepted)
             self.drafter.keep(plan.tree, path, plan.context_len)
+        elif plan.tree is not None and tuple(path) != plan.outcome[0]:
+            # the assumed path was moved into place: keep what the real path shares with it
+            same = next((i for i, (a, b) in enumerate(zip(path, plan.outcome[0])) if a != b),
+                        min(len(path), len(plan.outcome[0])))
+            for kv in (self.head.kv, self.drafter.model.kv):
+                kv.note(min(plan.verify_start + 1 + same, len(kv.written)), [])
         committed, finish = [], None
         for t in verdict.tokens:
             committed.append(t)
@@ -214,27 +268,6 @@ class HeadRound:
                 break
         self.tokens.extend(committed)
         return Commit(tuple(committed), verdict.n_accepted, finish)
-
-    # -- 3. prepare the next round under the wait ------------------------------------------------
-    def can_prepare(self, plan: Plan, budget: int) -> bool:
-        """Whether the all-accepted outcome of ``plan`` could be followed by another full round."""
-        k = len(plan.drafts)
-        after = plan.context_len + k + 1  # the context if every draft and the bonus are committed
-        return (self.drafter is not None and plan.tree is None and k > 0 and budget > k + 1
-                and after + self.k + 1 <= self.max_context)
-
-    def prepare(self, plan: Plan, s: wire.Sampling) -> Plan:
-        """The round that follows ``plan`` if every draft is accepted and the bonus is the draft's
-        own next token (call ``can_prepare`` first)."""
-        assumed = self.tokens[:plan.context_len] + plan.drafts
-        guess = self.drafter.next_token(assumed)
-        return self._plan(assumed + [guess], s, guess)
-
-    def prepared_for(self, prepared: Plan | None, plan: Plan, commit: Commit) -> Plan | None:
-        """``prepared`` if ``commit`` (of ``plan``) is the outcome it assumed, else None."""
-        if prepared is None or commit.finish is not None:
-            return None
-        return prepared if list(commit.tokens) == plan.drafts + [prepared.guess] else None
 
 
 def check_verdict(plan: Plan, v: wire.Verdict, vocab: int) -> None:

@@ -27,6 +27,7 @@ from sfchat.runtime.draft import Drafter, scratch_slots, tree_shape
 from sfchat.runtime.driver import RoundDriver
 from sfchat.runtime.links import MemoryLink
 from sfchat.runtime.memory import check_head
+from sfchat.runtime.policy import Shape, chain_depths, menu
 from sfchat.runtime.round import HeadRound
 from sfchat.runtime.slices import DTYPE_NAMES, ModelSlice, architecture, n_layers, pick_dtype
 from sfchat.runtime.source import ModelSource
@@ -153,7 +154,7 @@ def _progress(on_event: Callable, node: str):
 
 
 def uses_draft(s: Settings) -> bool:
-    return bool(s.draft) and s.draft.lower() != "none" and s.k > 0
+    return bool(s.draft) and s.draft.lower() != "none" and s.depth > 0
 
 
 def build_engine(s: Settings, on_event: Callable = lambda e: None, link=None,
@@ -173,11 +174,13 @@ def build_engine(s: Settings, on_event: Callable = lambda e: None, link=None,
     dtype = pick_dtype(device, s.dtype)
     limit = getattr(src.config, "max_position_embeddings", None) or s.max_context
     max_context = min(s.max_context, limit)
-    k = s.k if uses_draft(s) else 0
+    k = s.depth if uses_draft(s) else 0
     drafter = None
     if k:
         dsrc = dsrc or ModelSource.open(s.draft, s.draft_revision, _progress(on_event, "draft"))
-    budget = tree_shape(s.tree_budget, k, dsrc.config.vocab_size)[2] if k and s.tree_budget else 0
+    asked = s.budget(device.type == "cuda")
+    budget = tree_shape(asked, k, dsrc.config.vocab_size)[2] if k and asked else 0
+    shapes = menu(k, budget, auto_depth=s.k == "auto", auto_tree=s.tree_budget == "auto")
     # a round writes K+1 positions past the last committed one, or a tree's frame and the draft's frontier
     kv_len = max_context + scratch_slots(k, budget, dsrc.config.vocab_size if k else 1)
     draft_dtype = pick_dtype(draft_device, s.dtype)
@@ -187,25 +190,26 @@ def build_engine(s: Settings, on_event: Callable = lambda e: None, link=None,
         dmodel = ModelSlice.load(dsrc, 0, n_layers(dsrc.config), embed=True, head=True,
                                  dtype=draft_dtype, device=draft_device, max_len=kv_len,
                                  progress=_progress(on_event, "draft"), quant=dquant)
-        drafter = Drafter(dmodel, k, tree_budget=budget)
+        drafter = Drafter(dmodel, k, tree_budget=budget, depths=chain_depths(shapes))
     head = ModelSlice.load(src, 0, split, embed=True, head=False, dtype=dtype, device=device,
                            max_len=kv_len, progress=_progress(on_event, "head"), quant=quant, devices=devices)
     if s.cuda_graphs and (device.type == "cuda" or draft_device.type == "cuda"):
-        capture_graphs(head, drafter, k, budget, s.compile_draft, _progress(on_event, "head"))
+        capture_graphs(head, drafter, shapes, s.compile_draft, _progress(on_event, "head"))
     mode = "relay" if link is not None else "local"
     if link is None:
         link = MemoryLink(Verifier(device, devices=devices))
     reconnect = (lambda timeout: connect_relay(s, on_event, timeout)) if mode == "relay" else None
-    engine = RoundDriver(HeadRound(head, drafter, max_context=max_context), link, on_event=on_event,
+    engine = RoundDriver(HeadRound(head, drafter, max_context=max_context, shapes=shapes), link, on_event=on_event,
                          reconnect=reconnect, round_timeout=s.round_timeout, reconnect_timeout=s.reconnect_timeout,
-                         prepare=s.prepare)
+                         max_in_flight=s.max_in_flight)
     hello = Hello(model=s.model, revision=s.revision, split=split, dtype=DTYPE_NAMES[dtype], max_len=kv_len,
                   n_layers=L, hidden_size=src.config.hidden_size, k=k, graphs=s.cuda_graphs, quant=quant,
-                  tree_budget=budget)
+                  tree_budget=budget, depths=chain_depths(shapes))
     ready = engine.connect(hello, lambda *fields: on_event(LoadProgress("tail", *fields)))
     info = RuntimeReady(model=s.model, draft=s.draft if k else "none", split=split, n_layers=L,
                         dtype=DTYPE_NAMES[dtype], k=k, device=",".join(map(str, devices)), mode=mode,
                         max_context=max_context, quant=quant, tree_budget=budget,
+                        shapes=tuple(str(x) for x in shapes), max_in_flight=engine.policy.max_in_flight,
                         tail_dtype="" if ready.dtype == DTYPE_NAMES[dtype] else ready.dtype)
     on_event(info)
     return engine, info
@@ -267,7 +271,7 @@ class ChatSession:
         def mean(attr):
             return sum(getattr(r, attr) for r in rounds) / len(rounds) if rounds else 0.0
 
-        hit_rate = sum(r.prepared for r in steady) / len(steady) if steady else 0.0
+        hit_rate = sum(r.speculated for r in steady) / len(steady) if steady else 0.0
 
         yield ReplyFinished(
             finish_reason=finish, text=stream.text, token_ids=tuple(tokens), prompt_tokens=len(prompt_ids),
@@ -275,23 +279,22 @@ class ChatSession:
             accepted_histogram=tuple(hist), tps=tps, ttft_s=ttft,
             prefill_s=rounds[0].round_ms / 1e3 if rounds else 0.0, round_ms=mean("round_ms"),
             rtt_ms=mean("rtt_ms"), draft_ms=mean("draft_ms"), head_ms=mean("head_ms"), tail_ms=mean("tail_ms"),
-            wait_ms=mean("wait_ms"), overlap_ms=mean("overlap_ms"), prepared_hit_rate=hit_rate,
+            wait_ms=mean("wait_ms"), overlap_ms=mean("overlap_ms"), hit_rate=hit_rate,
+            in_flight_mean=mean("in_flight"),
             tree_budget=self.info.tree_budget, depth_mean=mean("depth"), forward_bytes=mean("forward_bytes"),
         )
 
 
-def capture_graphs(head: ModelSlice, drafter: Drafter | None, k: int, tree_budget: int, compile_draft: bool,
+def capture_graphs(head: ModelSlice, drafter: Drafter | None, shapes: list[Shape], compile_draft: bool,
                    progress) -> None:
-    """CUDA graphs for the steady-state round: the draft's K steps (or its tree) and the head
-    forward of the K+1 verify positions (or of the tree's t0 and nodes)."""
+    """CUDA graphs for the steady-state round of every shape: the draft's steps (or its tree) and
+    the head forward of the verify positions (t0 and the drafts, or the tree's nodes)."""
     def warn(message):
         print(f"sfchat: {message}", file=sys.stderr)
 
     progress("capture", 0, 2, "head verify")
-    if tree_budget:
-        head.capture(tree_budget + 1, log=warn, tree=True)
-    else:
-        head.capture(k + 1, log=warn)
+    for shape in shapes:
+        head.capture((shape.budget or shape.depth) + 1, log=warn, tree=bool(shape.budget))
     progress("capture", 1, 2, "draft (compiling: the first start takes a minute)" if compile_draft else "draft")
     if drafter is not None and drafter.device.type == "cuda":
         drafter.capture(log=warn, compile=compile_draft)

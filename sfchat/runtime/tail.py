@@ -13,6 +13,14 @@ it names and, when it asks for a verdict, verifies its drafts with ``sampling.ve
 FORWARD (at most the hello's ``tree_budget`` nodes, at most ``k`` deep) runs with the tree mask,
 is verified by ``sampling.verify_tree``, and the accepted nodes' K/V move into place at once.
 
+Frames in flight: every FORWARD names an epoch and the verdict tokens it ``assumes`` (the head
+sent it before that verdict was known). A frame that assumes nothing opens a newer epoch; one
+that assumes something is run only if the last verdict of its epoch is exactly that (then it
+starts where that verdict left the context, at its last token). Otherwise the epoch is broken:
+that frame and every later frame of the epoch, and of any older epoch, are dropped unread,
+without a reply and without touching the KV cache; the head, which saw the same verdict, has
+already rewound and opened a new epoch. A HELLO starts over at epoch 0.
+
 Every frame is hostile until checked: each HELLO field is checked for its exact JSON type and
 range before anything is allocated or opened (``handshake.Hello.parse``); a FORWARD must agree with the
 hello (hidden size, dtype, K, context) and a sampled verify must carry finite, non-negative
@@ -65,6 +73,12 @@ class Verifier:
         self.hello: Hello | None = None  # the hello whose slice is loaded
         self.rounds = 0
         self.prefill_s = 0.0  # compute spent on prefill FORWARDs since the last verdict
+        self.dropped = 0  # frames of broken epochs, dropped unread
+        self._epochs()
+
+    def _epochs(self) -> None:
+        self.epoch, self.broken = 0, False
+        self.last: tuple[int, tuple[int, ...], int] | None = None  # (epoch, tokens, the next t0's position)
 
     # -- frames --------------------------------------------------------------------------------
     def handle(self, frame: bytes, emit) -> None:
@@ -117,18 +131,39 @@ class Verifier:
         if n_layers(cfg) != hello.n_layers or cfg.hidden_size != hello.hidden_size:
             self._fail(emit, f"tail's model has {n_layers(cfg)} layers / hidden {cfg.hidden_size}, "
                              f"the head's {hello.n_layers} / {hello.hidden_size}: not the same model")
-        # the verify of a round is always K+1 positions, or a tree of tree_budget nodes: one shape
-        m, tree = (hello.tree_budget + 1, True) if hello.tree_budget else (hello.k + 1, False)
-        if hello.graphs and self.device.type == "cuda" and (m, m, tree) not in self.model.graphs:
-            self.model.capture(m, m, log=self.log, tree=tree)
+        # a verify is a chain of one of the hello's depths, or a tree of tree_budget nodes: a graph each
+        for m, tree in hello.shapes():
+            if hello.graphs and self.device.type == "cuda" and (m, m, tree) not in self.model.graphs:
+                self.model.capture(m, m, log=self.log, tree=tree)
         if not hello.graphs:
             self.model.graphs.clear()
         self.model.kv.reset()
         self.prefill_s = 0.0
+        self._epochs()
         ready = Ready(n_layers=n_layers(cfg), hidden_size=cfg.hidden_size, device=str(self.device),
                       dtype=DTYPE_NAMES[self.model.dtype], load_s=round(time.perf_counter() - t0, 3), reused=reused)
         self.log(f"ready: {hello.model} layers [{hello.split}, {n_layers(cfg)}) on {self.device}")
         emit(ready.to_frame())
+
+    def _in_epoch(self, msg: wire.Forward, emit) -> bool:
+        """Whether ``msg`` is to be run: False for a frame of a broken or older epoch (dropped)."""
+        if msg.epoch < self.epoch or (msg.epoch == self.epoch and self.broken):
+            return False
+        if msg.epoch > self.epoch:
+            if msg.assumes:
+                self._fail(emit, f"the first frame of epoch {msg.epoch} assumes a verdict of that epoch")
+            self.epoch, self.broken = msg.epoch, False
+            return True
+        if not msg.assumes:
+            return True
+        if self.last is None or self.last[0] != self.epoch or self.last[1] != msg.assumes:
+            self.broken = True  # the head assumed an outcome that did not happen
+            return False
+        if msg.start_pos != self.last[2] or msg.tokens[0] != msg.assumes[-1]:
+            self._fail(emit, f"a frame assuming a verdict that ends at position {self.last[2]} starts at "
+                             f"{msg.start_pos} with another token")
+        self.last = None  # one frame follows a verdict
+        return True
 
     def _load(self, hello: Hello, emit) -> ModelSlice:
         last = [0.0]
@@ -201,6 +236,9 @@ class Verifier:
         q_probs = torch.frombuffer(bytearray(msg.q_probs), dtype=torch.float32) if sampled else None
         if q_probs is not None and not bool(torch.isfinite(q_probs).all() and (q_probs >= 0).all()):
             self._fail(emit, "draft proposal probabilities that are not finite and non-negative")
+        if not self._in_epoch(msg, emit):
+            self.dropped += 1
+            return
         if msg.start_pos > len(m.kv.written):
             self._fail(emit, f"context hole: the tail holds {len(m.kv.written)} positions, the head "
                              f"wrote at {msg.start_pos} (did the tail restart?)", resync=True)
@@ -231,5 +269,6 @@ class Verifier:
         tail_us = min(int((time.perf_counter() - t0 + self.prefill_s) * 1e6), 2 ** 32 - 1)
         self.prefill_s = 0.0
         self.rounds += 1
+        self.last = (self.epoch, tuple(tokens), msg.start_pos + len(tokens))
         emit(wire.encode(wire.Verdict(msg.round, msg.start_pos, n_acc, tuple(tokens), tail_us,
                                       tuple(path) if path is not None else None)))

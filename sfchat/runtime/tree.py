@@ -57,6 +57,19 @@ class Tree:
     def path_tokens(self, path) -> list[int]:
         return [self.tokens[i - 1] for i in path]
 
+    def likeliest(self) -> list[int]:
+        """The path the draft ranks first: from t0, each time the best-ranked child (the draft's
+        argmax chain, which ``graft`` never drops)."""
+        best: dict[int, int] = {}
+        for i, p in enumerate(self.parents, start=1):
+            if p not in best or self.scores[i - 1] > self.scores[best[p] - 1]:
+                best[p] = i
+        path, node = [], 0
+        while node in best:
+            node = best[node]
+            path.append(node)
+        return path
+
 
 def mask(parents, t0_pos: int, device, depths: list[int] | None = None) -> TreeMask:
     """The mask of a tree frame written from slot ``t0_pos`` on: t0 and node ``i`` at slot

@@ -69,7 +69,7 @@ class Server:
     def __init__(self, settings: Settings, options: ServeOptions = ServeOptions(), load=load_session,
                  on_event=lambda e: None):
         self.settings, self.options = settings, options
-        self.metrics = ServerMetrics(settings.k)
+        self.metrics = ServerMetrics(settings.depth)
         self.generator = GenerationThread(settings, self.metrics, options.max_queue, load, on_event)
         self.sock: socket.socket | None = None
         self.uvicorn = None

@@ -42,9 +42,11 @@ class Figures:
     head_ms: float | None
     tail_ms: float | None
     wait_ms: float | None  # blocked on the verdict
-    overlap_ms: float | None  # the next round prepared while the verdict travelled
-    prepared_hit_rate: float | None  # rounds after the first whose frame was ready when the verdict came
+    overlap_ms: float | None  # rounds speculated while verdicts travelled
+    hit_rate: float | None  # rounds after the first whose frame went out before the verdict it assumed
+    in_flight: int | None  # frames in flight when the last verdict came
     tree_nodes: int  # nodes of the last round's token tree (0: chains)
+    last_depth: int  # drafts of the last round's chain (or its tree's depth)
     depth_mean: float | None  # how deep the rounds' drafts reached
     forward_bytes: float | None  # mean size of a verify FORWARD
     spark_tps: tuple[float, ...]
@@ -79,9 +81,10 @@ class Meter:
         self._round_ms: list[float] = []
         self._committed: list[int] = []
         self._draft_ms = self._head_ms = self._tail_ms = self._wait_ms = self._overlap_ms = 0.0
-        self._prepared = 0
+        self._speculated = 0
         self._depth = self._forward_bytes = 0
-        self._tree_nodes = 0
+        self._tree_nodes = self._last_depth = 0
+        self._in_flight: int | None = None
         self._ttft_s: float | None = None
         self._started: ReplyStarted | None = None
         self._finished: ReplyFinished | None = None
@@ -114,10 +117,10 @@ class Meter:
         self._tail_ms += s.tail_ms
         self._wait_ms += s.wait_ms
         self._overlap_ms += s.overlap_ms
-        self._prepared += s.prepared
+        self._speculated += s.speculated
         self._depth += s.depth
         self._forward_bytes += s.forward_bytes
-        self._tree_nodes = s.tree_nodes
+        self._tree_nodes, self._last_depth, self._in_flight = s.tree_nodes, s.depth, s.in_flight
         self._recent_tps.append(_rate(s.committed, s.round_ms) or 0.0)
         self._recent_accepted.append(float(s.accepted))
         self._recent_rtt.append(s.rtt_ms)
@@ -135,14 +138,14 @@ class Meter:
         draft_ms, head_ms, tail_ms = ((self._draft_ms / n, self._head_ms / n, self._tail_ms / n)
                                       if n else (None, None, None))
         wait_ms, overlap_ms = (self._wait_ms / n, self._overlap_ms / n) if n else (None, None)
-        hit_rate = self._prepared / (n - 1) if n > 1 else None
+        hit_rate = self._speculated / (n - 1) if n > 1 else None
         depth_mean, forward_bytes = (self._depth / n, self._forward_bytes / n) if n else (None, None)
         histogram = tuple(self._histogram)
         if fin is not None and fin.rounds:
             # The runtime measured the whole reply (prefill included); trust its totals.
             tps_mean, ttft_s, tokens_per_round = fin.tps, fin.ttft_s, fin.tokens_per_round
             draft_ms, head_ms, tail_ms = fin.draft_ms, fin.head_ms, fin.tail_ms
-            wait_ms, overlap_ms, hit_rate = fin.wait_ms, fin.overlap_ms, fin.prepared_hit_rate
+            wait_ms, overlap_ms, hit_rate = fin.wait_ms, fin.overlap_ms, fin.hit_rate
             depth_mean, forward_bytes = fin.depth_mean, fin.forward_bytes
             if fin.accepted_histogram:
                 histogram = tuple(fin.accepted_histogram)
@@ -166,8 +169,10 @@ class Meter:
             tail_ms=tail_ms,
             wait_ms=wait_ms,
             overlap_ms=overlap_ms,
-            prepared_hit_rate=hit_rate,
+            hit_rate=hit_rate,
+            in_flight=self._in_flight,
             tree_nodes=self._tree_nodes,
+            last_depth=self._last_depth,
             depth_mean=depth_mean,
             forward_bytes=forward_bytes,
             spark_tps=tuple(self._recent_tps),

@@ -56,10 +56,20 @@ def bar(fraction: float, cells: int = BAR_CELLS) -> str:
 
 
 def drafts_text(f: Figures | None, ready: RuntimeReady | None) -> str:
-    """What each round verifies: a tree (its budget) or a chain, and how deep the drafts reached."""
-    budget = ready.tree_budget if ready is not None else (f.tree_nodes if f else 0)
-    shape = f"tree {budget}" if budget else f"chain {ready.k if ready is not None else (f.k if f else 0)}"
-    return f"{shape}, depth {_num(f and f.depth_mean, '.1f')}"
+    """What the last round verified (a tree of its nodes, a chain of its drafts, or no drafts), and
+    how deep the reply's drafts reached on average; before any round, what rounds choose from."""
+    if f is None or not f.rounds:
+        choices = ready.shapes if ready is not None and ready.shapes else ()
+        return "auto: " + " / ".join(choices) if len(choices) > 1 else (choices[0] if choices else "–")
+    shape = f"tree {f.tree_nodes}" if f.tree_nodes else f"chain {f.last_depth}" if f.last_depth else "no drafts"
+    return f"{shape}, depth {_num(f.depth_mean, '.1f')}"
+
+
+def flight_text(f: Figures | None) -> str:
+    """Frames in flight at the last verdict, and the share of rounds sent before their verdicts."""
+    if f is None or f.in_flight is None:
+        return "–"
+    return f"{f.in_flight} · {'–' if f.hit_rate is None else format(f.hit_rate, '.0%')} hits"
 
 
 def _num(value: float | None, fmt: str, unit: str = "") -> str:
@@ -131,8 +141,7 @@ class MetricsPanel(VerticalScroll, can_focus=True):
                                            f"{_num(f and f.head_ms, '.0f')} / "
                                            f"{_num(f and f.tail_ms, '.0f')} ms")
         timings.add_row("wait/overlap", f"{_num(f and f.wait_ms, '.0f')} / {_num(f and f.overlap_ms, '.0f')} ms")
-        hits = f and f.prepared_hit_rate
-        timings.add_row("prepared hits", "-" if hits is None else f"{hits:.0%}")
+        timings.add_row("in flight", flight_text(f))
 
         self.query_one("#timings", Static).update(timings)
 
