@@ -10,7 +10,9 @@ shape of ``--k auto --tree-budget 64`` captured (chains of 0, 2, 4 and 8 drafts,
   * ``flight``: the adaptive policy choosing shape and frames in flight (up to ``--max-in-flight``).
 
 tok/s is tokens committed over wall time across ``--rounds`` verdicts, after ``--warm`` verdicts
-(the policy's first rounds try each shape once). Drafts:
+(the policy's first rounds try each shape once); with ``--span A,B``, across the verdicts that
+commit tokens A..B of the reply, the same stretch of the same greedy text in every mode (a real
+pair's acceptance varies along the text). Drafts:
 
   * GPU (default): bf16 checkpoints with the shapes of Qwen2.5-7B (target) and 0.5B (draft), one
     GPU. The target's weights are random but its greedy next token is a fixed permutation of the
@@ -66,15 +68,23 @@ def modes(max_in_flight: int, tree: bool) -> dict:
     return out
 
 
-def measure(engine, shapes, m: int, warm: int, n: int, prompt: list[int]) -> dict:
+def measure(engine, shapes, m: int, warm: int, n: int, prompt: list[int], span: tuple[int, int] | None = None) -> dict:
+    """``n`` verdicts after ``warm``; or, with ``span`` (a, b), the verdicts that commit the reply's
+    tokens a..b (every mode then times the same stretch of the same greedy text)."""
     engine.rounds.shapes, engine.max_in_flight = shapes, m
     engine.policy = SpeculationPolicy(shapes, m)  # each mode learns from scratch
     engine.begin(prompt)
-    for _ in range(warm):
-        engine.round(GREEDY, set(), 10 ** 6)
+    done = 0
+    while (done < span[0]) if span else (warm > 0):
+        done += engine.round(GREEDY, set(), 10 ** 6).stats.committed
+        warm -= 1
     t0 = time.perf_counter()
-    stats = [engine.round(GREEDY, set(), 10 ** 6).stats for _ in range(n)]
+    stats = []
+    while (done < span[1]) if span else (len(stats) < n):
+        stats.append(engine.round(GREEDY, set(), 10 ** 6).stats)
+        done += stats[-1].committed
     wall = time.perf_counter() - t0
+    n = len(stats)
     tokens = sum(s.committed for s in stats)
     shapes_used = collections.Counter(f"tree {s.tree_nodes}" if s.tree_nodes else f"chain {s.depth}" for s in stats)
     return {"tps": tokens / wall, "tokens_per_round": tokens / n, "rounds_per_s": n / wall,
@@ -110,6 +120,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=40)
     ap.add_argument("--warm", type=int, default=12)
     ap.add_argument("--max-in-flight", type=int, default=8)
+    ap.add_argument("--span", help="A,B: time the verdicts that commit tokens A..B of the reply, not --rounds")
     ap.add_argument("--pair", nargs=2, type=Path, metavar=("TARGET", "DRAFT"), help="a real pair's model directories")
     ap.add_argument("--device", default=None, help="with --pair: cpu (default) or cuda")
     ap.add_argument("--pair-stats", type=Path, help="a real pair's acceptance (from --pair --stats-out): derive tok/s")
@@ -122,6 +133,7 @@ def main() -> None:
     ap.add_argument("--derive", type=Path, help="print the derived table from a --save file and --pair-stats")
     args = ap.parse_args()
     rtts = [int(x) for x in args.rtts.split(",")]
+    span = tuple(int(x) for x in args.span.split(",")) if args.span else None
     if args.derive:
         rows = json.loads(args.derive.read_text())
         pair = json.loads(args.pair_stats.read_text())
@@ -159,7 +171,7 @@ def main() -> None:
                 engines[draft_name] = engine = engine_facing(s, url, f"flight-{rtt}", engines.get(draft_name))
                 ids = prompt or pair_prompt(target)
                 for mode, (shapes, m) in mode_list.items():
-                    out = measure(engine, shapes, m, args.warm, args.rounds, ids)
+                    out = measure(engine, shapes, m, args.warm, args.rounds, ids, span)
                     res[(draft_name, rtt, mode)] = out
                     print(f"{draft_name} rtt {rtt} {mode}: {out['tps']:.1f} tok/s {out['shapes']}",
                           file=sys.stderr, flush=True)
@@ -217,7 +229,7 @@ def write_stats(res: dict, rtts: list[int], path: Path, tree_tokens: float | Non
 
 
 def print_table(res: dict, rtts, drafts, mode_list, pair, max_in_flight) -> None:
-    print(f"\n| draft | RTT ms | mode | tok/s | vs chain | tokens/round | in flight | hits | shapes used |")
+    print("\n| draft | RTT ms | mode | tok/s | vs chain | tokens/round | in flight | hits | shapes used |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for d in drafts:
         for rtt in rtts:

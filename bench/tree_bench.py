@@ -132,7 +132,7 @@ def main() -> None:
         urls = {rtt: stack.enter_context(relay_and_tail(rtt, root, f"rtt{rtt}")) for rtt in rtts}
         for budget in budgets:
             s = Settings(model=str(root / "target"), draft=str(root / "draft"), k=K, tree_budget=budget,
-                         device=gpu_bench.DEVICE, max_context=2048, compile_draft=False, prepare="off")
+                         device=gpu_bench.DEVICE, max_context=2048, compile_draft=False, max_in_flight=1)
             engine = None
             row = res.setdefault(budget, {})
             for rtt in rtts:

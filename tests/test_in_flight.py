@@ -3,6 +3,8 @@ output that does not depend on how many frames were in flight."""
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
@@ -203,3 +205,38 @@ def test_epochs_and_assumptions_round_trip_and_are_bounded():
     with pytest.raises(wire.WireError, match="assuming 66 tokens"):
         encode(Forward(round=3, start_pos=9, tokens=(1,), hidden=bytes(4), dtype=wire.DType.FLOAT16, hidden_size=2,
                        assumes=(1,) * 66))
+
+
+@pytest.fixture(scope="module")
+def nearby(zoo, tmp_path_factory):
+    """A draft that agrees with the target often but not always: the target's weights plus noise."""
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path_factory.mktemp("nearby") / "draft"
+    shutil.copytree(zoo[TARGET], out)
+    model = AutoModelForCausalLM.from_pretrained(zoo[TARGET])
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.add_(torch.randn(p.shape, generator=gen) * p.std() * NOISE)
+    model.save_pretrained(out)
+    return out
+
+
+NOISE = 0.03
+
+
+def test_a_tree_miss_puts_the_saved_slots_back_instead_of_sending_the_path_again(zoo, nearby):
+    """A tree's assumed path moves before its verdict; when the verdict takes another path, the
+    slots saved before the move are restored and the real path moved: nothing is re-sent."""
+    zoo = dict(zoo, nearby=nearby)
+    session = in_flight(zoo, 2, "nearby", budget=8)
+    ids = session.encode(PROMPT)
+    fin = finished(session, ids, 40)
+    assert list(fin.token_ids) == reference(zoo[TARGET], ids, 40, eos=-1)
+    sent = session.engine.link.sent
+    first_verify = next(i for i, f in enumerate(sent) if f.want_verdict)
+    assert session.engine.link.verifier.dropped > 0 and 0 < fin.hit_rate < 1  # some assumptions broke
+    assert fin.tokens_per_round > 1.5  # ... after accepting drafts off the assumed path
+    assert all(f.want_verdict for f in sent[first_verify:])  # no prefill after the prompt's

@@ -17,7 +17,7 @@ from sfchat.runtime.session import ChatSession
 from sfchat.runtime.tail import Verifier
 from sfchat.wire import Sampling
 
-from test_engine import PROMPT, reference
+from test_engine import PROMPT
 
 K = 4
 TARGET = "qwen2-untied"

@@ -248,7 +248,9 @@ class RoundDriver:
             first.shape, accepted=commit.accepted, full=full, sent_bytes=first.sent_bytes, rtt_ms=rtt_ms,
             tail_ms=tail_ms, compute_ms=first.draft_ms + first.head_ms if first.steady else None,
             guess_right=holds if first.outcome is not None and full else None,
-            overhead_ms=(t5 - t0 - (t4 - t3)) * 1e3 - built)
+            # the head's own time per verdict beyond drafting and the head slice: its busy time,
+            # and the time from the verdict's arrival (or the start of the wait) to having it
+            overhead_ms=(t5 - t0 - (t4 - t3) + t4 - max(arrived, t3)) * 1e3 - built)
         stats = RoundStats(
             accepted=commit.accepted, committed=len(commit.tokens),
             draft_ms=planned.draft_ms if planned else 0.0,

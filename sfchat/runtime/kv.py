@@ -125,6 +125,16 @@ class StaticKV:
         for buf in self.keys + self.values:
             buf.index_copy_(2, d, buf.index_select(2, s))
 
+    def save(self, start: int, n: int) -> tuple[int, list[torch.Tensor]]:
+        """A copy of slots ``start .. start + n - 1`` of every layer, for ``load`` to put back
+        (the slots a round in flight may overwrite before its assumption is known to hold)."""
+        return start, [buf[:, :, start:start + n].clone() for buf in self.keys + self.values]
+
+    def load(self, saved: tuple[int, list[torch.Tensor]]) -> None:
+        start, copies = saved
+        for buf, old in zip(self.keys + self.values, copies):
+            buf[:, :, start:start + old.shape[2]].copy_(old)
+
     # -- bookkeeping of what the slots hold ------------------------------------------------------
     def note(self, start: int, tokens) -> None:
         """Record that ``tokens`` were written at ``start``...; later slots become stale."""

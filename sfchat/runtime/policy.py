@@ -130,12 +130,16 @@ class SpeculationPolicy:
         return out
 
     def expected(self, shape: Shape) -> tuple[float, float]:
-        """(tokens a round commits, probability that its likeliest outcome is the real one)."""
+        """(tokens a round commits, probability that its likeliest outcome is the real one). The
+        bonus after a chain of d accepted drafts is the draft's guess of the (d+1)-th: right as often
+        as a (d+1)-th draft is accepted, where deeper chains measured that; the guess rate
+        measured on rounds in flight otherwise (and for trees)."""
         reach = self.reach(shape.depth)
         tokens, full = sum(reach), reach[-1]
         if shape.budget:
-            tokens, full = self.tokens.get(shape, tokens), self.full.get(shape, full)
-        return tokens, full * self.guess
+            return self.tokens.get(shape, tokens), self.full.get(shape, full) * self.guess
+        nxt = self.accept[shape.depth + 1] if shape.depth + 1 < len(self.accept) else None
+        return tokens, full * (self.guess if nxt is None else nxt)
 
     def rate(self, shape: Shape, m: int) -> float:
         """Expected tokens per ms of ``shape`` with up to ``m`` frames in flight."""

@@ -28,8 +28,8 @@ flight. A round, top to bottom:
    speculated after ``plan`` assumed this verdict; if not, the driver drops the rounds in flight
    and plans anew: the tail drops their frames too (see ``tail``), and the cached K/V they wrote
    on the head and draft sits past the committed context, stale, until overwritten (``positions``
-   compares the cache with the committed tokens; a tree's moved path is cut where the real path
-   leaves it, and the next round re-sends from there).
+   compares the cache with the committed tokens; a tree's slots, saved before its assumed path
+   moved, are put back and the real path moved instead).
 
 A speculated round computes exactly what ``plan`` would compute after that verdict (same
 positions, window, random stream and graph; the slots it reads were written before it), so the
@@ -47,7 +47,7 @@ import torch
 
 from sfchat import UserError, wire
 from sfchat.runtime import sampling, tree as trees
-from sfchat.runtime.draft import Drafter
+from sfchat.runtime.draft import Drafter, scratch_slots
 from sfchat.runtime.kv import PREFILL_CHUNK
 from sfchat.runtime.policy import Shape
 from sfchat.runtime.slices import DTYPE_NAMES, ModelSlice
@@ -73,6 +73,7 @@ class Plan:
     tree: trees.Tree | None = None  # a tree round: the tree whose nodes are ``drafts``
     assumes: tuple[int, ...] = ()  # the verdict tokens of the round before it that it assumes
     outcome: tuple[tuple[int, ...], tuple[int, ...]] | None = None  # (path, tokens) a round after it assumes
+    saved: tuple | None = None  # a tree's K/V slots as they were before its assumed path moved
     sent_at: float = 0.0  # perf_counter when its frames went out
     steady: bool = True  # no prefill and no catch-up feed of the draft: its compute is a round's alone
     forward_bytes: int = field(init=False)
@@ -224,7 +225,10 @@ class HeadRound:
         path = plan.likeliest()
         if plan.tree is not None:  # that path's K/V moves into place, as ``take`` would move it
             accepted = plan.tree.path_tokens(path)
-            self.head.keep([plan.verify_start + i for i in path], plan.verify_start + 1, accepted)
+            first = plan.verify_start + 1  # the tree's slots, and the draft's frontier, start here
+            plan.saved = (self.head.save(first, len(plan.tree)),
+                          self.drafter.model.save(first, scratch_slots(self.k, self.drafter.budget, self.drafter.vocab)))
+            self.head.keep([plan.verify_start + i for i in path], first, accepted)
             self.drafter.keep(plan.tree, path, plan.context_len)
         else:
             accepted = plan.drafts
@@ -245,16 +249,15 @@ class HeadRound:
         if len(self.tokens) != plan.context_len or self.tokens != plan.basis:
             raise RuntimeError("a verdict taken out of order")  # the driver's bug, never the tail's
         path = list(verdict.path)
-        if plan.tree is not None and plan.outcome is None:  # the accepted nodes' K/V move into place
+        if plan.tree is not None and (plan.outcome is None or tuple(path) != plan.outcome[0]):
+            if plan.saved is not None:  # the assumed path was moved, and rounds in flight wrote after it
+                self.head.restore(plan.saved[0])
+                self.drafter.model.restore(plan.saved[1])
+            # the accepted nodes' K/V move into place
             accepted = plan.tree.path_tokens(path)
             self.head.keep([plan.verify_start + i for i in path], plan.verify_start + 1, accepted)
             self.drafter.keep(plan.tree, path, plan.context_len)
-        elif plan.tree is not None and tuple(path) != plan.outcome[0]:
-            # the assumed path was moved into place: keep what the real path shares with it
-            same = next((i for i, (a, b) in enumerate(zip(path, plan.outcome[0])) if a != b),
-                        min(len(path), len(plan.outcome[0])))
-            for kv in (self.head.kv, self.drafter.model.kv):
-                kv.note(min(plan.verify_start + 1 + same, len(kv.written)), [])
+        plan.saved = None
         committed, finish = [], None
         for t in verdict.tokens:
             committed.append(t)

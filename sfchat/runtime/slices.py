@@ -240,6 +240,14 @@ class ModelSlice(nn.Module):
             kv.move(src, dst)
         self.kv.note(start, tokens)
 
+    def save(self, start: int, n: int) -> list:
+        """A copy of slots ``start .. start + n - 1`` in every KV cache of the slice (``restore``)."""
+        return [kv.save(start, n) for _, kv, _ in self.groups]
+
+    def restore(self, saved: list) -> None:
+        for (_, kv, _), part in zip(self.groups, saved):
+            kv.load(part)
+
     @torch.no_grad()
     def forward(self, x: torch.Tensor, positions: torch.Tensor, n_logits: int = 0,
                 window: int | None = None, tree: TreeMask | None = None) -> torch.Tensor:

@@ -132,9 +132,9 @@ class Verifier:
             self._fail(emit, f"tail's model has {n_layers(cfg)} layers / hidden {cfg.hidden_size}, "
                              f"the head's {hello.n_layers} / {hello.hidden_size}: not the same model")
         # a verify is a chain of one of the hello's depths, or a tree of tree_budget nodes: a graph each
-        for m, tree in hello.shapes():
-            if hello.graphs and self.device.type == "cuda" and (m, m, tree) not in self.model.graphs:
-                self.model.capture(m, m, log=self.log, tree=tree)
+        for m, is_tree in hello.shapes():
+            if hello.graphs and self.device.type == "cuda" and (m, m, is_tree) not in self.model.graphs:
+                self.model.capture(m, m, log=self.log, tree=is_tree)
         if not hello.graphs:
             self.model.graphs.clear()
         self.model.kv.reset()
