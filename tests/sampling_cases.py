@@ -234,14 +234,25 @@ def describe(p_views: dict[str, float]) -> str:
     return ", ".join(f"{name} {p:.3g}" for name, p in p_views.items())
 
 
-def _speculative_part(target, draft, ids, s: Sampling, n: int, first_seed: int, tree_budget: int = 0):
-    """One worker's share of ``speculative_sample`` (a process of its own: it loads its session)."""
+def _speculative_part(target, draft, ids, s: Sampling, n: int, first_seed: int, tree_budget: int = 0,
+                      in_flight: int = 1):
+    """One worker's share of ``speculative_sample`` (a process of its own: it loads its session);
+    with ``in_flight`` > 1, every round goes out that many frames ahead of its verdicts."""
     torch.set_num_threads(1)
-    session = ChatSession.load(Settings(model=target, draft=draft, k=K, device="cpu", tree_budget=tree_budget))
+    link = None
+    if in_flight > 1:
+        from flight_links import Always, Pipelined
+
+        link = Pipelined()
+    session = ChatSession.load(Settings(model=target, draft=draft, k=K, device="cpu", tree_budget=tree_budget,
+                                        max_in_flight=in_flight), link=link)
+    if in_flight > 1:
+        session.engine.policy = Always(session.engine.rounds.shapes[0], in_flight)
     return speculative_sample(session, ids, s, n, first_seed)
 
 
-def parallel_speculative_sample(models, ids, s: Sampling, n: int, first_seed: int, tree_budget: int = 0):
+def parallel_speculative_sample(models, ids, s: Sampling, n: int, first_seed: int, tree_budget: int = 0,
+                                in_flight: int = 1):
     """``speculative_sample`` over two processes when there are two cores: the same seeds, so
     the same outcomes as one process would give."""
     workers = min(2, os.cpu_count() or 1)
@@ -249,7 +260,7 @@ def parallel_speculative_sample(models, ids, s: Sampling, n: int, first_seed: in
     counts, histogram = Counter(), np.zeros(K + 1, dtype=int)
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
         parts = [pool.submit(_speculative_part, str(models["target"]), str(models["draft"]), ids, s, size, seed,
-                             tree_budget) for seed, size in shares]
+                             tree_budget, in_flight) for seed, size in shares]
         for part in parts:
             c, h = part.result()
             counts.update(c)

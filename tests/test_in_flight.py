@@ -11,8 +11,6 @@ import torch
 from sfchat import wire
 from sfchat.config import Settings
 from sfchat.events import ReplyFinished
-from sfchat.runtime.links import MemoryLink
-from sfchat.runtime.policy import Shape
 from sfchat.runtime.round import hidden_bytes
 from sfchat.runtime.session import ChatSession
 from sfchat.runtime.slices import ModelSlice
@@ -20,42 +18,13 @@ from sfchat.runtime.source import ModelSource
 from sfchat.runtime.tail import TailError, Verifier
 from sfchat.wire import Forward, Sampling, decode, encode
 
+from flight_links import Always, Pipelined
 from test_engine import PROMPT, reference
 from test_tail import SPLIT, hello_for
 
 K = 4
 TARGET = "qwen2-untied"
 SAMPLED = Sampling(temperature=0.9, top_k=0, top_p=0.95, seed=7)
-
-
-class Pipelined(MemoryLink):
-    """Local mode's link, with frames queued as a relay queues them: the head sends rounds ahead
-    (``overlaps``), and the tail runs each frame, in order, when the head waits for a verdict."""
-
-    overlaps = True
-
-    def __init__(self, verifier=None):
-        super().__init__(verifier or Verifier(torch.device("cpu")))
-        self.sent: list[wire.Forward] = []
-
-    def send(self, frame: bytes) -> None:
-        msg = decode(frame)
-        if isinstance(msg, Forward):
-            self.sent.append(msg)
-        super().send(frame)
-
-
-class Always:
-    """A policy that always answers ``(shape, m)``: the mechanism under test, not the choice."""
-
-    def __init__(self, shape: Shape, m: int):
-        self.shape, self.m, self.max_in_flight = shape, m, m
-
-    def choose(self):
-        return self.shape, self.m
-
-    def observe(self, *args, **kw):
-        pass
 
 
 def in_flight(zoo, m: int, draft=TARGET, budget=0, link=None) -> ChatSession:

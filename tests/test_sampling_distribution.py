@@ -103,4 +103,14 @@ def test_tree_sampling_is_distributed_as_generate(models, prompt_ids, exact):
     assert combined(p_views) > ALPHA, describe(p_views)
 
 
+def test_sampling_in_flight_is_distributed_as_generate(models, prompt_ids, exact):
+    """Chains sent three frames ahead of their verdicts, each assuming the likeliest outcome of
+    the one before (most assumptions break: the draft disagrees often): the same tests, the same
+    sample size, on the seeds of the sequential test above."""
+    spec, histogram = parallel_speculative_sample(models, prompt_ids, SAMPLING, N_SPEC, first_seed=0, in_flight=3)
+    p_views = view_pvalues(spec, exact)
+    print(f"\nin flight n={N_SPEC}, accepted histogram {histogram.tolist()}: {describe(p_views)}")
+    assert combined(p_views) > ALPHA, describe(p_views)
+
+
 # -- seeds ----------------------------------------------------------------------------------------

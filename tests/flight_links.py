@@ -1,0 +1,42 @@
+"""Test links and policies for frames in flight: a local link whose frames queue as a relay's do,
+and a policy that always answers the same shape and number in flight."""
+
+from __future__ import annotations
+
+import torch
+
+from sfchat import wire
+from sfchat.runtime.links import MemoryLink
+from sfchat.runtime.policy import Shape
+from sfchat.runtime.tail import Verifier
+from sfchat.wire import Forward, decode
+
+
+class Pipelined(MemoryLink):
+    """Local mode's link, with frames queued as a relay queues them: the head sends rounds ahead
+    (``overlaps``), and the tail runs each frame, in order, when the head waits for a verdict."""
+
+    overlaps = True
+
+    def __init__(self, verifier=None):
+        super().__init__(verifier or Verifier(torch.device("cpu")))
+        self.sent: list[wire.Forward] = []
+
+    def send(self, frame: bytes) -> None:
+        msg = decode(frame)
+        if isinstance(msg, Forward):
+            self.sent.append(msg)
+        super().send(frame)
+
+
+class Always:
+    """A policy that always answers ``(shape, m)``: the mechanism under test, not the choice."""
+
+    def __init__(self, shape: Shape, m: int):
+        self.shape, self.m, self.max_in_flight = shape, m, m
+
+    def choose(self):
+        return self.shape, self.m
+
+    def observe(self, *args, **kw):
+        pass
