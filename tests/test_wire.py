@@ -378,3 +378,11 @@ def test_a_malformed_verdict_path_is_refused(path):
         decode(forged)
     with pytest.raises(wire.TreeError):
         encode(Verdict(1, 2, 2, (5, 6, 7), path=path))
+
+
+def test_a_verdict_claiming_a_huge_accepted_count_is_refused_without_allocating_it():
+    """The default path of a Verdict is 1..n_accepted: built for n = 2**40 it filled the memory."""
+    msg = Verdict(round=1, start_pos=0, n_accepted=2 ** 40, tokens=(1,))
+    assert len(msg.path) <= wire.MAX_DRAFT + 1
+    with pytest.raises(WireError, match="VERDICT with"):
+        encode(msg)

@@ -38,14 +38,13 @@ verdict, a bad PROGRESS) ends the reply with ``LinkError``, never a crash or a b
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass
 
 from sfchat import UserError, wire
 from sfchat.events import LinkState, RoundStats
 from sfchat.handshake import Hello, Ready
 from sfchat.relay_link import LinkClosed, PeerGone
-from collections import deque
-
 from sfchat.runtime.policy import SpeculationPolicy
 from sfchat.runtime.round import HeadRound, Plan, ProtocolError
 
