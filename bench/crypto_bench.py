@@ -22,8 +22,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sfchat import secure_link, wire  # noqa: E402
-from sfchat.secure_link import SecureLink  # noqa: E402
+from sfchat.link import secure as secure_link  # noqa: E402
+from sfchat.protocol import wire  # noqa: E402
+from sfchat.link.secure import SecureLink  # noqa: E402
 
 HIDDEN, K = 3584, 8  # Qwen2.5-7B
 

@@ -53,7 +53,7 @@ import gpu_bench  # noqa: E402
 from gpu_bench import (GREEDY, QWEN25_05B, QWEN25_7B, TINY_DRAFT, TINY_TARGET, engine_facing,  # noqa: E402
                        relay_and_tail, write_checkpoint)
 from sfchat.config import Settings  # noqa: E402
-from sfchat.runtime.policy import Shape, SpeculationPolicy, menu  # noqa: E402
+from sfchat.engine.policy import Shape, SpeculationPolicy, menu  # noqa: E402
 
 K, BUDGET = 8, 64
 PROMPT = list(range(200, 328))

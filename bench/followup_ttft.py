@@ -21,8 +21,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from sfchat.config import Settings  # noqa: E402
-from sfchat.runtime.session import ChatSession  # noqa: E402
-from sfchat.wire import Sampling  # noqa: E402
+from sfchat.node.head import Head  # noqa: E402
+from sfchat.protocol.wire import Sampling  # noqa: E402
 
 FILLER = "The quick brown fox jumps over the lazy dog near the river bank. "
 
@@ -41,10 +41,10 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     model = args.model
     if model is None:
-        from sfchat.models import smollm2
+        from sfchat.model.convert import smollm2
 
         model = str(smollm2(Path(tempfile.mkdtemp(prefix="sfchat-bench-")) / "smol", quiet=True))
-    session = ChatSession.load(Settings(model=model, draft=model, k=4, device=args.device, max_context=4096))
+    session = Head.open(Settings(model=model, draft=model, k=4, device=args.device, max_context=4096))
     print(f"\n{model} on {args.device}, torch {torch.__version__}, K=4, greedy, 8 new tokens per turn\n")
     print("| first message | turn 1 prompt tokens | turn 1 ttft s | turn 2 prompt tokens | reused | prefilled "
           "| turn 2 ttft s |")

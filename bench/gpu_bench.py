@@ -30,9 +30,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from sfchat.config import Settings  # noqa: E402
-from sfchat.runtime import sampling  # noqa: E402
-from sfchat.runtime.session import build_engine  # noqa: E402
-from sfchat.wire import Sampling  # noqa: E402
+from sfchat.engine import sampling  # noqa: E402
+from sfchat.node.loading import open_engine  # noqa: E402
+from sfchat.protocol.wire import Sampling  # noqa: E402
 
 QWEN25_7B = dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
                  num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False)
@@ -117,7 +117,7 @@ def settings(target: Path, draft, k: int, variant: str) -> Settings:
 def component_figures(target: Path, draft: Path, k: int, variant: str, n: int) -> dict:
     """Draft, head-verify and tail-verify times of one engine, for one variant."""
     t0 = time.perf_counter()
-    engine, _ = build_engine(settings(target, draft, k, variant))
+    engine, _ = open_engine(settings(target, draft, k, variant))
     load_s = time.perf_counter() - t0
     head, drafter, tail = engine.head, engine.drafter, engine.link.verifier.model
     prompt = list(range(100, 228))
@@ -157,7 +157,7 @@ def relay_and_tail(rtt_ms: int, models_dir: Path, session: str = "bench"):
     """A real sfchat-relay on loopback emulating ``rtt_ms`` and a tail process on the GPU that may
     load the checkpoints under ``models_dir``: the URL."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    relay = subprocess.Popen([sys.executable, "-m", "relay.server", "--host", "127.0.0.1", "--port", "0",
+    relay = subprocess.Popen([sys.executable, "-m", "relay", "--host", "127.0.0.1", "--port", "0",
                               "--token", TOKEN, "--emulate-rtt-ms", str(rtt_ms)],
                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
     url = None
@@ -179,8 +179,8 @@ def relay_and_tail(rtt_ms: int, models_dir: Path, session: str = "bench"):
 
 def head_link(url: str, session: str = "bench"):
     """The head's sealed link to the tail behind ``url``, once the tail is there."""
-    from sfchat.relay_link import RelayLink
-    from sfchat.secure_link import secure
+    from sfchat.link.relay import RelayLink
+    from sfchat.link.secure import secure
 
     link = RelayLink(url, TOKEN, session, "head")
     link.wait_peer(120)
@@ -192,7 +192,7 @@ def engine_facing(s: Settings, url: str, session: str, engine=None):
     later calls the same loaded head, re-pointed at this tail (fresh hello, context re-sent)."""
     link = head_link(url, session)
     if engine is None:
-        return build_engine(s, link=link)[0]
+        return open_engine(s, link=link)[0]
     engine.link.close()
     engine.link = link
     engine.connect(engine.hello)
@@ -206,7 +206,7 @@ def relay_figures(target: Path, draft: Path, k: int, rtt_ms: int, n: int, varian
     with relay_and_tail(rtt_ms, target.parent) as url:
         for variant in variants:
             link = head_link(url)
-            engine, _ = build_engine(settings(target, draft, k, variant), link=link)
+            engine, _ = open_engine(settings(target, draft, k, variant), link=link)
             rounds_ms, _ = run_rounds(engine, n)
             out[variant] = rounds_ms
             link.close()
@@ -246,7 +246,7 @@ def main() -> None:
         print(f"components ({variant}) done", file=sys.stderr, flush=True)
         save()
     for variant in [v for v in ("compiled",) if v in args.variants]:  # draft = target: all accepted
-        engine, _ = build_engine(settings(root / "target", root / "target", k, variant))
+        engine, _ = open_engine(settings(root / "target", root / "target", k, variant))
         ms, tpr = run_rounds(engine, max(n // 4, 8))
         res[variant].update(self_round_ms=ms, self_tokens_per_round=tpr)
         del engine

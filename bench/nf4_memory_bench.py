@@ -2,7 +2,7 @@
 
 Writes random-weight bf16 checkpoints with those shapes (as ``gpu_bench.py`` does), then for the
 head slice, the tail slice and the draft, dense and NF4, prints one table: the estimate of
-``sfchat.runtime.memory.slice_need`` next to what torch really allocated after loading, and the
+``sfchat.model.memory.slice_need`` next to what torch really allocated after loading, and the
 peak after a 512-token prefill chunk, the K+1 verify and the CUDA-graph capture; whether the
 capture worked with bitsandbytes and is bit-identical to eager; and the graphed verify (or draft
 round) time.
@@ -26,11 +26,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gpu_bench import QWEN25_05B, QWEN25_7B, write_checkpoint  # noqa: E402
-from sfchat.runtime.draft import Drafter  # noqa: E402
-from sfchat.runtime.memory import GIB, slice_need  # noqa: E402
-from sfchat.runtime.slices import ModelSlice  # noqa: E402
-from sfchat.runtime.source import ModelSource  # noqa: E402
-from sfchat.wire import Sampling  # noqa: E402
+from sfchat.engine.draft import Drafter  # noqa: E402
+from sfchat.model.memory import GIB, slice_need  # noqa: E402
+from sfchat.model.slices import ModelSlice  # noqa: E402
+from sfchat.model.source import ModelSource  # noqa: E402
+from sfchat.protocol.wire import Sampling  # noqa: E402
 
 DEV = torch.device("cuda")
 

@@ -140,7 +140,7 @@ def main() -> None:
         tinymodels.make_model(tmp / "draft", "llama", tok, seed=99, layers=2, max_pos=2048)
         args.model, args.draft = str(tmp / "target"), args.draft or str(tmp / "draft")
     elif args.model is None:
-        from sfchat.models import smollm2
+        from sfchat.model.convert import smollm2
 
         args.model = str(smollm2(tmp / "smol", quiet=True))
     args.draft_4bit = args.draft_4bit == "yes" if args.draft_4bit else args.draft is None

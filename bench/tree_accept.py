@@ -34,10 +34,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from sfchat.config import Settings, cpu_model_dir  # noqa: E402
 from sfchat.events import ReplyFinished  # noqa: E402
-from sfchat.models import ensure_smollm2  # noqa: E402
-from sfchat.runtime import tree as trees  # noqa: E402
-from sfchat.runtime.session import ChatSession  # noqa: E402
-from sfchat.wire import Sampling  # noqa: E402
+from sfchat.model.convert import ensure_smollm2  # noqa: E402
+from sfchat.engine import tree as trees  # noqa: E402
+from sfchat.node.head import Head  # noqa: E402
+from sfchat.protocol.wire import Sampling  # noqa: E402
 
 PASSAGE = ("The relay is a small public server that pairs a head machine and a tail machine by a session name. "
            "Both machines dial out to it, because notebooks accept no inbound connections. Every frame is sealed "
@@ -114,7 +114,7 @@ def quantised_copy(src: Path, out: Path, kind: str) -> Path:
     return out
 
 
-def run(session: ChatSession, prompt: str, n: int, s: Sampling) -> ReplyFinished:
+def run(session: Head, prompt: str, n: int, s: Sampling) -> ReplyFinished:
     ids = session.encode([{"role": "user", "content": prompt}])
     return [e for e in session.reply(ids, n, s) if isinstance(e, ReplyFinished)][0]
 
@@ -135,7 +135,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.manual_seed(0)
     if args.wheel:
-        from sfchat.models import smollm2
+        from sfchat.model.convert import smollm2
 
         target = args.model or Path("/tmp/sfchat-smollm2/SmolLM2-135M-Instruct")
         if not (target / "model.safetensors").is_file():
@@ -153,7 +153,7 @@ def main() -> None:
             for variant, budget in variants.items():
                 if variant == "tree, no lookup" and temp > 0:
                     continue  # what the lookup branch adds is shown greedy
-                session = ChatSession.load(Settings(model=str(target), draft=str(draft), k=args.k, tree_budget=budget,
+                session = Head.open(Settings(model=str(target), draft=str(draft), k=args.k, tree_budget=budget,
                                                     device=args.device, dtype=args.dtype, max_context=2048,
                                                     compile_draft=False))
                 saved = trees.LOOKUP_NGRAMS

@@ -41,7 +41,7 @@ import gpu_bench  # noqa: E402
 from gpu_bench import (GREEDY, QWEN25_05B, QWEN25_7B, TINY_DRAFT, TINY_TARGET, cuda_ms, engine_facing,  # noqa: E402
                        relay_and_tail, write_checkpoint)
 from sfchat.config import Settings  # noqa: E402
-from sfchat.runtime import tree as trees  # noqa: E402
+from sfchat.engine import tree as trees  # noqa: E402
 
 K = 8
 PROMPT = list(range(200, 600))  # context ~400, as the issue's figures
@@ -69,10 +69,10 @@ def tail_parts(target: Path, budgets: list[int], n: int) -> dict:
     """The tail half in this process, per budget: its verify forward alone (graph replay), with
     the verification (argmax and the walk, or the chain's prefix match), and the whole of what the
     tail does with a frame's payload (hidden states from bytes, the mask, forward, verification)."""
-    from sfchat.runtime import sampling
-    from sfchat.runtime.slices import ModelSlice, n_layers
-    from sfchat.runtime.source import ModelSource
-    from sfchat.runtime.tail import tensor_from_bytes
+    from sfchat.engine import sampling
+    from sfchat.model.slices import ModelSlice, n_layers
+    from sfchat.model.source import ModelSource
+    from sfchat.engine.verifier import tensor_from_bytes
 
     src = ModelSource.open(str(target))
     L = n_layers(src.config)

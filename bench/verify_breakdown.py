@@ -29,9 +29,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sfchat.runtime.graphs import Graphed  # noqa: E402
-from sfchat.runtime.kv import windows_for  # noqa: E402
-from sfchat.runtime.slices import ModelSlice  # noqa: E402
+from sfchat.model.graphs import Graphed  # noqa: E402
+from sfchat.model.kv import windows_for  # noqa: E402
+from sfchat.model.slices import ModelSlice  # noqa: E402
 
 SHAPES = {
     "7B head half": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
@@ -150,7 +150,7 @@ def main() -> None:
     dtype = torch.bfloat16 if cuda else torch.float32
     shapes = TINY if args.tiny else SHAPES
     if args.tiny:
-        from sfchat.runtime import kv
+        from sfchat.model import kv
 
         kv.MIN_WINDOW = 8
     where = torch.cuda.get_device_name() if cuda else "cpu (tiny shapes)"

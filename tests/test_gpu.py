@@ -8,10 +8,11 @@ import torch
 
 from sfchat.config import Settings
 from sfchat.events import ReplyFinished
-from sfchat.runtime.session import ChatSession
-from sfchat.runtime.slices import ModelSlice
-from sfchat.runtime.source import ModelSource
-from sfchat.wire import Sampling
+from sfchat.node.head import Head
+from sfchat.model.graphs import GraphTable
+from sfchat.model.slices import ModelSlice
+from sfchat.model.source import ModelSource
+from sfchat.protocol.wire import Sampling
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -38,7 +39,7 @@ def test_graphed_slices_are_bit_identical_to_eager(zoo, dtype):
 
 
 def test_graphed_draft_round_equals_eager(zoo):
-    from sfchat.runtime.draft import Drafter
+    from sfchat.engine.draft import Drafter
 
     src = ModelSource.open(str(zoo["llama-untied"]))
     model = ModelSlice.load(src, 0, 4, embed=True, head=True, dtype=torch.float32,
@@ -46,7 +47,7 @@ def test_graphed_draft_round_equals_eager(zoo):
     drafter = Drafter(model, 6)
     assert drafter.capture()
     tokens = list(range(5, 40))
-    graphs, drafter.graphs = drafter.graphs, {}
+    graphs, drafter.graphs = drafter.graphs, GraphTable()
     first, _, _ = drafter.propose(tokens, Sampling(), None)
     tokens.append(first[0])
     eager, _, _ = drafter.propose(tokens, Sampling(), None)
@@ -57,12 +58,43 @@ def test_graphed_draft_round_equals_eager(zoo):
     assert graphed == eager
 
 
+@pytest.mark.parametrize("tree_budget", [0, 16])
+def test_sampled_draft_rounds_replay_from_graphs_as_they_run_eagerly(zoo, tree_budget):
+    """Sampled drafting is graphed too: the settings and the round's random numbers are inputs, so
+    a replay with any settings gives exactly what the plain code gives with the same noise."""
+    from sfchat.engine import sampling
+    from sfchat.engine.draft import Drafter
+
+    model = ModelSlice.load(ModelSource.open(str(zoo["llama-untied"])), 0, 4, embed=True, head=True,
+                            dtype=torch.bfloat16, device=torch.device("cuda"), max_len=128)
+    drafter = Drafter(model, 6, tree_budget=tree_budget)
+    assert drafter.capture()
+    assert (("tree", True) if tree_budget else ("chain", 6, True)) in drafter.graphs
+    tokens = list(range(5, 40))
+    graphs = drafter.graphs
+    for s in (Sampling(0.7, 0, 1.0, 3), Sampling(1.3, 20, 0.9, 4)):
+        results = []
+        for table in (GraphTable(), graphs):  # eagerly, then replayed, from the same cache
+            drafter.reset()
+            drafter.graphs = GraphTable()
+            drafter.propose(tokens[:-1], Sampling(), None)
+            drafter.graphs = table
+            gen = sampling.round_generator(s.seed, len(tokens), "draft", "cuda")
+            out = drafter.grow(tokens, s) if tree_budget else drafter.propose(tokens, s, gen)
+            results.append(out if tree_budget else (out[0], out[1].cpu(), out[2].cpu()))
+        if tree_budget:
+            assert results[0].tokens == results[1].tokens and results[0].parents == results[1].parents
+        else:
+            assert results[0][0] == results[1][0] and torch.equal(results[0][1], results[1][1])
+            assert torch.equal(results[0][2], results[1][2])
+
+
 @pytest.mark.parametrize("k", [1, 8])
 def test_graphed_engine_keeps_greedy_parity(zoo, k):
     from transformers import AutoModelForCausalLM
 
     path = zoo["qwen2-tied"]
-    session = ChatSession.load(Settings(model=str(path), draft=str(zoo["draft"]), k=k, device="cuda",
+    session = Head.open(Settings(model=str(path), draft=str(zoo["draft"]), k=k, device="cuda",
                                         dtype="float32"))
     assert session.engine.head.graphs and session.engine.drafter.graphs
     ids = session.encode([{"role": "user", "content": "hello world"}])
@@ -73,15 +105,15 @@ def test_graphed_engine_keeps_greedy_parity(zoo, k):
 
 
 def test_each_attention_window_has_its_graph_and_matches_eager(zoo, monkeypatch):
-    from sfchat.runtime import kv
-    from sfchat.runtime.draft import Drafter
+    from sfchat.model import kv
+    from sfchat.engine.draft import Drafter
 
     monkeypatch.setattr(kv, "MIN_WINDOW", 16)
     src = ModelSource.open(str(zoo["qwen2-untied"]))
     dev = torch.device("cuda")
     tail = ModelSlice.load(src, 2, 4, embed=False, head=True, dtype=torch.bfloat16, device=dev, max_len=64)
     k = 4
-    assert tail.capture(k + 1, k + 1) and sorted(tail.graphs[(k + 1, k + 1, False)]) == [16, 32, 64]
+    assert tail.capture(k + 1, k + 1) and tail.graphs.windows((k + 1, k + 1, False)) == [16, 32, 64]
     hidden = torch.randn(60, 64, device=dev).to(torch.bfloat16)
     tail.forward(hidden[:55], torch.arange(55, device=dev), 1)
     for first in (3, 20, 40, 55):  # windows 16, 32, 64, 64
@@ -92,16 +124,16 @@ def test_each_attention_window_has_its_graph_and_matches_eager(zoo, monkeypatch)
         assert torch.equal(tail.run(x, pos, k + 1, end=first + k + 1), eager)
     drafter = Drafter(ModelSlice.load(ModelSource.open(str(zoo["draft"])), 0, 2, embed=True, head=True,
                                       dtype=torch.bfloat16, device=dev, max_len=64), k)
-    assert drafter.capture() and sorted(drafter.graphs[drafter.k]) == [16, 32, 64]
+    assert drafter.capture() and drafter.graphs.windows(("chain", k, False)) == [16, 32, 64]
     tokens = list(range(5, 30))  # rounds in the 32 window, then the 64 one
     graphs = drafter.graphs
     for _ in range(6):
         results = []
         for replay in (False, True):  # the same round from the same cache, eagerly then replayed
             drafter.reset()
-            drafter.graphs = {}
+            drafter.graphs = GraphTable()
             drafter.propose(tokens[:-1], Sampling(), None)
-            drafter.graphs = graphs if replay else {}
+            drafter.graphs = graphs if replay else GraphTable()
             results.append(drafter.propose(tokens, Sampling(), None)[0])
         assert results[0] == results[1]
         tokens += results[0][:3]
@@ -114,11 +146,11 @@ def test_graphed_tree_engine_keeps_greedy_parity(zoo, budget):
     from transformers import AutoModelForCausalLM
 
     path = zoo["qwen2-tied"]
-    session = ChatSession.load(Settings(model=str(path), draft=str(zoo["draft"]), k=5, tree_budget=budget,
+    session = Head.open(Settings(model=str(path), draft=str(zoo["draft"]), k=5, tree_budget=budget,
                                         device="cuda", dtype="float32", compile_draft=False))
     engine = session.engine
-    assert (budget + 1, 0, True) in engine.head.graphs and engine.drafter.tree_graphs
-    assert (budget + 1, budget + 1, True) in engine.link.verifier.model.graphs
+    assert engine.head.captured(budget + 1, tree=True) and ("tree", False) in engine.drafter.graphs
+    assert engine.link.verifier.model.captured(budget + 1, budget + 1, tree=True)
     ids = session.encode([{"role": "user", "content": "hello world"}])
     fin = [e for e in session.reply(ids, 32, Sampling()) if isinstance(e, ReplyFinished)][0]
     model = AutoModelForCausalLM.from_pretrained(path).cuda().eval()
@@ -127,7 +159,7 @@ def test_graphed_tree_engine_keeps_greedy_parity(zoo, budget):
 
 
 def test_graphed_tree_forward_is_bit_identical_to_eager(zoo):
-    from sfchat.runtime import tree as trees
+    from sfchat.engine import tree as trees
 
     src = ModelSource.open(str(zoo["qwen2-untied"]))
     dev = torch.device("cuda")

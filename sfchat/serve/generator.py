@@ -1,13 +1,12 @@
-"""The generation thread: the one thread that owns the chat session (the models, CUDA, the link).
+"""The generation thread: the server's ``node.worker.CudaThread``, which owns the head.
 
 Contract
 --------
-``GenerationThread(settings, metrics, max_queue, load=..., on_event=...)``. ``start()`` starts the
-thread, which loads the session with ``load(settings, on_event)`` (by default
-``ChatSession.load`` over a relay link in relay mode, in-process otherwise) and returns the
+``GenerationThread(settings, metrics, max_queue, open_head=..., on_event=...)``. ``start()`` starts
+the thread, which opens the head with ``open_head(settings, on_event)`` (by default
+``worker.open_head``: over a relay link in relay mode, in-process otherwise) and returns the
 ``RuntimeReady`` figures once it is loaded, or raises the load's ``UserError`` in the caller.
-Loading, every round and every reply run on that thread alone: CUDA graph state is
-thread-local, and one generation at a time is what the GPU can do.
+Loading, every round and every reply run on that thread alone.
 
 ``submit(job)`` queues a ``Job`` without blocking; ``QueueFull`` when ``max_queue`` jobs already
 wait (the one being generated does not count). The thread reports each job's progress by
@@ -24,8 +23,6 @@ never changes the fast tokenizer's padding or truncation state, so the generatio
 decoding may run beside it). A follow-up
 whose prompt extends the previous conversation reuses the KV cache through the engine: nothing
 is reset between requests. ``close()`` ends the thread after the current round.
-
-Torch is imported only inside the thread (through the runtime).
 """
 
 from __future__ import annotations
@@ -38,6 +35,9 @@ from typing import Callable
 
 from sfchat import UserError
 from sfchat.config import Settings
+from sfchat.events import LinkState, ReplyFinished, ReplyStarted, TokensCommitted
+from sfchat.node.prompts import make_sampling
+from sfchat.node.worker import STOP, CudaThread, open_head
 from sfchat.serve.metrics import ServerMetrics
 from sfchat.serve.stops import StopMatcher
 
@@ -73,108 +73,74 @@ class Outcome:
     figures: dict  # sfchat's own: tokens per round, tok/s, RTT, ...
 
 
-def load_session(s: Settings, on_event: Callable):
-    """The default loader: what one-shot mode does (relay link in relay mode, else in-process)."""
-    from sfchat.runtime.session import ChatSession, connect_relay
+class GenerationThread(CudaThread):
+    name = "sfchat-generation"
 
-    return ChatSession.load(s, on_event, connect_relay(s, on_event))
-
-
-class GenerationThread:
     def __init__(self, settings: Settings, metrics: ServerMetrics, max_queue: int = 16,
-                 load: Callable = load_session, on_event: Callable = lambda e: None):
-        self.settings, self.metrics, self.load, self.on_event = settings, metrics, load, on_event
-        self.jobs: queue.Queue = queue.Queue(maxsize=max(1, max_queue))
-        self.session = None
+                 open_head: Callable = open_head, on_event: Callable = lambda e: None):
+        super().__init__(settings, open_head, max(1, max_queue))
+        self.metrics, self.report = metrics, on_event
         self.info = None
-        self.thread: threading.Thread | None = None
         self.tokenizer_lock = threading.Lock()
-        self.loaded = threading.Event()
-        self.load_error: BaseException | None = None
         self.current: Job | None = None
 
     # -- the caller's side ----------------------------------------------------------------------
-    def start(self, timeout: float | None = None):
-        self.thread = threading.Thread(target=self._main, name="sfchat-generation", daemon=True)
-        self.thread.start()
+    def start(self, timeout: float | None = None):  # type: ignore[override]
+        super().start()
         if not self.loaded.wait(timeout):
             raise UserError(f"the models did not load within {timeout} s")
         if self.load_error is not None:
             raise self.load_error
+        self.info = self.head.info
         return self.info
 
     def encode(self, messages: list[dict]) -> list[int]:
-        s = self.settings
-        if s.system and not any(m["role"] == "system" for m in messages):
-            messages = [{"role": "system", "content": s.system}] + list(messages)
         with self.tokenizer_lock:
-            return self.session.encode(list(messages), s.chat_template)
+            return self.head.encode(list(messages))
 
     def submit(self, job: Job) -> None:
         try:
-            self.jobs.put_nowait(job)
+            self.requests.put_nowait(job)
         except queue.Full:
             raise QueueFull() from None
-        self.metrics.queue_depth.set(self.jobs.qsize())
+        self.metrics.queue_depth.set(self.requests.qsize())
 
     def close(self) -> None:
         job = self.current
         if job is not None:
             job.cancel()
-        while True:  # the thread takes the next job at once: make it the sentinel
+        while True:  # the thread takes the next job at once: make it the end
             try:
-                self.jobs.get_nowait().deliver(("failed", 503, "the server is shutting down"))
+                waiting = self.requests.get_nowait()
             except queue.Empty:
                 break
+            if waiting is not STOP:
+                waiting.deliver(("failed", 503, "the server is shutting down"))
         try:
-            self.jobs.put_nowait(None)
+            self.requests.put_nowait(STOP)
         except queue.Full:
             pass
-        if self.thread is not None:
-            self.thread.join(timeout=30)
+        self.join(timeout=30)
 
     # -- the generation thread ------------------------------------------------------------------
-    def _main(self) -> None:
-        try:
-            self.session = self.load(self.settings, self._event)
-            self.info = self.session.info
-        except BaseException as exc:  # handed to start(), which raises it in the caller
-            self.load_error = exc if isinstance(exc, UserError) else \
-                UserError(f"loading failed: {type(exc).__name__}: {exc}")
-            self.loaded.set()
-            return
-        self.loaded.set()
-        try:
-            while (job := self.jobs.get()) is not None:
-                self.metrics.queue_depth.set(self.jobs.qsize())
-                if job.cancelled.is_set():
-                    self.metrics.reply("cancelled")
-                    continue
-                self.current = job
-                self.metrics.generating.set(1)
-                try:
-                    self._generate(job)
-                finally:
-                    self.current = None
-                    self.metrics.generating.set(0)
-        finally:
-            try:
-                self.session.engine.link.close()
-            except Exception:
-                pass
-            self._event_link("closed")
-
-    def _event(self, ev) -> None:
-        from sfchat.events import LinkState
-
+    def on_event(self, ev) -> None:
         if isinstance(ev, LinkState):
             self.metrics.link(ev.state)
-        self.on_event(ev)
+        self.report(ev)
 
-    def _event_link(self, state: str) -> None:
-        from sfchat.events import LinkState
-
-        self._event(LinkState(state))
+    def serve(self, job: Job) -> bool:
+        self.metrics.queue_depth.set(self.requests.qsize())
+        if job.cancelled.is_set():
+            self.metrics.reply("cancelled")
+            return True
+        self.current = job
+        self.metrics.generating.set(1)
+        try:
+            self._generate(job)
+        finally:
+            self.current = None
+            self.metrics.generating.set(0)
+        return True
 
     def _generate(self, job: Job) -> None:
         try:
@@ -186,7 +152,7 @@ class GenerationThread:
             self.metrics.reply("failed")
             job.deliver(("failed", 503, f"generation failed: {type(exc).__name__}: {exc}"))
             try:
-                self.session.engine.reset()  # a half-done round leaves nothing trustworthy cached
+                self.head.new_chat()  # a half-done round leaves nothing trustworthy cached
             except Exception:
                 pass
         else:
@@ -195,10 +161,7 @@ class GenerationThread:
             job.deliver(("finished", outcome))
 
     def _reply(self, job: Job) -> Outcome:
-        from sfchat.events import ReplyFinished, ReplyStarted, TokensCommitted
-        from sfchat.runtime.session import make_sampling
-
-        session = self.session
+        session = self.head
         queued_s = time.perf_counter() - job.submitted
         stops = StopMatcher(job.stops)
         sampling = make_sampling(job.temperature, job.top_k, job.top_p, job.seed)
@@ -228,7 +191,7 @@ class GenerationThread:
 
     def _tokens_until(self, tokens: list[int], end: int) -> int:
         """The fewest leading tokens of the reply whose text reaches ``end`` characters (the stop's end)."""
-        decode = self.session.tokenizer.decode
+        decode = self.head.tokenizer.decode
         lo, hi = 1, len(tokens)
         while lo < hi:
             mid = (lo + hi) // 2

@@ -6,7 +6,7 @@ Contract
 a ``UserError`` before any model is loaded), warns on stderr when the address is not loopback
 and no API key is set, loads the session on the generation thread (progress and link trouble
 as lines on stderr, as in one-shot mode), prints the URL, and serves until interrupted.
-``Server(settings, options, load=...)`` is the same as an object: ``start()`` returns once it
+``Server(settings, options, open_head=...)`` is the same as an object: ``start()`` returns once it
 accepts connections (``url`` then names it; port 0 picks a free one), ``close()`` stops it.
 The tests and ``bench/serve_load.py`` run it in-process that way. ``api_key_from(flag)``: the
 flag, else ``SFCHAT_API_KEY``.
@@ -24,7 +24,8 @@ import time
 from sfchat import UserError
 from sfchat.config import Settings
 from sfchat.serve.app import ServeOptions, build_app
-from sfchat.serve.generator import GenerationThread, load_session
+from sfchat.node.worker import open_head
+from sfchat.serve.generator import GenerationThread
 from sfchat.serve.metrics import ServerMetrics
 
 
@@ -66,11 +67,11 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 class Server:
-    def __init__(self, settings: Settings, options: ServeOptions = ServeOptions(), load=load_session,
+    def __init__(self, settings: Settings, options: ServeOptions = ServeOptions(), open_head=open_head,
                  on_event=lambda e: None):
         self.settings, self.options = settings, options
         self.metrics = ServerMetrics(settings.depth)
-        self.generator = GenerationThread(settings, self.metrics, options.max_queue, load, on_event)
+        self.generator = GenerationThread(settings, self.metrics, options.max_queue, open_head, on_event)
         self.sock: socket.socket | None = None
         self.uvicorn = None
         self.thread: threading.Thread | None = None
@@ -125,7 +126,7 @@ class Server:
 def serve(settings: Settings, options: ServeOptions) -> int:
     import uvicorn
 
-    from sfchat.cli import show_download
+    from sfchat.console import show_download
     from sfchat.events import LinkState
 
     def report(ev):

@@ -1,4 +1,4 @@
-"""The Textual chat UI of sfchat (never imports torch or ``sfchat.runtime``).
+"""The Textual chat UI of sfchat (never imports torch, ``sfchat.model``, ``sfchat.engine`` or ``sfchat.node``).
 
 ``SfchatApp(runtime, history, params, title)`` is the app; ``run_tui`` runs it in the terminal.
 """

@@ -10,7 +10,7 @@ opened it itself (given a path rather than a ``History``).
 Text that came from the network (link details, runtime failure messages: close reasons, tail
 errors, relay refusals) is shown only through ``sfchat.plaintext.plain`` and never as markup.
 
-This module never imports torch or ``sfchat.runtime``: the runtime is injected.
+This module never imports torch, ``sfchat.model``, ``sfchat.engine`` or ``sfchat.node``: the runtime is injected.
 """
 
 from __future__ import annotations

@@ -7,8 +7,9 @@ Python (no Textual), so the arithmetic is tested without a screen.
 Scopes: tok/s, time to first token, tokens per round, the acceptance histogram and the
 draft/head/tail times describe the current (or last) reply; the RTT percentiles and the
 sparklines describe the most recent rounds across replies, since the link outlives a reply.
-When a reply finishes, the runtime's own totals replace the running estimates; ``new_chat``
-clears the reply's figures.
+The reply's figures come from a ``tally.Tally`` of its rounds, the same one the head builds its
+``ReplyFinished`` from, so the panel and the runtime agree while the reply streams and after;
+``new_chat`` clears them.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from sfchat.events import ReplyFinished, ReplyStarted, TokensCommitted
+from sfchat.events import ReplyFinished, ReplyStarted, RoundStats, TokensCommitted
+from sfchat.tally import Tally
 
 NOW_ROUNDS = 4  # "tok/s now" averages this many rounds: one round alone is too jumpy
 SPARK_ROUNDS = 60
@@ -76,22 +78,14 @@ class Meter:
         self._reset_reply()
 
     def _reset_reply(self) -> None:
-        self._tokens = 0
-        self._histogram = [0] * (self.k + 1)
-        self._round_ms: list[float] = []
-        self._committed: list[int] = []
-        self._draft_ms = self._head_ms = self._tail_ms = self._wait_ms = self._overlap_ms = 0.0
-        self._speculated = 0
-        self._depth = self._forward_bytes = 0
-        self._tree_nodes = self._last_depth = 0
-        self._in_flight: int | None = None
-        self._ttft_s: float | None = None
+        self._tally = Tally(self.k)
+        self._last: RoundStats | None = None
         self._started: ReplyStarted | None = None
         self._finished: ReplyFinished | None = None
 
     def set_k(self, k: int) -> None:
         self.k = k
-        self._histogram = [0] * (k + 1)
+        self._tally = Tally(k)
 
     def new_chat(self) -> None:
         """A new (or reopened) chat: no reply figures until its first reply; the link's recent
@@ -104,23 +98,8 @@ class Meter:
 
     def round(self, event: TokensCommitted) -> None:
         s = event.stats
-        if self._ttft_s is None:
-            self._ttft_s = event.elapsed_s
-        self._tokens += s.committed
-        if s.accepted >= len(self._histogram):  # a runtime whose K grew: widen, never drop
-            self._histogram.extend([0] * (s.accepted + 1 - len(self._histogram)))
-        self._histogram[s.accepted] += 1
-        self._round_ms.append(s.round_ms)
-        self._committed.append(s.committed)
-        self._draft_ms += s.draft_ms
-        self._head_ms += s.head_ms
-        self._tail_ms += s.tail_ms
-        self._wait_ms += s.wait_ms
-        self._overlap_ms += s.overlap_ms
-        self._speculated += s.speculated
-        self._depth += s.depth
-        self._forward_bytes += s.forward_bytes
-        self._tree_nodes, self._last_depth, self._in_flight = s.tree_nodes, s.depth, s.in_flight
+        self._tally.add(s, event.elapsed_s)
+        self._last = s
         self._recent_tps.append(_rate(s.committed, s.round_ms) or 0.0)
         self._recent_accepted.append(float(s.accepted))
         self._recent_rtt.append(s.rtt_ms)
@@ -129,57 +108,39 @@ class Meter:
         self._finished = event
 
     def figures(self) -> Figures:
-        n = len(self._round_ms)
-        fin = self._finished
-        tps_now = _rate(sum(self._committed[-NOW_ROUNDS:]), sum(self._round_ms[-NOW_ROUNDS:]))
-        tps_mean = _rate(self._tokens, sum(self._round_ms))
-        ttft_s = self._ttft_s
-        tokens_per_round = self._tokens / n if n else None
-        draft_ms, head_ms, tail_ms = ((self._draft_ms / n, self._head_ms / n, self._tail_ms / n)
-                                      if n else (None, None, None))
-        wait_ms, overlap_ms = (self._wait_ms / n, self._overlap_ms / n) if n else (None, None)
-        hit_rate = self._speculated / (n - 1) if n > 1 else None
-        depth_mean, forward_bytes = (self._depth / n, self._forward_bytes / n) if n else (None, None)
-        histogram = tuple(self._histogram)
-        if fin is not None and fin.rounds:
-            # The runtime measured the whole reply (prefill included); trust its totals.
-            tps_mean, ttft_s, tokens_per_round = fin.tps, fin.ttft_s, fin.tokens_per_round
-            draft_ms, head_ms, tail_ms = fin.draft_ms, fin.head_ms, fin.tail_ms
-            wait_ms, overlap_ms, hit_rate = fin.wait_ms, fin.overlap_ms, fin.hit_rate
-            depth_mean, forward_bytes = fin.depth_mean, fin.forward_bytes
-            if fin.accepted_histogram:
-                histogram = tuple(fin.accepted_histogram)
+        tally, last = self._tally, self._last
+        recent = tally.stats[-NOW_ROUNDS:]
+        histogram = tuple(tally.histogram)
         counted = sum(histogram)
-        accepted_mean = (sum(i * c for i, c in enumerate(histogram)) / counted) if counted else None
         rtts = list(self._recent_rtt)
         return Figures(
             k=self.k,
-            tokens=self._tokens,
-            rounds=n,
-            tps_now=tps_now,
-            tps_mean=tps_mean,
-            ttft_s=ttft_s,
-            tokens_per_round=tokens_per_round,
-            accepted_mean=accepted_mean,
+            tokens=tally.tokens,
+            rounds=tally.rounds,
+            tps_now=_rate(sum(r.committed for r in recent), sum(r.round_ms for r in recent)),
+            tps_mean=tally.tps,
+            ttft_s=tally.ttft_s,
+            tokens_per_round=tally.tokens_per_round,
+            accepted_mean=(sum(i * c for i, c in enumerate(histogram)) / counted) if counted else None,
             histogram=histogram,
             rtt_p50_ms=percentile(rtts, 50),
             rtt_p95_ms=percentile(rtts, 95),
-            draft_ms=draft_ms,
-            head_ms=head_ms,
-            tail_ms=tail_ms,
-            wait_ms=wait_ms,
-            overlap_ms=overlap_ms,
-            hit_rate=hit_rate,
-            in_flight=self._in_flight,
-            tree_nodes=self._tree_nodes,
-            last_depth=self._last_depth,
-            depth_mean=depth_mean,
-            forward_bytes=forward_bytes,
+            draft_ms=tally.mean("draft_ms"),
+            head_ms=tally.mean("head_ms"),
+            tail_ms=tally.mean("tail_ms"),
+            wait_ms=tally.mean("wait_ms"),
+            overlap_ms=tally.mean("overlap_ms"),
+            hit_rate=tally.hit_rate,
+            in_flight=last.in_flight if last else None,
+            tree_nodes=last.tree_nodes if last else 0,
+            last_depth=last.depth if last else 0,
+            depth_mean=tally.mean("depth"),
+            forward_bytes=tally.mean("forward_bytes"),
             spark_tps=tuple(self._recent_tps),
             spark_accepted=tuple(self._recent_accepted),
             prompt_tokens=self._started.prompt_tokens if self._started else None,
             reused_tokens=self._started.reused_tokens if self._started else None,
-            finished=fin is not None,
+            finished=self._finished is not None,
         )
 
 

@@ -1,0 +1,7 @@
+"""``python -m relay``: the same as the ``sfchat-relay`` command."""
+
+import sys
+
+from relay.cli import main
+
+sys.exit(main())

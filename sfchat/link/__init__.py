@@ -1,0 +1,46 @@
+"""Links between head and tail: what every link offers, and how a link fails.
+
+Contract
+--------
+A ``Link`` carries whole binary frames in order between the two nodes of one session:
+
+* ``send(frame)`` hands one frame over (from any thread); ``LinkClosed`` once the link is gone.
+* ``recv(timeout)`` returns the next frame from the other node; ``TimeoutError`` when none came
+  in time, ``PeerGone`` where the other node left (the link may see a new peer later),
+  ``LinkClosed`` once the link is gone.
+* ``last_arrival``: when the frame ``recv`` last returned arrived (``time.perf_counter``), or
+  None before the first.
+* ``overlaps``: whether the other node computes while this one works between a ``send`` and the
+  ``recv`` of its answer (a relay link: yes; local mode's in-process link, whose tail runs inside
+  ``recv``: no), which decides whether rounds in flight can pay.
+* ``close()`` ends it; idempotent.
+
+Implementations: ``link.relay.RelayLink`` (through the relay), ``link.secure.SecureLink`` (sealed
+end to end over another link), ``node.local_link.MemoryLink`` (the tail in this process). The
+head's round driver is written against this protocol and these exceptions alone. Torch-free.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+
+class LinkClosed(Exception):
+    """The link is gone; the message says why."""
+
+
+class PeerGone(Exception):
+    """The other node left the session (the link itself may stay usable)."""
+
+
+class Link(Protocol):
+    overlaps: bool
+
+    def send(self, frame: bytes) -> None: ...
+
+    def recv(self, timeout: float | None = None) -> bytes: ...
+
+    @property
+    def last_arrival(self) -> float | None: ...
+
+    def close(self) -> None: ...

@@ -1,0 +1,282 @@
+"""A blocking, thread-safe link to the other node through an sfchat relay.
+
+Contract
+--------
+``RelayLink(url, token, session, role)`` dials ``url/session/<session>?role=<role>`` with
+``Authorization: Bearer <token>`` (the handshake is documented in ``relay.server``) and
+returns once the relay has welcomed it, so ``peer_present`` is accurate from the start.
+Mistakes the user can fix (bad URL, unreachable host, wrong token, session slot taken)
+raise ``sfchat.UserError`` with a one-line message.
+
+* ``send(frame)`` hands one binary frame to the relay, from any thread; it returns once the
+  frame is in the socket's buffer and raises ``LinkClosed`` when the link is gone.
+* ``recv(timeout)`` returns the next frame from the other node, in order. It raises
+  ``PeerGone`` where the relay reported that the other node left (frames that node sent
+  before leaving come first); the link stays usable and a new peer may join later. It
+  raises ``LinkClosed`` once the connection is gone (and keeps raising it), and
+  ``TimeoutError`` when nothing arrived in time.
+  ``last_arrival`` is when the frame it last returned came off the socket (``time.perf_counter``).
+* ``wait_peer(timeout)`` blocks until the other role is connected to the relay.
+
+Frames sent while the other role is absent are dropped by the relay (it says so once per
+absence; logged here as a warning).
+
+Inbound memory is bounded whatever the other side (or anyone holding the relay token) sends:
+a message over ``max_frame_bytes`` (default ``MAX_FRAME_BYTES``, the protocol's largest sealed
+frame, see ``relay.server``) closes the link (1009); websockets queues at most ``MAX_QUEUE``
+frames before it stops reading the socket; and the link stops taking frames from websockets
+while its own inbox holds ``INBOX_BYTES`` or more, until ``recv`` takes some. So an idle node
+holds at most ``INBOX_BYTES + (MAX_QUEUE + 3) * max_frame_bytes`` of received data (inbox, the
+frame that crossed the mark, websockets' queue and the one it reads past the mark, a frame half
+parsed): 76 MiB with the defaults. Past that the relay's bounded queue for this node overflows
+and the relay closes it as too slow.
+
+The asyncio event loop lives in one daemon thread owned by the link; callers never see it.
+This module knows nothing of frame contents (see ``sfchat.protocol.wire``) and imports no torch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import queue
+import re
+import threading
+import time
+from urllib.parse import urlsplit
+
+from websockets.asyncio.client import ClientConnection, connect
+from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, InvalidURI
+
+from sfchat import UserError
+from sfchat.link import LinkClosed, PeerGone
+
+ROLES = ("head", "tail")
+SESSION_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
+MAX_FRAME_BYTES = 12 << 20  # relay.server.MAX_FRAME_BYTES: the largest sealed frame of the protocol
+INBOX_BYTES = 16 << 20  # about four Qwen2.5-7B prefill chunks waiting for the tail
+MAX_QUEUE = 2  # websockets' receive queue, in frames
+PING_INTERVAL = 20.0  # the relay tolerates 60 s without a pong: WAN spikes must not drop a chat
+PING_TIMEOUT = 60.0
+CLOSE_TIMEOUT = 5.0
+
+log = logging.getLogger(__name__)
+
+
+class RelayLink:
+    """One node's connection to the relay, usable from plain threads."""
+
+    overlaps = True  # the other node computes on its own machine
+
+    def __init__(self, url: str, token: str, session: str, role: str, *, connect_timeout: float = 30.0,
+                 max_frame_bytes: int = MAX_FRAME_BYTES, ssl_context=None):
+        if role not in ROLES:
+            raise UserError(f"role must be 'head' or 'tail', not {role!r}")
+        if not SESSION_NAME.fullmatch(session):
+            raise UserError(f"session name {session!r} must be 1..64 characters of [A-Za-z0-9._-]")
+        parts = urlsplit(url)
+        if parts.scheme not in ("ws", "wss") or not parts.hostname:
+            raise UserError(f"relay URL {url!r} must look like ws://HOST:PORT or wss://HOST:PORT")
+        self.url = url
+        self.role = role
+        self.max_frame_bytes = max_frame_bytes
+        self._inbox: queue.Queue[bytes | Exception] = queue.Queue()
+        self._state = threading.Condition()
+        self._welcomed = False
+        self._peer_present = False
+        self._closed: str | None = None  # why the link is closed, once it is
+        self.last_arrival: float | None = None  # perf_counter() when the frame last returned by recv arrived
+        self._closing = False
+        self._ws: ClientConnection | None = None
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name=f"relay-link-{role}", daemon=True)
+        self._thread.start()
+        target = f"{url.rstrip('/')}/session/{session}?role={role}"
+        try:
+            asyncio.run_coroutine_threadsafe(
+                self._open(target, token, connect_timeout, ssl_context), self._loop).result()
+            with self._state:
+                welcomed = self._state.wait_for(lambda: self._welcomed or self._closed, connect_timeout)
+                closed = self._closed
+            if closed:
+                raise UserError(f"relay at {url} dropped the connection: {closed}")
+            if not welcomed:
+                raise UserError(f"{url} accepted the connection but sent no welcome; is it an sfchat relay?")
+        except BaseException:
+            self.close()
+            raise
+
+    async def _open(self, target: str, token: str, timeout: float, ssl_context) -> None:
+        options = {"ssl": ssl_context} if ssl_context is not None else {}
+        try:
+            self._ws = await connect(
+                target, additional_headers={"Authorization": f"Bearer {token}"}, compression=None,
+                max_size=self.max_frame_bytes, max_queue=MAX_QUEUE, open_timeout=timeout, ping_interval=PING_INTERVAL,
+                ping_timeout=PING_TIMEOUT, close_timeout=CLOSE_TIMEOUT, **options)
+        except InvalidStatus as exc:
+            raise _refusal(self.url, exc) from None
+        except InvalidURI as exc:
+            raise UserError(f"bad relay URL {self.url!r}: {exc}") from None
+        except TimeoutError:
+            raise UserError(f"relay at {self.url} did not answer within {timeout:g} s") from None
+        except OSError as exc:
+            raise UserError(f"cannot reach the relay at {self.url}: {exc.strerror or exc}") from None
+        except InvalidHandshake as exc:
+            raise UserError(f"{self.url} does not look like an sfchat relay: {exc}") from None
+        # Frames are only read while the inbox has room, so a slow consumer pushes back.
+        self._inbox_bytes = 0  # touched on the loop thread only
+        self._room = asyncio.Event()
+        self._reader = asyncio.create_task(self._read(self._ws))
+
+    async def _read(self, ws: ClientConnection) -> None:
+        try:
+            while True:
+                while self._inbox_bytes >= INBOX_BYTES:
+                    self._room.clear()
+                    await self._room.wait()
+                message = await ws.recv()
+                if isinstance(message, bytes):
+                    self._inbox_bytes += len(message)
+                    self._inbox.put((time.perf_counter(), message))  # arrival time for the head's RTT
+                else:
+                    self._on_event(message)
+        except ConnectionClosed:
+            self._mark_closed(_describe_close(ws))
+
+    def _taken(self, size: int) -> None:
+        """``recv`` handed ``size`` bytes to the caller (runs on the loop thread)."""
+        self._inbox_bytes -= size
+        if self._inbox_bytes < INBOX_BYTES:
+            self._room.set()
+
+    def _on_event(self, text: str) -> None:
+        try:
+            event = json.loads(text)
+            kind = event["event"]
+        except (ValueError, TypeError, KeyError):
+            log.warning("ignoring a malformed relay event: %.200s", text)
+            return
+        with self._state:
+            if kind == "welcome":
+                self._welcomed = True
+                self._peer_present = bool(event.get("peer_present"))
+            elif kind == "peer_joined":
+                self._peer_present = True
+            elif kind == "peer_left":
+                self._peer_present = False
+                role = event.get("role")
+                self._inbox.put(PeerGone(f"the {role if role in ROLES else 'other node'} left the session"))
+            elif kind == "dropped":
+                log.warning("relay dropped frames: %s", _printable(str(event.get("reason", "no peer"))))
+            self._state.notify_all()
+
+    def _mark_closed(self, reason: str) -> None:
+        with self._state:
+            if self._closed is None:
+                self._closed = reason
+                self._peer_present = False
+                self._inbox.put(LinkClosed(reason))
+            self._state.notify_all()
+
+    @property
+    def peer_present(self) -> bool:
+        with self._state:
+            return self._peer_present
+
+    def send(self, frame: bytes) -> None:
+        """Send one binary frame to the other node (thread-safe)."""
+        if not isinstance(frame, (bytes, bytearray, memoryview)):
+            raise TypeError(f"frames are bytes, not {type(frame).__name__}")
+        if len(frame) > self.max_frame_bytes:
+            raise ValueError(f"frame of {len(frame)} bytes exceeds the link limit of {self.max_frame_bytes}")
+        with self._state:
+            if self._closed:
+                raise LinkClosed(self._closed)
+            future = asyncio.run_coroutine_threadsafe(self._ws.send(frame), self._loop)
+        try:
+            future.result()
+        except ConnectionClosed:
+            raise LinkClosed(_describe_close(self._ws)) from None
+
+    def recv(self, timeout: float | None = None) -> bytes:
+        """Next frame from the other node; PeerGone, LinkClosed or TimeoutError otherwise."""
+        if self._closing:
+            raise LinkClosed(self._closed)
+        try:
+            item = self._inbox.get(timeout=timeout)
+        except queue.Empty:
+            raise TimeoutError(f"no frame from the relay within {timeout:g} s") from None
+        if isinstance(item, LinkClosed):
+            self._inbox.put(item)  # stays closed for every later call
+            raise LinkClosed(*item.args)
+        if isinstance(item, PeerGone):
+            raise item
+        self.last_arrival, item = item
+        try:
+            self._loop.call_soon_threadsafe(self._taken, len(item))
+        except RuntimeError:
+            pass  # close() already stopped the loop; there is nothing left to read
+        return item
+
+    def wait_peer(self, timeout: float | None = None) -> None:
+        """Block until the other role is connected; TimeoutError or LinkClosed otherwise."""
+        with self._state:
+            if not self._state.wait_for(lambda: self._peer_present or self._closed, timeout):
+                other = "tail" if self.role == "head" else "head"
+                raise TimeoutError(f"no {other} joined the session within {timeout:g} s")
+            if not self._peer_present:
+                raise LinkClosed(self._closed)
+
+    def close(self) -> None:
+        """Close the connection and stop the link's thread; idempotent."""
+        with self._state:
+            if self._closing:
+                return
+            self._closing = True
+        self._mark_closed("the link was closed by this side")
+        if self._ws is not None:
+            try:
+                asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop).result(CLOSE_TIMEOUT + 1)
+            except TimeoutError:
+                log.warning("relay did not acknowledge the close in time")
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
+
+    async def _shutdown(self) -> None:
+        await self._ws.close()
+        self._reader.cancel()
+        try:
+            await self._reader
+        except asyncio.CancelledError:
+            pass
+
+    def __enter__(self) -> "RelayLink":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
+def _refusal(url: str, exc: InvalidStatus) -> UserError:
+    status = exc.response.status_code
+    body = _printable(exc.response.body.decode("utf-8", "replace").strip()) if exc.response.body else ""
+    if status == 401:
+        return UserError(f"relay at {url} refused the token (HTTP 401): use the token it printed")
+    if status in (400, 409, 503):
+        return UserError(f"relay at {url} refused to join: {body or status}")
+    return UserError(f"relay at {url} answered HTTP {status}{': ' + body if body else ''}; "
+                     "is it an sfchat relay?")
+
+
+def _printable(text: str, limit: int = 200) -> str:
+    """Text from the relay, safe to show on a terminal: no control characters, bounded length."""
+    return "".join(c if c.isprintable() else "?" for c in text[:limit])
+
+
+def _describe_close(ws: ClientConnection) -> str:
+    code, reason = ws.close_code, ws.close_reason
+    if code is None or code == 1006:
+        return "the connection to the relay was lost"
+    return f"link closed with code {code}" + (f": {_printable(reason)}" if reason else "")

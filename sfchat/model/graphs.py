@@ -1,0 +1,117 @@
+"""CUDA-graph capture of fixed-shape forwards (the draft's K steps, the K+1-token verifies).
+
+Contract
+--------
+``Graphed(fn, example_inputs)`` warms ``fn`` up on a side stream, captures one call into a
+``torch.cuda.CUDAGraph`` and afterwards runs it by copying new inputs into the captured input
+buffers and replaying: the same kernels on the same shapes, so the results are bit-identical
+to eager execution, without Python launch overhead. The returned outputs are the graph's own
+static buffers: read (or copy) them before the next replay.
+
+Warm-up and capture really execute ``fn``: callers capture before any conversation, while
+the KV slots those calls write are not yet part of any context (they are overwritten later).
+``try_capture`` turns a failure into ``None`` plus one warning, so callers fall back to eager.
+Graph state is thread-local: capture and replay on the thread that owns CUDA.
+
+A forward is captured once per attention window (see ``kv.StaticKV.windows``); ``pick`` finds
+the graph of the smallest captured window that holds a forward's positions.
+
+``GraphTable`` is the one place where the choice between a graph and the plain code is made,
+for the slices and the draft alike: ``capture(key, what, fn, inputs, windows)`` captures
+``fn(*inputs, window)`` once per window under ``key`` (a shape: a slice's tokens and logits, the
+draft's depth and whether it samples); ``run(key, fn, inputs, window)`` replays the graph that
+fits and otherwise calls ``fn(*inputs, window)`` itself: the CPU, and any shape not captured, run
+exactly the code a graph replays. Keys are the owner's own; nothing else reads them
+(``key in table`` tells whether one was captured).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+
+class Graphed:
+    def __init__(self, fn, example_inputs: tuple[torch.Tensor, ...], warmup: int = 2):
+        self.inputs = tuple(x.clone() for x in example_inputs)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream), torch.no_grad():
+            for _ in range(warmup):  # lets cuBLAS/SDPA pick and cache their kernels before capture
+                fn(*self.inputs)
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph), torch.no_grad():
+            self.outputs = fn(*self.inputs)
+
+    def __call__(self, *inputs: torch.Tensor):
+        for buf, x in zip(self.inputs, inputs):
+            buf.copy_(x, non_blocking=True)
+        self.graph.replay()
+        return self.outputs
+
+
+def try_capture(what: str, fn, example_inputs, log=None):
+    """A ``Graphed`` for ``fn``, or None (after one warning) when capture is impossible."""
+    if not example_inputs[0].is_cuda:
+        return None
+    try:
+        with torch.cuda.device(example_inputs[0].device):  # a draft on cuda:1 captures on cuda:1's streams
+            return Graphed(fn, example_inputs)
+    except Exception as exc:  # any capture failure must leave a working eager path behind
+        message = f"CUDA graph capture of the {what} failed ({type(exc).__name__}: {exc}); running it eagerly"
+        (log or (lambda m: warnings.warn(m, RuntimeWarning, stacklevel=2)))(message)
+        torch.cuda.synchronize()
+        return None
+
+
+def capture_windows(what: str, fn, example_inputs, windows, log=None) -> dict[int, Graphed]:
+    """One graph of ``fn(*inputs, window)`` per attention window, ascending; stops at the first
+    window that cannot be captured (warned once), whose forwards and wider ones then run eagerly."""
+    graphs: dict[int, Graphed] = {}
+    for window in windows:
+        graph = try_capture(f"{what} over {window} slots", lambda *xs, w=window: fn(*xs, w), example_inputs, log)
+        if graph is None:
+            break
+        graphs[window] = graph
+    return graphs
+
+
+def pick(graphs: dict[int, Graphed], window: int) -> Graphed | None:
+    """The graph captured for the smallest window of at least ``window`` slots, or None."""
+    fits = [w for w in graphs if w >= window]
+    return graphs[min(fits)] if fits else None
+
+
+class GraphTable:
+    def __init__(self) -> None:
+        self._graphs: dict[object, dict[int, Graphed]] = {}
+
+    def capture(self, key, what: str, fn, example_inputs, windows, log=None) -> bool:
+        """Graphs of ``fn(*inputs, window)`` for ``windows`` under ``key``; False when none could be."""
+        graphs = capture_windows(what, fn, example_inputs, windows, log)
+        if graphs:
+            self._graphs[key] = graphs
+        return bool(graphs)
+
+    def run(self, key, fn, inputs: tuple, window: int):
+        """``fn(*inputs, window)``, replayed from the graph captured for ``key`` when one fits."""
+        graph = pick(self._graphs.get(key, {}), window)
+        return graph(*inputs) if graph is not None else fn(*inputs, window)
+
+    def __contains__(self, key) -> bool:
+        return key in self._graphs
+
+    def windows(self, key) -> list[int]:
+        """The attention windows captured under ``key``, ascending."""
+        return sorted(self._graphs.get(key, {}))
+
+    def __bool__(self) -> bool:
+        return bool(self._graphs)
+
+    def __len__(self) -> int:
+        return sum(map(len, self._graphs.values()))
+
+    def clear(self) -> None:
+        self._graphs.clear()

@@ -1,0 +1,91 @@
+"""The head: one interface that every front end (one-shot, the chat UI, the server) opens and asks.
+
+Contract
+--------
+``Head.open(settings, on_event, link=None)`` opens the target (refusing an unsupported model
+before fetching anything else), its tokenizer and the draft's (which must be the same), then
+the engine (``loading.open_engine``: draft, head slice, graphs, the tail's handshake). A relay
+link is dialled by the caller (``connect.connect_relay``) and handed in; without one the tail
+runs in this process. ``open`` reports ``LoadProgress``, ``LinkState`` and ``RuntimeReady``
+through ``on_event``.
+
+* ``encode(messages)``: a conversation's prompt ids under the one system prompt rule
+  (``prompts.with_system``) and the chat template setting.
+* ``reply(prompt_ids, max_new_tokens, sampling, cancelled)``: the one reply loop. It runs rounds
+  until EOS, the token budget, the context window or ``cancelled()``, and yields ``ReplyStarted``,
+  one ``TokensCommitted`` per round and a final ``ReplyFinished`` whose figures come from one
+  ``tally.Tally`` of the rounds. The KV cache of a conversation that continues the previous one
+  is reused by the engine; nothing is reset between replies.
+* ``ask(messages, ...)``: ``encode`` then ``reply``.
+* ``new_chat()`` forgets the conversation; ``close()`` closes the link.
+
+Single-threaded: the thread that opens a head is the only one to use it (CUDA graph state is
+thread-local; see ``worker.CudaThread``).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Iterator
+
+from sfchat.config import Settings
+from sfchat.events import ReplyFinished, ReplyStarted, RuntimeReady, TokensCommitted
+from sfchat.model.slices import architecture
+from sfchat.model.source import ModelSource
+from sfchat.node.driver import RoundDriver
+from sfchat.node.loading import check_same_tokenizer, open_engine, progress_events, uses_draft
+from sfchat.node.prompts import TextStream, encode, eos_ids, load_tokenizer, with_system
+from sfchat.protocol.wire import Sampling
+from sfchat.tally import Tally
+
+
+class Head:
+    def __init__(self, settings: Settings, tokenizer, engine: RoundDriver, eos: set[int], info: RuntimeReady):
+        self.settings, self.tokenizer, self.engine, self.eos, self.info = settings, tokenizer, engine, eos, info
+
+    @classmethod
+    def open(cls, s: Settings, on_event: Callable = lambda e: None, link=None) -> "Head":
+        src = ModelSource.open(s.model, s.revision, progress_events(on_event, "head"))
+        architecture(src.config)  # refuse an unsupported model before fetching anything else
+        tokenizer = load_tokenizer(src, s.revision)
+        dsrc = None
+        if uses_draft(s):
+            dsrc = ModelSource.open(s.draft, s.draft_revision, progress_events(on_event, "draft"))
+            check_same_tokenizer(s, tokenizer, load_tokenizer(dsrc, s.draft_revision))
+        engine, info = open_engine(s, on_event, link, src, dsrc)
+        return cls(s, tokenizer, engine, eos_ids(src, tokenizer), info)
+
+    def encode(self, messages: list[dict]) -> list[int]:
+        """Prompt ids of a conversation, under the system prompt rule."""
+        return encode(self.tokenizer, with_system(messages, self.settings.system), self.settings.chat_template)
+
+    def ask(self, messages: list[dict], max_new_tokens: int, sampling: Sampling,
+            cancelled: Callable[[], bool] = lambda: False) -> Iterator:
+        return self.reply(self.encode(messages), max_new_tokens, sampling, cancelled)
+
+    def reply(self, prompt_ids: list[int], max_new_tokens: int, sampling: Sampling,
+              cancelled: Callable[[], bool] = lambda: False) -> Iterator:
+        t_start = time.perf_counter()
+        reused = self.engine.begin(prompt_ids)
+        yield ReplyStarted(len(prompt_ids), reused, len(prompt_ids) - reused)
+        stream = TextStream(self.tokenizer)
+        tally = Tally(self.engine.k)
+        tokens, finish = [], None
+        while finish is None:
+            if cancelled():
+                finish = "cancelled"
+                break
+            out = self.engine.round(sampling, self.eos, max_new_tokens - len(tokens))
+            elapsed = time.perf_counter() - t_start
+            tally.add(out.stats, elapsed)
+            committed, finish = out.commit.tokens, out.commit.finish
+            tokens.extend(committed)
+            yield TokensCommitted(stream.push(committed, final=finish is not None), committed, out.stats, elapsed)
+        yield ReplyFinished(finish_reason=finish, text=stream.text, token_ids=tuple(tokens),
+                            prompt_tokens=len(prompt_ids), tree_budget=self.info.tree_budget, **tally.figures())
+
+    def new_chat(self) -> None:
+        self.engine.reset()
+
+    def close(self) -> None:
+        self.engine.link.close()

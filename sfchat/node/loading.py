@@ -1,0 +1,173 @@
+"""Loading a node's models: the head's draft and slice behind a round driver, the tail's slice.
+
+Contract
+--------
+``open_engine(settings, on_event, link, src, dsrc)`` resolves devices, dtype, split and the
+round shapes, checks the memory it needs, loads the draft and the head slice, captures their
+CUDA graphs, connects to the tail (in-process through ``MemoryLink`` unless a relay link is
+given) and returns ``(RoundDriver, RuntimeReady)``, reporting ``LoadProgress`` as it goes.
+Token ids only: no tokenizer is needed (benchmarks use random-weight checkpoints).
+``TailLoader`` is the tail's: a callable the ``Verifier`` is given, which loads the slice a
+HELLO names. Every failure a user can fix is a ``UserError``.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from sfchat import UserError
+from sfchat.config import Settings
+from sfchat.engine.draft import Drafter, scratch_slots, tree_shape
+from sfchat.engine.policy import Shape, chain_depths, menu
+from sfchat.engine.round import HeadRound
+from sfchat.engine.verifier import Verifier
+from sfchat.events import LoadProgress, RuntimeReady
+from sfchat.model.devices import DTYPE_NAMES, default_draft_device, pick_dtype, resolve_device, resolve_devices, runnable_dtype
+from sfchat.model.memory import check_head, check_tail
+from sfchat.model.slices import ModelSlice, n_layers
+from sfchat.model.source import ModelSource
+from sfchat.node.connect import connect_relay
+from sfchat.node.driver import RoundDriver
+from sfchat.node.local_link import MemoryLink
+from sfchat.protocol import wire
+from sfchat.protocol.handshake import Hello
+
+
+def progress_events(on_event: Callable, node: str):
+    return lambda stage, done, total, detail: on_event(LoadProgress(node, stage, done, total, detail))
+
+
+def uses_draft(s: Settings) -> bool:
+    return bool(s.draft) and s.draft.lower() != "none" and s.depth > 0
+
+
+def open_engine(s: Settings, on_event: Callable = lambda e: None, link=None,
+                 src: ModelSource | None = None, dsrc: ModelSource | None = None):
+    """Load draft and head slice, capture graphs, connect to the tail: (RoundDriver, RuntimeReady).
+
+    Token ids only: no tokenizer is needed (benchmarks use random-weight checkpoints)."""
+    devices = resolve_devices(s.device)
+    device = devices[0]
+    draft_device = resolve_device(s.draft_device) if s.draft_device else default_draft_device(devices)
+    quant, dquant = ("nf4" if s.load_in_4bit else "none"), ("nf4" if s.draft_load_in_4bit else "none")
+    src = src or ModelSource.open(s.model, s.revision, progress_events(on_event, "head"))
+    L = n_layers(src.config)
+    split = L // 2 if s.split is None else s.split
+    if not 0 <= split <= L:
+        raise UserError(f"--split {split} is out of range: {s.model} has {L} layers (0..{L})")
+    dtype = pick_dtype(device, s.dtype)
+    limit = getattr(src.config, "max_position_embeddings", None) or s.max_context
+    max_context = min(s.max_context, limit)
+    k = s.depth if uses_draft(s) else 0
+    drafter = None
+    if k:
+        dsrc = dsrc or ModelSource.open(s.draft, s.draft_revision, progress_events(on_event, "draft"))
+    asked = s.budget(device.type == "cuda")
+    budget = tree_shape(asked, k, dsrc.config.vocab_size)[2] if k and asked else 0
+    shapes = menu(k, budget, auto_depth=s.k == "auto", auto_tree=s.tree_budget == "auto")
+    # a round writes K+1 positions past the last committed one, or a tree's frame and the draft's frontier
+    kv_len = max_context + scratch_slots(k, budget, dsrc.config.vocab_size if k else 1)
+    draft_dtype = pick_dtype(draft_device, s.dtype)
+    check_head(src.config, split, devices=devices, dtype=dtype, quant=quant, max_len=kv_len, k=k, tree_budget=budget,
+               draft=(dsrc.config, draft_device, draft_dtype, dquant) if k else None, local=link is None)
+    if k:
+        dmodel = ModelSlice.load(dsrc, 0, n_layers(dsrc.config), embed=True, head=True,
+                                 dtype=draft_dtype, device=draft_device, max_len=kv_len,
+                                 progress=progress_events(on_event, "draft"), quant=dquant)
+        drafter = Drafter(dmodel, k, tree_budget=budget, depths=chain_depths(shapes))
+    head = ModelSlice.load(src, 0, split, embed=True, head=False, dtype=dtype, device=device,
+                           max_len=kv_len, progress=progress_events(on_event, "head"), quant=quant, devices=devices)
+    if s.cuda_graphs and (device.type == "cuda" or draft_device.type == "cuda"):
+        capture_graphs(head, drafter, shapes, s.compile_draft, progress_events(on_event, "head"))
+    mode = "relay" if link is not None else "local"
+    if link is None:
+        link = MemoryLink(Verifier(TailLoader(device, devices)))
+    reconnect = (lambda timeout: connect_relay(s, on_event, timeout)) if mode == "relay" else None
+    engine = RoundDriver(HeadRound(head, drafter, max_context=max_context, shapes=shapes), link, on_event=on_event,
+                         reconnect=reconnect, round_timeout=s.round_timeout, reconnect_timeout=s.reconnect_timeout,
+                         max_in_flight=s.max_in_flight)
+    hello = Hello(model=s.model, revision=s.revision, split=split, dtype=DTYPE_NAMES[dtype], max_len=kv_len,
+                  n_layers=L, hidden_size=src.config.hidden_size, k=k, graphs=s.cuda_graphs, quant=quant,
+                  tree_budget=budget, depths=chain_depths(shapes))
+    ready = engine.connect(hello, lambda *fields: on_event(LoadProgress("tail", *fields)))
+    info = RuntimeReady(model=s.model, draft=s.draft if k else "none", split=split, n_layers=L,
+                        dtype=DTYPE_NAMES[dtype], k=k, device=",".join(map(str, devices)), mode=mode,
+                        max_context=max_context, quant=quant, tree_budget=budget,
+                        shapes=tuple(str(x) for x in shapes), max_in_flight=engine.policy.max_in_flight,
+                        tail_dtype="" if ready.dtype == DTYPE_NAMES[dtype] else ready.dtype)
+    on_event(info)
+    return engine, info
+
+
+def capture_graphs(head: ModelSlice, drafter: Drafter | None, shapes: list[Shape], compile_draft: bool,
+                   progress) -> None:
+    """CUDA graphs for the steady-state round of every shape: the draft's steps (or its tree) and
+    the head forward of the verify positions (t0 and the drafts, or the tree's nodes)."""
+    def warn(message):
+        print(f"sfchat: {message}", file=sys.stderr)
+
+    progress("capture", 0, 2, "head verify")
+    for shape in shapes:
+        head.capture((shape.budget or shape.depth) + 1, log=warn, tree=bool(shape.budget))
+    progress("capture", 1, 2, "draft (compiling: the first start takes a minute)" if compile_draft else "draft")
+    if drafter is not None and drafter.device.type == "cuda":
+        drafter.capture(log=warn, compile=compile_draft)
+    progress("capture", 2, 2, "")
+
+
+def check_same_tokenizer(s: Settings, target_tok, draft_tok) -> None:
+    if target_tok.get_vocab() != draft_tok.get_vocab():
+        raise UserError(f"the draft {s.draft!r} uses a different tokenizer than {s.model!r}: "
+                        "pick a draft from the same model family, or --draft none")
+
+
+class TailLoader:
+    """The tail's slice loader, handed to its ``Verifier``: opens the model a HELLO names (hub ids,
+    and local directories inside ``models_dirs`` only; anywhere when None, as in local mode,
+    whose names the user typed), checks the memory it needs, loads layers [split, L) with the
+    norm and lm_head on ``device`` (spread over ``devices``)."""
+
+    def __init__(self, device: torch.device, devices: list[torch.device] | None = None,
+                 models_dirs: list[Path] | None = None, log: Callable[[str], None] | None = None):
+        self.device, self.devices = device, list(devices or [device])
+        self.models_dirs = models_dirs
+        self.log = log or (lambda message: None)
+
+    def __call__(self, hello: Hello, progress: Callable) -> ModelSlice:
+        def report(stage, done, total, detail):
+            if stage == "download" and total == 0 and detail:  # a shard starts: worth a line on the tail too
+                self.log(f"fetching {detail}")
+            progress(stage, done, total, detail)
+
+        try:
+            src = ModelSource.open(hello.model, hello.revision, report, allowed_dirs=self.models_dirs)
+        except UserError as exc:
+            if str(exc).startswith("model directory"):  # the head runs a local copy: so must the tail
+                raise UserError(f"{exc} on the tail machine (the head named a local directory: give the "
+                                "head a hub id, or the same directory on both machines)") from None
+            raise
+        L = n_layers(src.config)
+        split = hello.split
+        if not 0 <= split <= L:
+            raise UserError(f"split {split} out of range 0..{L}")
+        limit = (getattr(src.config, "max_position_embeddings", 0) or 1 << 20) + wire.MAX_NODES + 1
+        if hello.max_len > limit:  # a head must not make the tail allocate without bound
+            raise UserError(f"a context of {hello.max_len} positions exceeds the model's {limit}")
+        asked = pick_dtype(self.device, hello.dtype)
+        dtype = runnable_dtype(self.device, asked)
+        if dtype != asked:
+            self.log(f"{self.device} has no native {DTYPE_NAMES[asked]}: computing in {DTYPE_NAMES[dtype]} "
+                     f"(the head's hidden states are converted; replies may differ slightly from an "
+                     f"all-{DTYPE_NAMES[asked]} run)")
+        quant = hello.quant
+        where = ",".join(map(str, self.devices))
+        check_tail(src.config, split, devices=self.devices, dtype=dtype, quant=quant, max_len=hello.max_len,
+                   k=hello.k, tree_budget=hello.tree_budget)
+        self.log(f"loading {hello.model} layers [{split}, {L}) as {DTYPE_NAMES[dtype]}"
+                 f"{' with NF4 weights' if quant == 'nf4' else ''} on {where}")
+        return ModelSlice.load(src, split, L, embed=False, head=True, dtype=dtype, device=self.device,
+                               max_len=hello.max_len, progress=report, quant=quant, devices=self.devices)

@@ -1,0 +1,135 @@
+"""The ``sfchat --tail`` process: a Verifier behind a relay link, serving one head after another.
+
+Contract: ``serve(settings)`` dials the relay as the session's tail, waits for a head, feeds
+every frame to the ``Verifier`` and sends its replies back. A head that leaves (or breaks the
+protocol) ends only that conversation: the tail keeps its loaded model (a next head with the
+same hello reuses it) and waits for the next head. A stats line is logged now and then.
+A lost relay connection is re-dialled with backoff, forever: the tail is meant to be left
+running in a notebook. Returns only on Ctrl+C (or, in tests, after one head with ``once``).
+
+Pairing (``sfchat.link.secure``, ``sfchat.link.pairing``): without a code of its own the tail makes
+one (``7-crossover-clockwork``), prints it and pairs with the head that types it; after
+``MAX_FAILURES`` failed attempts it prints a fresh one. Nothing a peer sends makes the tail
+give up its relay connection (which would free its slot for someone else): a failed or forged
+pairing is answered and counted, an integrity error of a paired session ends that head's
+session only (the head is told), and the same connection waits for the next head. Local model
+directories are opened only inside ``--models-dir``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+from sfchat import UserError
+from sfchat.config import Settings
+from sfchat.link.pairing import Passcode, require_secret
+from sfchat.link import LinkClosed, PeerGone
+from sfchat.link.relay import RelayLink
+from sfchat.model.devices import resolve_devices
+from sfchat.engine.verifier import TailError, Verifier
+from sfchat.node.loading import TailLoader
+from sfchat.protocol.messages import Failure
+from sfchat.link.secure import IntegrityError, PlaintextPeer, SecureLink
+
+STATS_EVERY_S = 30.0
+
+
+def log(msg: str) -> None:
+    print(f"[sfchat tail {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def show_code(code: str) -> None:
+    log(f"pairing code: {code}   (on the head: type it when asked, or set SFCHAT_CODE)")
+
+
+def models_dirs(s: Settings) -> list[Path]:
+    return [Path(p).expanduser() for p in (s.models_dir or "").split(os.pathsep) if p]
+
+
+def serve(s: Settings, once: bool = False) -> int:
+    if not s.relay:
+        raise UserError("--tail needs --relay URL (and --token, --session)")
+    if not s.token:
+        raise UserError("--tail needs the relay token: SFCHAT_TOKEN (or --token T)")
+    require_secret(s.secret, s.insecure, role="tail")
+    devices = resolve_devices(s.device)
+    verifier = Verifier(TailLoader(devices[0], devices, models_dirs(s), log), log=log)
+    passcode = None if s.insecure else Passcode(s.secret, on_new_code=show_code)
+    link = _dial(s, passcode)  # a first failure is the user's to fix
+    try:
+        while True:
+            log(f"connected to {s.relay} as the tail of session {s.session!r}; waiting for a head")
+            try:
+                _serve_link(link, verifier, once)
+                return 0
+            except IntegrityError as exc:
+                log(f"{exc}; ending this head's session")
+                served = link.keyed or isinstance(exc, PlaintextPeer)  # a head got an answer
+                _tell_head(link, exc)
+                if once and served:
+                    return 1
+                link.restart()  # same relay connection: a meddler must not free the tail's slot
+            except LinkClosed as exc:
+                log(f"relay connection lost: {exc}; reconnecting")
+                link.close()
+                link = _reconnect(s, passcode)
+    finally:
+        link.close()
+
+
+def _dial(s: Settings, passcode: Passcode | None):
+    link = RelayLink(s.relay, s.token, s.session, "tail")
+    return SecureLink(link, passcode, s.session, "tail", log=log) if passcode is not None else link
+
+
+def _tell_head(link, exc: IntegrityError) -> None:
+    """Best effort: an ERROR the head can show (in clear text to a head that does not encrypt)."""
+    plain = isinstance(exc, PlaintextPeer)
+    message = "this tail encrypts end to end: start the head with the tail's pairing code" if plain else str(exc)
+    frame = Failure(message).to_frame()
+    try:
+        if plain:
+            link.inner.send(frame)
+        elif link.keyed:
+            link.send(frame)
+    except LinkClosed:
+        pass
+
+
+def _reconnect(s: Settings, passcode: Passcode | None) -> "RelayLink | SecureLink":
+    """Dial the relay again with backoff until it answers (a restarted relay, a WAN outage)."""
+    delay = 0.5
+    while True:
+        try:
+            return _dial(s, passcode)
+        except UserError as exc:
+            log(f"relay not reachable ({exc}); retrying in {delay:.1f} s")
+            time.sleep(delay)
+            delay = min(delay * 2, 10.0)
+
+
+def _serve_link(link: RelayLink, verifier: Verifier, once: bool) -> None:
+    last_stats, rounds_then = time.monotonic(), verifier.rounds
+    served = False  # with ``once``: a head that only failed to pair does not count
+    while True:
+        try:
+            frame = link.recv(timeout=STATS_EVERY_S)
+            served = True
+            verifier.handle(frame, link.send)
+        except TimeoutError:
+            pass
+        except PeerGone:
+            log("the head left; waiting for the next head")
+            if once and served:
+                return
+        except TailError as exc:
+            log(f"refused a frame from the head: {exc}")
+        now = time.monotonic()
+        if now - last_stats >= STATS_EVERY_S:
+            done = verifier.rounds - rounds_then
+            if done:
+                log(f"{done} rounds verified in the last {now - last_stats:.0f} s")
+            last_stats, rounds_then = now, verifier.rounds

@@ -1,0 +1,129 @@
+"""The HELLO/READY handshake as typed messages, checked field by field on arrival.
+
+Contract
+--------
+``Hello`` is what a head tells its tail (the model, revision, split, dtype, quantisation and
+context size to load, K (the deepest a round may draft), ``depths`` (the chain depths rounds may
+use: the tail captures a verify graph for each), the tree budget (0: no trees), whether to
+capture CUDA graphs); ``Ready`` is the tail's answer (what
+it loaded and computes in). ``to_frame()`` encodes one as a wire Control frame; ``parse(data)``
+builds one from a decoded Control's JSON object and raises ``wire.WireError`` for a missing
+field, a value not of its exact JSON type (a bool is no int, a float no int), an integer out of
+range or a name of an unknown kind, before anything is allocated or opened on its word. Both
+ends are each other's untrusted peers. Torch-free; knows nothing of models beyond names.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from sfchat.protocol import wire
+
+QUANT_MODES = ("none", "nf4")  # what a slice may be loaded as (runtime/quant.py implements them)
+DTYPE_NAMES = tuple(d.name.lower() for d in wire.DType)
+MAX_LAYERS = 1 << 12
+MAX_CONTEXT = 1 << 22
+MAX_NAME_CHARS = 512
+
+
+def shown(value) -> str:
+    """A value from the network, fit for a message: its repr (escapes control characters), cut short."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def json_field(data: dict, key: str, kind, default=..., lo: int = 0, hi: int = 0, choices=None, label=None):
+    if default is ... and key not in data:
+        raise wire.WireError(f"no {key!r}")
+    value = data.get(key, default)
+    if type(value) not in (kind if isinstance(kind, tuple) else (kind,)):
+        raise wire.WireError(f"{key}={shown(value)} is not of the expected type")
+    if type(value) is int and not lo <= value <= hi:
+        raise wire.WireError(f"{key}={value} out of range {lo}..{hi}")
+    if type(value) is float and not lo <= value <= hi:  # also refuses NaN
+        raise wire.WireError(f"{key}={value} out of range {lo}..{hi}")
+    if type(value) is str and not 0 < len(value) <= MAX_NAME_CHARS:
+        raise wire.WireError(f"{key} of {len(value)} characters")
+    if choices is not None and value not in choices:
+        raise wire.WireError(f"unknown {label or key} {shown(value)} (one of {', '.join(choices)})")
+    return value
+
+
+@dataclass(frozen=True)
+class Hello:
+    model: str
+    revision: str | None
+    split: int
+    dtype: str
+    max_len: int
+    n_layers: int
+    hidden_size: int
+    k: int
+    graphs: bool = True
+    quant: str = "none"
+    tree_budget: int = 0  # draft nodes of a tree FORWARD (0: rounds are chains)
+    depths: tuple[int, ...] | None = None  # chain depths a round may draft (None: k alone)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "depths", (self.k,) if self.depths is None else tuple(self.depths))
+
+    def shapes(self) -> list[tuple[int, bool]]:
+        """(positions, tree) of every verify FORWARD this hello allows: one graph each."""
+        return [(d + 1, False) for d in self.depths] + ([(self.tree_budget + 1, True)] if self.tree_budget else [])
+
+    def identity(self) -> tuple:
+        """What names the slice a tail loads for this hello (equal identities reuse the slice)."""
+        return self.model, self.revision, self.split, self.dtype, self.max_len, self.quant
+
+    def to_frame(self) -> bytes:
+        return wire.encode(wire.Control(wire.MsgType.HELLO, asdict(self)))
+
+    @classmethod
+    def parse(cls, data: dict) -> "Hello":
+        return cls(
+            model=json_field(data, "model", str), revision=json_field(data, "revision", (str, type(None))),
+            split=json_field(data, "split", int, hi=MAX_LAYERS), dtype=json_field(data, "dtype", str, choices=DTYPE_NAMES),
+            max_len=json_field(data, "max_len", int, lo=1, hi=MAX_CONTEXT),
+            n_layers=json_field(data, "n_layers", int, lo=1, hi=MAX_LAYERS),
+            hidden_size=json_field(data, "hidden_size", int, lo=1, hi=wire.MAX_HIDDEN_SIZE),
+            # K+1 sizes the verify graph: never allocate on a head's word
+            k=(k := json_field(data, "k", int, 0, hi=wire.MAX_DRAFT)), graphs=json_field(data, "graphs", bool, True),
+            quant=json_field(data, "quant", str, "none", choices=QUANT_MODES, label="quantisation"),  # a head without 4-bit sends none
+            tree_budget=json_field(data, "tree_budget", int, 0, hi=wire.MAX_NODES),  # sizes the tree graph, like k
+            depths=_depths(data, k),
+        )
+
+
+MAX_DEPTHS = 8  # chain depths a hello may list (each costs the tail a graph)
+
+
+def _depths(data: dict, k: int) -> tuple[int, ...]:
+    value = data.get("depths", [k])
+    if type(value) is not list or len(value) > MAX_DEPTHS or any(type(d) is not int for d in value):
+        raise wire.WireError(f"depths={shown(value)} is not a list of at most {MAX_DEPTHS} integers")
+    if any(not 0 <= d <= k for d in value) or value != sorted(set(value)):
+        raise wire.WireError(f"depths={shown(value)} must ascend, without repeats, within 0..k={k}")
+    return tuple(value)
+
+
+@dataclass(frozen=True)
+class Ready:
+    n_layers: int
+    hidden_size: int
+    device: str
+    dtype: str  # what the tail computes in (float16 on a GPU without bf16, for a bf16 head)
+    load_s: float
+    reused: bool  # the tail kept the slice it had loaded for an earlier head
+
+    def to_frame(self) -> bytes:
+        return wire.encode(wire.Control(wire.MsgType.READY, asdict(self)))
+
+    @classmethod
+    def parse(cls, data: dict) -> "Ready":
+        return cls(
+            n_layers=json_field(data, "n_layers", int, lo=1, hi=MAX_LAYERS),
+            hidden_size=json_field(data, "hidden_size", int, lo=1, hi=wire.MAX_HIDDEN_SIZE),
+            device=json_field(data, "device", str), dtype=json_field(data, "dtype", str, choices=DTYPE_NAMES),
+            load_s=float(json_field(data, "load_s", (int, float), lo=0, hi=1 << 40)),
+            reused=json_field(data, "reused", bool),
+        )

@@ -1,1 +1,0 @@
-"""Everything that imports torch: model slices, KV cache, draft, head and tail engines, links."""

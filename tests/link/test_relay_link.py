@@ -1,0 +1,200 @@
+"""RelayLink, the blocking client the head and tail threads use, against a real relay on
+loopback (run in a background thread, as the relay and the nodes are separate in production)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import subprocess
+import sys
+import threading
+
+import pytest
+from websockets.asyncio.client import connect
+
+from relay.server import RelayConfig, serve
+from sfchat import UserError
+from sfchat.link import LinkClosed, PeerGone
+from sfchat.link.relay import RelayLink
+
+TOKEN = "link-test-token"
+
+
+class ThreadedRelay:
+    """An in-process relay on its own event loop thread, for blocking clients to dial."""
+
+    def __init__(self, **options):
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._thread.start()
+        config = RelayConfig(token=TOKEN, host="127.0.0.1", port=0, **options)
+        self._relay = asyncio.run_coroutine_threadsafe(serve(config), self._loop).result(10)
+        self.url = f"ws://127.0.0.1:{self._relay.port}"
+
+    def stop(self) -> None:
+        async def shutdown():
+            self._relay.close()
+            await self._relay.wait_closed()
+        asyncio.run_coroutine_threadsafe(shutdown(), self._loop).result(15)
+
+    def dispose(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
+        self._loop.close()
+
+
+@pytest.fixture
+def relay():
+    server = ThreadedRelay()
+    yield server
+    server.stop()
+    server.dispose()
+
+
+@pytest.fixture
+def links(relay):
+    """Factory for links that are closed after the test, whatever happens."""
+    opened = []
+
+    def open_link(role: str, session: str = "s", token: str = TOKEN) -> RelayLink:
+        link = RelayLink(relay.url, token, session, role, connect_timeout=5)
+        opened.append(link)
+        return link
+
+    yield open_link
+    for link in opened:
+        link.close()
+
+
+def test_frames_cross_both_ways_in_order_from_concurrent_threads(links):
+    head = links("head")
+    assert not head.peer_present
+    tail = links("tail")
+    assert tail.peer_present
+    head.wait_peer(5)
+    rng = random.Random(7)
+    down = [bytes([i % 256]) * rng.choice([1, 900, 70_000]) for i in range(200)] + [rng.randbytes(3 << 20)]
+    up = [i.to_bytes(4, "big") * rng.choice([1, 5000]) for i in range(200)]
+    senders = [threading.Thread(target=lambda: [head.send(f) for f in down]),
+               threading.Thread(target=lambda: [tail.send(f) for f in up])]
+    for thread in senders:
+        thread.start()
+    assert [tail.recv(10) for _ in down] == down
+    assert [head.recv(10) for _ in up] == up
+    for thread in senders:
+        thread.join(10)
+
+
+def test_wrong_token_is_a_user_error_about_the_token(links):
+    with pytest.raises(UserError, match="token"):
+        links("head", token="nope")
+
+
+def test_busy_slot_is_a_user_error_with_the_relays_reason(links):
+    links("tail", session="taken")
+    with pytest.raises(UserError, match="session taken already has a tail"):
+        links("tail", session="taken")
+
+
+@pytest.mark.parametrize("url, message", [
+    ("http://127.0.0.1:1", "ws://HOST:PORT"),
+    ("ws://127.0.0.1:1", "cannot reach the relay"),
+])
+def test_bad_or_unreachable_url_is_a_user_error(url, message):
+    with pytest.raises(UserError, match=message):
+        RelayLink(url, TOKEN, "s", "head", connect_timeout=5)
+
+
+@pytest.mark.parametrize("session, role", [("bad name", "head"), ("s", "verifier")])
+def test_bad_session_or_role_is_a_user_error(relay, session, role):
+    with pytest.raises(UserError):
+        RelayLink(relay.url, TOKEN, session, role)
+
+
+def test_peer_gone_then_a_new_tail_takes_over(links):
+    head, tail = links("head"), links("tail")
+    head.wait_peer(5)
+    tail.send(b"before leaving")
+    tail.close()
+    assert head.recv(5) == b"before leaving"
+    with pytest.raises(PeerGone):
+        head.recv(5)
+    assert not head.peer_present
+    with pytest.raises(TimeoutError):
+        head.recv(0.1)
+    with pytest.raises(TimeoutError):
+        head.wait_peer(0.1)
+    second = links("tail")
+    head.wait_peer(5)
+    head.send(b"welcome back")
+    assert second.recv(5) == b"welcome back"
+    second.send(b"thanks")
+    assert head.recv(5) == b"thanks"
+
+
+def test_relay_shutdown_closes_the_link(relay, links):
+    head, tail = links("head"), links("tail")
+    head.wait_peer(5)
+    relay.stop()
+    with pytest.raises(LinkClosed, match="1001"):
+        head.recv(5)
+    with pytest.raises(LinkClosed):
+        head.recv(5)  # and stays closed
+    with pytest.raises(LinkClosed):
+        head.send(b"anyone?")
+    # The tail learns of the shutdown on its own connection, maybe after hearing the head left.
+    with pytest.raises(LinkClosed):
+        for _ in range(3):
+            try:
+                tail.recv(5)
+            except PeerGone:
+                pass
+    assert not tail.peer_present
+    with pytest.raises(LinkClosed):
+        tail.wait_peer(5)
+
+
+def test_close_is_idempotent_and_final(links):
+    head = links("head")
+    head.close()
+    head.close()
+    with pytest.raises(LinkClosed):
+        head.recv(1)
+    with pytest.raises(LinkClosed):
+        head.send(b"late")
+
+
+IDLE_HEAD = """
+import sys
+from sfchat.link.relay import RelayLink
+link = RelayLink(sys.argv[1], sys.argv[2], "idle", "head", connect_timeout=10)
+print("ready", flush=True)
+sys.stdin.read()  # never calls recv: idle until the test lets go
+"""
+
+
+def test_an_idle_node_buffers_a_bounded_number_of_bytes(relay):
+    """A hostile tail (it has the relay token) sends 40 frames of 8 MiB to a head that reads
+    nothing; the head keeps at most INBOX_BYTES plus a few frames, not all 320 MiB."""
+    from relay_process import ENV, REPO, status_kib
+
+    head = subprocess.Popen([sys.executable, "-c", IDLE_HEAD, relay.url, TOKEN], cwd=REPO, env=ENV,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert head.stdout.readline().strip() == "ready"
+        base = status_kib(head.pid, "VmRSS")
+
+        async def flood():
+            async with connect(f"{relay.url}/session/idle?role=tail", proxy=None, compression=None,
+                               additional_headers={"Authorization": f"Bearer {TOKEN}"}) as tail:
+                for _ in range(40):
+                    await tail.send(bytes(8 << 20))
+                await asyncio.sleep(2.0)  # the relay delivers what the head is willing to read
+
+        asyncio.run(asyncio.wait_for(flood(), 60))
+        grown = status_kib(head.pid, "VmHWM") - base
+    finally:
+        head.stdin.close()
+        head.wait(10)
+    print(f"\nidle head grew by {grown / 1024:.0f} MiB under 320 MiB of frames")
+    assert grown < 100 << 10, f"the idle head buffered {grown / 1024:.0f} MiB"

@@ -1,0 +1,175 @@
+"""NF4 (bitsandbytes, CPU backend here): slices swap their layers' linears for Linear4bit, the
+engine keeps greedy parity with transformers' generate() of the same NF4 model, the hello tells
+the tail to quantise its slice the same way, and the flags reach the settings."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from sfchat import UserError
+from sfchat.protocol import wire
+from sfchat.cli import build_parser, settings_from
+from sfchat.config import Settings
+from sfchat.events import ReplyFinished, RuntimeReady
+from sfchat.model.quant import NF4_BYTES_PER_WEIGHT, check_mode, is_quantized, quantize_linears
+from sfchat.node.head import Head
+from sfchat.model.slices import ModelSlice
+from sfchat.model.source import ModelSource
+from sfchat.engine.verifier import TailError, Verifier
+from sfchat.node.loading import TailLoader
+from sfchat.protocol.wire import Sampling
+
+CPU = torch.device("cpu")
+IDS = [1, 17, 42, 99, 5, 250, 7, 300, 64, 12, 88, 3]
+PROMPT = [{"role": "user", "content": "hello world, how are you?"}]
+
+
+def nf4_reference(path):
+    """transformers' own model of the checkpoint with the same NF4 swap: an independent forward."""
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    assert quantize_linears(model.model.layers, torch.float32) == 7 * model.config.num_hidden_layers
+    return model
+
+
+def load(path, lo, hi, quant, **kw):
+    return ModelSlice.load(ModelSource.open(str(path)), lo, hi, dtype=torch.float32, device=CPU, max_len=32,
+                           quant=quant, **kw)
+
+
+@pytest.mark.parametrize("target", ["qwen2-untied", "llama-tied", "qwen3-untied"])
+def test_nf4_slices_match_the_nf4_reference_and_differ_from_dense(zoo, target):
+    path = zoo[target]
+    head = load(path, 0, 2, "nf4", embed=True, head=False)
+    tail = load(path, 2, 4, "nf4", embed=False, head=True)
+    dense_tail = load(path, 2, 4, "none", embed=False, head=True)
+    for layer in list(head.layers) + list(tail.layers):
+        kinds = {type(m).__name__ for m in layer.modules()}
+        assert "Linear4bit" in kinds and "Linear" not in kinds
+    assert type(tail.lm_head) is torch.nn.Linear and type(head.embed_tokens) is torch.nn.Embedding
+    assert head.layers[0].mlp.up_proj.weight.quant_state.nested  # double quantisation
+    if target.startswith("qwen2"):  # q/k/v biases stay dense
+        assert head.layers[0].self_attn.q_proj.bias.dtype == torch.float32
+
+    n = len(IDS)
+    hidden = head(torch.tensor(IDS), torch.arange(n))
+    logits = tail(hidden, torch.arange(n), n_logits=n)
+    with torch.no_grad():
+        expected = nf4_reference(path)(torch.tensor([IDS])).logits[0]
+    assert torch.isfinite(logits).all()
+    torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(logits, dense_tail(hidden, torch.arange(n), n_logits=n), atol=1e-3)
+
+
+def test_nf4_weights_take_about_a_quarter_of_fp16(zoo):
+    dense = load(zoo["llama-untied"], 0, 4, "none", embed=False, head=False)
+    nf4 = load(zoo["llama-untied"], 0, 4, "nf4", embed=False, head=False)
+
+    def linear_bytes(sl):
+        out = 0
+        for m in sl.modules():
+            if type(m).__name__ in ("Linear", "Linear4bit"):
+                w = m.weight
+                out += w.numel() * w.element_size()
+                qs = getattr(w, "quant_state", None)
+                if qs is not None:
+                    out += qs.absmax.numel() * qs.absmax.element_size() + qs.state2.absmax.numel() * 4
+        return out
+
+    n_weights = linear_bytes(dense) // 4
+    assert linear_bytes(nf4) == pytest.approx(n_weights * NF4_BYTES_PER_WEIGHT, rel=0.05)
+
+
+@pytest.mark.parametrize("target, draft", [("qwen2-untied", "draft"), ("llama-tied", "llama-tied"),
+                                           ("qwen3-tied", "draft")])
+def test_greedy_parity_with_an_nf4_target(zoo, target, draft):
+    session = Head.open(Settings(model=str(zoo[target]), draft=str(zoo[draft]), k=4, device="cpu",
+                                        load_in_4bit=True))
+    assert session.info.quant == "nf4" and is_quantized(session.engine.head)
+    assert not is_quantized(session.engine.drafter.model)
+    tail = session.engine.link.verifier
+    assert tail.hello.quant == "nf4" and is_quantized(tail.model)
+    ids = session.encode(PROMPT)
+    fin = [e for e in session.reply(ids, 24, Sampling()) if isinstance(e, ReplyFinished)][0]
+    ref = nf4_reference(zoo[target]).generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False,
+                                              pad_token_id=0)
+    assert list(fin.token_ids) == ref[0, len(ids):].tolist()
+
+
+def test_nf4_draft_keeps_the_dense_target_lossless(zoo):
+    path = zoo["qwen2-tied"]
+    session = Head.open(Settings(model=str(path), draft=str(path), k=4, device="cpu",
+                                        draft_load_in_4bit=True))
+    assert is_quantized(session.engine.drafter.model) and not is_quantized(session.engine.head)
+    assert session.info.quant == "none" and session.engine.link.verifier.hello.quant == "none"
+    ids = session.encode(PROMPT)
+    fin = [e for e in session.reply(ids, 24, Sampling()) if isinstance(e, ReplyFinished)][0]
+    ref = AutoModelForCausalLM.from_pretrained(path).eval().generate(
+        torch.tensor([ids]), max_new_tokens=24, do_sample=False, pad_token_id=0)
+    assert list(fin.token_ids) == ref[0, len(ids):].tolist()
+
+
+def hello(path, **extra):
+    data = {"model": str(path), "revision": None, "split": 2, "dtype": "float32", "max_len": 32,
+            "n_layers": 4, "hidden_size": 64, "k": 2, "graphs": False, **extra}
+    return wire.encode(wire.Control(wire.MsgType.HELLO, data))
+
+
+def test_the_hello_names_the_quantisation_and_the_tail_follows(zoo):
+    path = zoo["llama-untied"]
+    tail = Verifier(TailLoader(CPU))
+    out = []
+    tail.handle(hello(path, quant="nf4"), out.append)
+    ready = wire.decode(out[-1])
+    assert ready.type is wire.MsgType.READY and not ready.data["reused"] and is_quantized(tail.model)
+    tail.handle(hello(path, quant="nf4"), out.append)
+    assert wire.decode(out[-1]).data["reused"]
+    tail.handle(hello(path), out.append)  # an older head sends no "quant": dense, and a reload
+    assert not wire.decode(out[-1]).data["reused"] and not is_quantized(tail.model)
+    with pytest.raises(TailError, match="unknown quantisation 'int3'"):
+        tail.handle(hello(path, quant="int3"), out.append)
+    assert wire.decode(out[-1]).type is wire.MsgType.ERROR
+
+
+def test_flags_and_config_file(tmp_path):
+    s = settings_from(build_parser().parse_args(["--load-in-4bit", "--draft-load-in-4bit"]))
+    assert s.load_in_4bit and s.draft_load_in_4bit
+    s = settings_from(build_parser().parse_args([]))
+    assert not s.load_in_4bit and not s.draft_load_in_4bit
+    conf = tmp_path / "c.toml"
+    conf.write_text("load-in-4bit = true\n")
+    assert settings_from(build_parser().parse_args(["--config", str(conf)])).load_in_4bit
+    with pytest.raises(UserError, match=r"unknown quantisation 'fp8' \(choose from none, nf4\)"):
+        check_mode("fp8")
+    assert RuntimeReady("m", "d", 1, 2, "float32", 1, "cpu", "local", 8).quant == "none"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_graphed_nf4_verify_is_bit_identical_to_eager_or_falls_back_visibly(zoo):
+    dev = torch.device("cuda")
+    src = ModelSource.open(str(zoo["qwen2-untied"]))
+    tail = ModelSlice.load(src, 2, 4, embed=False, head=True, dtype=torch.bfloat16, device=dev, max_len=64,
+                           quant="nf4")
+    messages = []
+    captured = tail.capture(9, 9, log=messages.append)
+    assert captured or (messages and "running it eagerly" in messages[0])
+    hidden = torch.randn(9, 64, dtype=torch.bfloat16, device=dev)
+    pos = torch.arange(9, device=dev)
+    eager = tail.forward(hidden, pos, 9).clone()
+    assert torch.equal(tail.run(hidden, pos, 9).clone(), eager)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_graphed_engine_with_nf4_target_and_draft_keeps_greedy_parity(zoo):
+    path = zoo["qwen2-tied"]
+    session = Head.open(Settings(model=str(path), draft=str(path), k=4, device="cuda", dtype="float32",
+                                        load_in_4bit=True, draft_load_in_4bit=True, compile_draft=False))
+    ids = session.encode(PROMPT)
+    fin = [e for e in session.reply(ids, 24, Sampling()) if isinstance(e, ReplyFinished)][0]
+    model = AutoModelForCausalLM.from_pretrained(path).cuda().eval()
+    quantize_linears(model.model.layers, torch.float32)
+    ref = model.generate(torch.tensor([ids], device="cuda"), max_new_tokens=24, do_sample=False, pad_token_id=0)
+    assert list(fin.token_ids) == ref[0, len(ids):].tolist()
+    print(f"\nNF4 on CUDA: head graphs {sorted(session.engine.head.graphs)}, draft graphs "
+          f"{sorted(session.engine.drafter.graphs)}, tail graphs {sorted(session.engine.link.verifier.model.graphs)}")

@@ -1,0 +1,75 @@
+"""Honest round figures: each part measured where it happens, and the parts add up to the round."""
+
+from __future__ import annotations
+
+import statistics
+
+import pytest
+
+from sfchat.config import Settings
+from sfchat.node.head import Head
+from sfchat.node.connect import connect_relay
+from sfchat.protocol.wire import Sampling
+
+from test_engine import PROMPT, reference
+from test_two_machines import SECRET, TOKEN, start_relay, start_tail
+
+TARGET = "qwen2-untied"
+N_NEW = 48
+
+
+def all_rounds(session, n=N_NEW):
+    ids = session.encode(PROMPT)
+    session.eos = set()  # a fixed number of rounds, whatever the tiny model says
+    stats = [e.stats for e in session.reply(ids, n, Sampling()) if hasattr(e, "stats")]
+    return ids, stats  # the first round carries the prefill
+
+
+def assert_parts_add_up(rounds):
+    """Over the steady rounds, the parts account for the round time within 10 %."""
+    parts = sum(r.draft_ms + r.head_ms + r.overlap_ms + r.wait_ms for r in rounds)
+    total = sum(r.round_ms for r in rounds)
+    assert abs(parts - total) <= 0.1 * total, (parts, total)
+
+
+def test_local_figures_add_up_and_the_tail_is_not_counted_as_head(zoo):
+    session = Head.open(Settings(model=str(zoo[TARGET]), draft=str(zoo["draft"]), k=4, device="cpu"))
+    _, rounds = all_rounds(session)
+    prefill, rounds = rounds[0], rounds[1:]
+    assert len(rounds) > 5
+    # the prefill's compute on the tail is the tail's time, not round trip
+    assert prefill.rtt_ms < 0.5 * prefill.tail_ms, prefill
+    assert_parts_add_up(rounds)
+    # the in-process tail computes while the head waits: its time is in wait_ms, not in head_ms
+    assert all(r.wait_ms >= r.tail_ms > 0 for r in rounds)
+    assert statistics.median(r.rtt_ms for r in rounds) < 0.5 * statistics.median(r.tail_ms for r in rounds)
+
+
+@pytest.fixture
+def slow_relay(zoo):
+    proc, url = start_relay("--emulate-rtt-ms", "100")
+    tail = start_tail(url, "timing", zoo["tokenizer"].parent)
+    yield url
+    for p in (tail, proc):
+        p.terminate()
+        p.wait(10)
+
+
+@pytest.mark.parametrize("draft, min_hits", [(TARGET, 0.5), ("draft", 0.0)])
+def test_relay_figures_add_up_and_show_the_emulated_round_trip(zoo, slow_relay, draft, min_hits):
+    s = Settings(model=str(zoo[TARGET]), draft=str(zoo[draft]), k=4, device="cpu", relay=slow_relay,
+                 token=TOKEN, secret=SECRET, session="timing")
+    session = Head.open(s, link=connect_relay(s, wait_timeout=120))
+    try:
+        ids, rounds = all_rounds(session)
+        rounds = rounds[1:]
+        assert list(session.engine.tokens[len(ids):]) == reference(zoo[TARGET], ids, N_NEW, eos=-1)
+    finally:
+        session.engine.link.close()
+    assert_parts_add_up(rounds)
+    assert 90 <= statistics.mean(r.rtt_ms for r in rounds) <= 130
+    # with a draft that is the target, 100 ms of wait is worth sending the next rounds under, and
+    # the outcome they assumed is the real one: those rounds drafted nothing in their own call
+    hits = [r for r in rounds if r.speculated]
+    assert all(r.draft_ms == 0 for r in hits)
+    assert len(hits) >= min_hits * len(rounds)

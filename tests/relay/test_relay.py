@@ -1,0 +1,355 @@
+"""The relay server over loopback: pairing, verbatim ordered forwarding, refusals, limits,
+emulated RTT, shutdown and command-line errors. Raw websockets clients speak to it, so these
+tests pin the wire contract documented in relay/server.py (RelayLink has its own tests)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import re
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from websockets.asyncio.client import ClientConnection, connect
+from websockets.exceptions import ConnectionClosed, InvalidStatus
+
+from relay.server import RelayConfig, serve
+
+TOKEN = "t0ken-for-tests"
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run(coro, timeout: float = 20.0):
+    async def bounded():
+        return await asyncio.wait_for(coro, timeout)
+    return asyncio.run(bounded())
+
+
+def config(**overrides) -> RelayConfig:
+    return RelayConfig(token=TOKEN, host="127.0.0.1", port=0, **overrides)
+
+
+async def dial(port: int, session: str, role: str, token: str | None = TOKEN, **options) -> ClientConnection:
+    headers = {"Authorization": f"Bearer {token}"} if token is not None else {}
+    return await connect(f"ws://127.0.0.1:{port}/session/{session}?role={role}", additional_headers=headers,
+                         compression=None, max_size=64 << 20, proxy=None, **options)
+
+
+async def event(ws: ClientConnection) -> dict:
+    message = await asyncio.wait_for(ws.recv(), 5)
+    assert isinstance(message, str), "expected a relay event, got a frame"
+    return json.loads(message)
+
+
+async def pair(port: int, session: str) -> tuple[ClientConnection, ClientConnection]:
+    head = await dial(port, session, "head")
+    assert await event(head) == {"event": "welcome", "session": session, "peer_present": False}
+    tail = await dial(port, session, "tail")
+    assert await event(tail) == {"event": "welcome", "session": session, "peer_present": True}
+    assert await event(head) == {"event": "peer_joined", "role": "tail"}
+    return head, tail
+
+
+def frames(seed: int, n: int) -> list[bytes]:
+    rng = random.Random(seed)
+    sizes = [rng.choice([1, 17, 1000, 40_000, 300_000]) for _ in range(n)]
+    for i in (5, n // 2, n - 1):
+        sizes[i] = 3 << 20
+    return [i.to_bytes(4, "little") + rng.randbytes(size) for i, size in enumerate(sizes)]
+
+
+async def exchange(head: ClientConnection, tail: ClientConnection, n: int = 300, seed: int = 0) -> None:
+    """Send ``n`` frames each way at once; both sides must get the other's frames exactly."""
+    down, up = frames(seed, n), frames(seed + 1, n)
+
+    async def send_all(ws, items):
+        for item in items:
+            await ws.send(item)
+
+    async def recv_all(ws, count):
+        return [await ws.recv() for _ in range(count)]
+
+    _, _, got_down, got_up = await asyncio.gather(
+        send_all(head, down), send_all(tail, up), recv_all(tail, n), recv_all(head, n))
+    assert got_down == down
+    assert got_up == up
+
+
+def test_head_and_tail_exchange_frames_verbatim_and_in_order():
+    async def scenario():
+        async with await serve(config()) as relay:
+            head, tail = await pair(relay.port, "chat-1")
+            await exchange(head, tail)
+            await head.close()
+            await tail.close()
+    run(scenario())
+
+
+@pytest.mark.parametrize("token", ["wrong", "", None])
+def test_wrong_or_missing_token_is_refused_with_401(token):
+    async def scenario():
+        async with await serve(config()) as relay:
+            with pytest.raises(InvalidStatus) as refused:
+                await dial(relay.port, "s", "head", token=token)
+            assert refused.value.response.status_code == 401
+    run(scenario())
+
+
+@pytest.mark.parametrize("target", [
+    "/session/s?role=middle", "/session/s", "/session/s?role=head&role=tail", "/other/s?role=head",
+    "/session/bad%20name?role=head", f"/session/{'x' * 65}?role=head", "/session/?role=head",
+])
+def test_bad_request_target_is_refused_with_400(target):
+    async def scenario():
+        async with await serve(config()) as relay:
+            with pytest.raises(InvalidStatus) as refused:
+                await connect(f"ws://127.0.0.1:{relay.port}{target}", proxy=None,
+                              additional_headers={"Authorization": f"Bearer {TOKEN}"})
+            assert refused.value.response.status_code == 400
+    run(scenario())
+
+
+def test_second_tail_is_refused_with_409_and_the_pair_keeps_working():
+    async def scenario():
+        async with await serve(config()) as relay:
+            head, tail = await pair(relay.port, "busy")
+            with pytest.raises(InvalidStatus) as refused:
+                await dial(relay.port, "busy", "tail")
+            assert refused.value.response.status_code == 409
+            assert refused.value.response.body.decode().strip() == "session busy already has a tail"
+            await exchange(head, tail, n=40)
+    run(scenario())
+
+
+def test_session_limit_is_refused_with_503():
+    async def scenario():
+        async with await serve(config(max_sessions=1)) as relay:
+            await dial(relay.port, "first", "head")
+            with pytest.raises(InvalidStatus) as refused:
+                await dial(relay.port, "second", "head")
+            assert refused.value.response.status_code == 503
+    run(scenario())
+
+
+@pytest.mark.parametrize("offence, code", [("text", 1003), ("oversize", 1009)])
+def test_misbehaving_connection_is_closed_alone(offence, code):
+    async def scenario():
+        async with await serve(config(max_frame_bytes=4 << 20)) as relay:
+            good_head, good_tail = await pair(relay.port, "good")
+            bad_head, bad_tail = await pair(relay.port, "bad")
+            await bad_head.send("hello" if offence == "text" else bytes(5 << 20))
+            with pytest.raises(ConnectionClosed):
+                await asyncio.wait_for(bad_head.recv(), 5)
+            assert bad_head.close_code == code and bad_head.close_reason
+            assert await event(bad_tail) == {"event": "peer_left", "role": "head"}
+            await exchange(good_head, good_tail, n=60)
+    run(scenario())
+
+
+def test_frames_without_a_peer_are_dropped_and_reported_once_per_absence():
+    async def scenario():
+        async with await serve(config()) as relay:
+            head = await dial(relay.port, "lonely", "head")
+            await event(head)
+            for _ in range(3):
+                await head.send(b"into the void")
+            assert await event(head) == {"event": "dropped", "reason": "no peer"}
+            tail = await dial(relay.port, "lonely", "tail")
+            await event(tail)
+            assert await event(head) == {"event": "peer_joined", "role": "tail"}
+            await head.send(b"now heard")
+            assert await tail.recv() == b"now heard"  # nothing from the absence was buffered
+            await tail.close()
+            assert await event(head) == {"event": "peer_left", "role": "tail"}
+            for _ in range(3):
+                await head.send(b"void again")
+            assert await event(head) == {"event": "dropped", "reason": "no peer"}
+            await head.send(b"once more")
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(head.recv(), 0.3)
+    run(scenario())
+
+
+def test_a_new_tail_can_join_after_the_first_one_left():
+    async def scenario():
+        async with await serve(config()) as relay:
+            head, tail = await pair(relay.port, "relay-race")
+            await tail.send(b"last words")
+            await tail.close()
+            assert await head.recv() == b"last words"  # frames before the leave come first
+            assert await event(head) == {"event": "peer_left", "role": "tail"}
+            tail = await dial(relay.port, "relay-race", "tail")
+            assert await event(tail) == {"event": "welcome", "session": "relay-race", "peer_present": True}
+            assert await event(head) == {"event": "peer_joined", "role": "tail"}
+            await exchange(head, tail, n=20)
+    run(scenario())
+
+
+def test_a_receiver_that_falls_behind_is_closed_with_a_reason():
+    async def scenario():
+        async with await serve(config(max_frame_bytes=256 << 10)) as relay:
+            head, tail = await pair(relay.port, "slow")
+            for _ in range(400):  # 100 MiB against a 1 MiB queue plus socket buffers
+                await head.send(bytes(256 << 10))
+            with pytest.raises(ConnectionClosed):
+                while True:
+                    assert isinstance(await asyncio.wait_for(tail.recv(), 5), bytes)
+            assert tail.close_code == 1013 and "too slowly" in tail.close_reason
+            assert await event(head) == {"event": "peer_left", "role": "tail"}
+    run(scenario())
+
+
+async def round_trips(port: int) -> tuple[float, float]:
+    """Median ping-pong time of small frames, and the time for a burst of 50 to come back."""
+    head, tail = await pair(port, "rtt")
+
+    async def echo():
+        async for message in tail:
+            await tail.send(message)
+
+    echoing = asyncio.create_task(echo())
+    samples = []
+    for i in range(7):
+        start = time.perf_counter()
+        await head.send(b"ping %d" % i)
+        assert await head.recv() == b"ping %d" % i
+        samples.append(time.perf_counter() - start)
+    start = time.perf_counter()
+    burst = [b"burst %d" % i for i in range(50)]
+    for item in burst:
+        await head.send(item)
+    assert [await head.recv() for _ in burst] == burst
+    burst_time = time.perf_counter() - start
+    await head.close()
+    await tail.close()
+    await echoing
+    return statistics.median(samples), burst_time
+
+
+def test_emulated_rtt_adds_the_round_trip_once_per_frame_not_per_queue_position():
+    async def scenario():
+        async with await serve(config()) as relay:
+            plain_rtt, _ = await round_trips(relay.port)
+        async with await serve(config(emulate_rtt_ms=100)) as relay:
+            slow_rtt, burst_time = await round_trips(relay.port)
+        assert 0.080 <= slow_rtt - plain_rtt <= 0.250
+        assert burst_time < 0.6  # one emulated round trip, not 50 of them
+    run(scenario())
+
+
+# --- the command-line relay, as deployed -----------------------------------------------------
+
+@pytest.fixture
+def relay_cli(tmp_path):
+    """Start ``python -m relay.server`` on a free port; returns (process, port, banner)."""
+    started = []
+
+    def start(*args: str, env: dict | None = None) -> tuple[subprocess.Popen, int, str]:
+        with open(tmp_path / "relay.stderr", "w") as stderr:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "relay", "--host", "127.0.0.1", "--port", "0", *args],
+                cwd=REPO, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env)
+        started.append(proc)
+        banner = []
+        for line in proc.stdout:
+            banner.append(line)
+            if found := re.search(r"listening on ws://[^:]+:(\d+)", line):
+                break
+        else:
+            pytest.fail("relay exited before listening: " + (tmp_path / "relay.stderr").read_text())
+        while not banner[-1].lstrip().startswith("tail:"):  # the banner ends with the tail command
+            banner.append(proc.stdout.readline())
+        return proc, int(found[1]), "".join(banner)
+
+    yield start
+    for proc in started:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(5)
+        proc.stdout.close()
+
+
+def test_cli_prints_commands_with_a_generated_token_and_answers_healthz(relay_cli):
+    env = {k: v for k, v in os.environ.items() if k != "SFCHAT_TOKEN"}
+    proc, port, banner = relay_cli(env=env)
+    token = re.search(r"head:  sfchat --relay ws://\S+ --token (\S+) --session NAME", banner)[1]
+    assert "tail:  sfchat --tail --relay ws://" in banner and f"--token {token}" in banner
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    with opener.open(f"http://127.0.0.1:{port}/healthz", timeout=5) as response:
+        assert response.status == 200 and response.read().strip() == b"ok"
+
+    async def scenario():
+        with pytest.raises(InvalidStatus):
+            await dial(port, "cli", "head", token="not-it")
+        head = await dial(port, "cli", "head", token=token)
+        assert (await event(head))["event"] == "welcome"
+        await head.close()
+    run(scenario())
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(10) == 0
+
+
+def test_sigterm_closes_connections_with_1001_and_exits_0(relay_cli, tmp_path):
+    proc, port, _ = relay_cli("--token", TOKEN)
+
+    async def scenario():
+        head, tail = await pair(port, "bye")
+        start = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        for ws in (head, tail):
+            with pytest.raises(ConnectionClosed):
+                await asyncio.wait_for(ws.recv(), 5)
+            assert ws.close_code == 1001
+        return time.monotonic() - start
+
+    assert run(scenario()) < 5
+    assert proc.wait(5) == 0
+    log = (tmp_path / "relay.stderr").read_text()
+    assert "session bye: head joined" in log and "Traceback" not in log
+
+
+def cli_error(*args: str) -> str:
+    done = subprocess.run([sys.executable, "-m", "relay", *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=20)
+    assert done.returncode == 2
+    assert "Traceback" not in done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("sfchat-relay: error:"), done.stderr
+    return lines[0]
+
+
+def test_bad_port_is_one_error_line():
+    assert "99999" in cli_error("--port", "99999")
+
+
+def test_missing_certificate_is_one_error_line(tmp_path):
+    assert "certificate" in cli_error("--certfile", str(tmp_path / "missing.pem"), "--port", "0")
+
+
+def test_port_in_use_is_one_error_line():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert "cannot listen" in cli_error("--host", "127.0.0.1", "--port", str(port), "--token", TOKEN)
+
+
+def test_every_flag_is_described_in_help():
+    from relay.cli import _parser
+
+    undescribed = [a.option_strings[0] for a in _parser()._actions
+                   if a.option_strings and (not a.help or a.help == argparse.SUPPRESS)]
+    assert undescribed == []
+    done = subprocess.run([sys.executable, "-m", "relay", "--help"], cwd=REPO,
+                          capture_output=True, text=True, timeout=20)
+    assert done.returncode == 0 and "--max-sessions" in done.stdout and "--log-level" in done.stdout
