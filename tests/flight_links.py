@@ -1,20 +1,19 @@
 """Test links and policies for frames in flight: a local link whose frames queue as a relay's do,
-and a policy that always answers the same shape and number in flight."""
+and a policy that always answers the same frame size and number in flight."""
 
 from __future__ import annotations
 
 import torch
 
-from sfchat.protocol import wire
-from sfchat.node.local_link import MemoryLink
-from sfchat.engine.policy import Shape
 from sfchat.engine.verifier import Verifier
 from sfchat.node.loading import TailLoader
+from sfchat.node.local_link import MemoryLink
+from sfchat.protocol import wire
 from sfchat.protocol.wire import Forward, decode
 
 
 class Pipelined(MemoryLink):
-    """Local mode's link, with frames queued as a relay queues them: the head sends rounds ahead
+    """Local mode's link, with frames queued as a relay queues them: the head sends frames ahead
     (``overlaps``), and the tail runs each frame, in order, when the head waits for a verdict."""
 
     overlaps = True
@@ -31,13 +30,16 @@ class Pipelined(MemoryLink):
 
 
 class Always:
-    """A policy that always answers ``(shape, m)``: the mechanism under test, not the choice."""
+    """A policy that always answers ``m`` frames in flight at the speculator's one frame size:
+    the mechanism under test, not the choice."""
 
-    def __init__(self, shape: Shape, m: int):
-        self.shape, self.m, self.max_in_flight = shape, m, m
+    min_yield = 0.0  # every frame goes out, however unlikely its nodes
+
+    def __init__(self, m: int):
+        self.m, self.max_in_flight = m, m
 
     def choose(self):
-        return self.shape, self.m
+        return None, self.m
 
     def observe(self, *args, **kw):
         pass

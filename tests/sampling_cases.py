@@ -3,8 +3,8 @@ statistics that compare samples of replies with the exact distribution generate(
 
 The models are built here rather than taken from the ``zoo``: a 64-token vocabulary (with its
 own tokenizer) keeps the outcomes few, and a draft made of the target minus its (damped) second
-layer has about 65% of its proposals accepted, so that every path of verification is frequent:
-accept, reject and resample from the residual, all K accepted and the bonus token.
+layer proposes the target's draw often enough that every depth of the walk is frequent: no draft
+on the committed path, some, all K.
 
 An outcome is a reply's first N_NEW tokens (cut after EOS, padded with -1); a view looks at some
 of its positions; a sample fails when the smallest chi-square goodness-of-fit p-value of its
@@ -34,6 +34,7 @@ import tinymodels
 from sfchat.config import Settings
 from sfchat.events import ReplyFinished
 from sfchat.node.head import Head
+from sfchat.protocol import wire
 from sfchat.protocol.wire import Sampling
 
 PROMPT = [{"role": "user", "content": "hello world"}]
@@ -135,11 +136,11 @@ def outcome(tokens, eos: int) -> tuple:
 def speculative_sample(session, ids, s: Sampling, n: int, first_seed: int):
     """Outcome counts of ``n`` replies seeded first_seed, first_seed + 1, ...; summed accepted histogram."""
     (eos,) = session.eos
-    counts, histogram = Counter(), np.zeros(K + 1, dtype=int)
+    counts, histogram = Counter(), np.zeros(wire.MAX_NODES, dtype=int)
     for i in range(n):
         final = reply(session, ids, N_NEW, replace(s, seed=first_seed + i))
         counts[outcome(final.token_ids, eos)] += 1
-        histogram += final.accepted_histogram
+        histogram[:len(final.accepted_histogram)] += final.accepted_histogram
     return counts, histogram
 
 
@@ -239,15 +240,13 @@ def _speculative_part(target, draft, ids, s: Sampling, n: int, first_seed: int, 
     """One worker's share of ``speculative_sample`` (a process of its own: it loads its session);
     with ``in_flight`` > 1, every round goes out that many frames ahead of its verdicts."""
     torch.set_num_threads(1)
-    link = None
+    link = policy = None
     if in_flight > 1:
         from flight_links import Always, Pipelined
 
-        link = Pipelined()
+        link, policy = Pipelined(), Always(in_flight)
     session = Head.open(Settings(model=target, draft=draft, k=K, device="cpu", tree_budget=tree_budget,
-                                        max_in_flight=in_flight), link=link)
-    if in_flight > 1:
-        session.engine.policy = Always(session.engine.rounds.shapes[0], in_flight)
+                                 max_in_flight=in_flight), link=link, policy=policy)
     return speculative_sample(session, ids, s, n, first_seed)
 
 
@@ -257,7 +256,7 @@ def parallel_speculative_sample(models, ids, s: Sampling, n: int, first_seed: in
     the same outcomes as one process would give."""
     workers = min(2, os.cpu_count() or 1)
     shares = [(first_seed + i * n // workers, (i + 1) * n // workers - i * n // workers) for i in range(workers)]
-    counts, histogram = Counter(), np.zeros(K + 1, dtype=int)
+    counts, histogram = Counter(), np.zeros(wire.MAX_NODES, dtype=int)
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
         parts = [pool.submit(_speculative_part, str(models["target"]), str(models["draft"]), ids, s, size, seed,
                              tree_budget, in_flight) for seed, size in shares]

@@ -5,30 +5,32 @@ Contract
 ``Verifier.handle(frame, emit)`` consumes one wire frame and calls ``emit(frame)`` for each
 reply (sans-I/O: the same object serves the in-memory link of local mode and the relay loop of
 ``sfchat --tail``). The tail needs no model flags: a HELLO names the model, revision, split,
-dtype and context size; the tail loads its slice (reporting PROGRESS), checks that what it
-loaded agrees with the hello, and answers READY (naming the dtype it computes in: float16
-instead of the head's bfloat16 on a GPU without bf16, such as a T4; the head's hidden states
-are then converted on arrival). A FORWARD fills the KV cache at the positions
-it names and, when it asks for a verdict, verifies its drafts with ``sampling.verify``; a tree
-FORWARD (at most the hello's ``tree_budget`` nodes, at most ``k`` deep) runs with the tree mask,
-is verified by ``sampling.verify_tree``, and the accepted nodes' K/V move into place at once.
+dtype and context size; the tail loads its slice through the loader it was given (reporting
+PROGRESS), checks that what it loaded agrees with the hello, and answers READY (naming the dtype
+it computes in: float16 instead of the head's bfloat16 on a GPU without bf16, such as a T4; the
+head's hidden states are then converted on arrival).
 
-Frames in flight: every FORWARD names an epoch and the verdict tokens it ``assumes`` (the head
-sent it before that verdict was known). A frame that assumes nothing opens a newer epoch; one
-that assumes something is run only if the last verdict of its epoch is exactly that (then it
-starts where that verdict left the context, at its last token). Otherwise the epoch is broken:
-that frame and every later frame of the epoch, and of any older epoch, are dropped unread,
-without a reply and without touching the KV cache; the head, which saw the same verdict, has
-already rewound and opened a new epoch. A HELLO starts over at epoch 0.
+Speculation trees, incrementally (the head's side is ``engine.live``): a tree is opened by the
+frame whose first node has id 1 (after the prefill FORWARDs of the context the tail lacks, which
+fill its KV cache: a tree's root position must be where they end). The tail keeps the tree's
+**frontier**: the last node the target's walk committed (first the root, id 0: the context) and
+the target's pick after it. A node of an arriving frame is live if its parent is the frontier
+and its token that pick, or its parent is a live node of the same frame; every other node is
+dead (its parent was dead, or the target picked another token after it) and is not computed. The
+live nodes run at the frame's fixed shape (``Hello.shape``: padded, each row seeing the context,
+its ancestors and itself), the target picks at each (``sampling.picks``: one host sync, which
+also checks that the logits are finite), and the walk descends from the frontier while a pick
+is a child: those nodes are committed, their K/V moves in place after the context, and the
+frontier moves to the last of them. Every frame gets a VERDICT (the committed nodes, empty when
+none, and the picks). Frames of a tree older than the newest are dropped unread; node ids come
+in order, one frame after another.
 
 Every frame is hostile until checked: each HELLO field is checked for its exact JSON type and
-range before anything is allocated or opened (``handshake.Hello.parse``); a FORWARD must agree with the
-hello (hidden size, dtype, K, context) and a sampled verify must carry finite, non-negative
-proposal probabilities. Models are opened through ``ModelSource.open(..., allowed_dirs)``: with
-``models_dirs`` (the ``sfchat --tail`` process) only hub ids and directories inside them.
-A frame that breaks the protocol gets one ERROR reply and raises ``TailError``; so does any
-unexpected failure while handling a frame (the tail then also forgets its context and asks the
-head to resync). The verifier itself stays usable for the next frame and the next head.
+range before anything is allocated or opened (``handshake.Hello.parse``); a FORWARD must agree
+with the hello (hidden size, dtype, frame shapes, context). A frame that breaks the protocol gets
+one ERROR reply and raises ``TailError``; so does any unexpected failure while handling a frame
+(the tail then also forgets its context and asks the head to resync). The verifier itself stays
+usable for the next frame and the next head.
 """
 
 from __future__ import annotations
@@ -42,7 +44,8 @@ from sfchat import UserError
 from sfchat.protocol import wire
 from sfchat.protocol.handshake import Hello, Ready, shown
 from sfchat.protocol.messages import Failure, Progress
-from sfchat.engine import sampling, tree
+from sfchat.engine import sampling
+from sfchat.model.kv import TreeMask
 from sfchat.model.slices import ModelSlice, n_layers
 from sfchat.model.devices import DTYPE_NAMES, DTYPES
 
@@ -66,18 +69,20 @@ class Verifier:
         it cannot: refused as an ERROR); ``progress(stage, done, total, detail)`` reports to the
         head. The loader decides where models may come from and on which devices they run."""
         self.load = load
-        self.k = 0
         self.log = log or (lambda msg: None)
         self.model: ModelSlice | None = None
         self.hello: Hello | None = None  # the hello whose slice is loaded
         self.rounds = 0
         self.prefill_s = 0.0  # compute spent on prefill FORWARDs since the last verdict
-        self.dropped = 0  # frames of broken epochs, dropped unread
-        self._epochs()
+        self.dropped = 0  # frames of older trees, dropped unread
+        self.computed = self.skipped = 0  # nodes run, and nodes dead on arrival
+        self._trees()
 
-    def _epochs(self) -> None:
-        self.epoch, self.broken = 0, False
-        self.last: tuple[int, tuple[int, ...], int] | None = None  # (epoch, tokens, the next t0's position)
+    def _trees(self) -> None:
+        self.tree = 0
+        self.frontier: tuple[int, int, int] | None = None  # (node id, the pick after it, its position)
+        self.root_pos = 0
+        self.next_id = 1
 
     # -- frames --------------------------------------------------------------------------------
     def handle(self, frame: bytes, emit) -> None:
@@ -116,7 +121,6 @@ class Verifier:
             hello = Hello.parse(data)
         except wire.WireError as exc:
             self._fail(emit, f"incomplete hello: {exc}")
-        self.k = hello.k
         t0 = time.perf_counter()
         reused = self.model is not None and hello.identity() == self.hello.identity()
         if not reused:
@@ -130,39 +134,20 @@ class Verifier:
         if n_layers(cfg) != hello.n_layers or cfg.hidden_size != hello.hidden_size:
             self._fail(emit, f"tail's model has {n_layers(cfg)} layers / hidden {cfg.hidden_size}, "
                              f"the head's {hello.n_layers} / {hello.hidden_size}: not the same model")
-        # a verify is a chain of one of the hello's depths, or a tree of tree_budget nodes: a graph each
+        # a verify runs at one of the hello's frame shapes: a graph each
         for m, is_tree in hello.shapes():
             if hello.graphs and self.model.device.type == "cuda" and not self.model.captured(m, m, is_tree):
                 self.model.capture(m, m, log=self.log, tree=is_tree)
         if not hello.graphs:
             self.model.graphs.clear()
-        self.model.kv.reset()
+        for _, kv, _ in self.model.groups:  # nothing an earlier head left may reach this one's softmax
+            kv.reset(zero=True)
         self.prefill_s = 0.0
-        self._epochs()
+        self._trees()
         ready = Ready(n_layers=n_layers(cfg), hidden_size=cfg.hidden_size, device=str(self.model.device),
                       dtype=DTYPE_NAMES[self.model.dtype], load_s=round(time.perf_counter() - t0, 3), reused=reused)
         self.log(f"ready: {hello.model} layers [{hello.split}, {n_layers(cfg)}) on {self.model.device}")
         emit(ready.to_frame())
-
-    def _in_epoch(self, msg: wire.Forward, emit) -> bool:
-        """Whether ``msg`` is to be run: False for a frame of a broken or older epoch (dropped)."""
-        if msg.epoch < self.epoch or (msg.epoch == self.epoch and self.broken):
-            return False
-        if msg.epoch > self.epoch:
-            if msg.assumes:
-                self._fail(emit, f"the first frame of epoch {msg.epoch} assumes a verdict of that epoch")
-            self.epoch, self.broken = msg.epoch, False
-            return True
-        if not msg.assumes:
-            return True
-        if self.last is None or self.last[0] != self.epoch or self.last[1] != msg.assumes:
-            self.broken = True  # the head assumed an outcome that did not happen
-            return False
-        if msg.start_pos != self.last[2] or msg.tokens[0] != msg.assumes[-1]:
-            self._fail(emit, f"a frame assuming a verdict that ends at position {self.last[2]} starts at "
-                             f"{msg.start_pos} with another token")
-        self.last = None  # one frame follows a verdict
-        return True
 
     def _progress(self, emit):
         """A loader's progress callback: PROGRESS frames to the head, at most ten a second."""
@@ -180,66 +165,120 @@ class Verifier:
         if self.model is None:
             self._fail(emit, "FORWARD before HELLO", resync=True)
         m = self.model
-        device = m.device
-        n = len(msg.tokens)
         sent = DTYPES[msg.dtype.name.lower()]
         if msg.hidden_size != m.config.hidden_size or DTYPE_NAMES[sent] not in (DTYPE_NAMES[m.dtype],
                                                                               self.hello.dtype):
             self._fail(emit, f"hidden states of size {msg.hidden_size}/{DTYPE_NAMES[sent]} do not match "
                              f"the tail's {m.config.hidden_size}/{DTYPE_NAMES[m.dtype]}")
+        if msg.tree < self.tree:
+            self.dropped += 1  # a tree the head has left
+            return
+        if msg.tree > self.tree:
+            self.tree, self.frontier, self.next_id = msg.tree, None, 1
+        if msg.verify:
+            self._verify(msg, emit)
+        else:
+            self._prefill(msg, emit)
+
+    def _prefill(self, msg: wire.Forward, emit) -> None:
+        m, n = self.model, len(msg.tokens)
+        if self.frontier is not None:
+            self._fail(emit, f"a prefill FORWARD inside tree {msg.tree}, after its nodes")
         if msg.start_pos + n > m.kv.max_len:
             self._fail(emit, f"positions up to {msg.start_pos + n} exceed the context of {m.kv.max_len}")
-        k = msg.n_draft
-        depths = None
-        if msg.parents is not None:
-            budget = self.hello.tree_budget
-            if k > budget:
-                self._fail(emit, f"a tree of {k} nodes; the hello announced at most {budget}")
-            depths = wire.tree_depths(msg.parents)
-            deepest = max(depths)
-            if deepest > self.k:
-                self._fail(emit, f"a tree {deepest} deep; the hello announced at most {self.k}")
-        elif k > self.k:
-            self._fail(emit, f"a FORWARD with {k} drafts; the hello announced at most {self.k}")
-        sampled = msg.want_verdict and k > 0 and msg.sampling.temperature > 0 and msg.parents is None
-        if sampled and msg.n_q == 0:
-            self._fail(emit, "a sampled verify without the draft's proposal distributions (n_q = 0)")
-        q_probs = torch.frombuffer(bytearray(msg.q_probs), dtype=torch.float32) if sampled else None
-        if q_probs is not None and not bool(torch.isfinite(q_probs).all() and (q_probs >= 0).all()):
-            self._fail(emit, "draft proposal probabilities that are not finite and non-negative")
-        if not self._in_epoch(msg, emit):
-            self.dropped += 1
-            return
-        if msg.start_pos > len(m.kv.written):
-            self._fail(emit, f"context hole: the tail holds {len(m.kv.written)} positions, the head "
-                             f"wrote at {msg.start_pos} (did the tail restart?)", resync=True)
+        self._no_hole(msg.start_pos, emit)
         t0 = time.perf_counter()
-        hidden = tensor_from_bytes(msg.hidden, sent, n, msg.hidden_size, device).to(m.dtype)
-        positions = torch.arange(msg.start_pos, msg.start_pos + n, device=device)
-        mask = tree.mask(msg.parents, msg.start_pos, device, depths) if depths is not None else None
-        logits = m.run(hidden, positions, n_logits=k + 1 if msg.want_verdict else 1, end=msg.start_pos + n,
-                       tree=mask)
-        m.kv.note(msg.start_pos, msg.tokens[:1] if mask is not None else msg.tokens)  # tree nodes: scratch
-        if not msg.want_verdict:
-            self.prefill_s += time.perf_counter() - t0
+        hidden = tensor_from_bytes(msg.hidden, DTYPES[msg.dtype.name.lower()], n, msg.hidden_size, m.device)
+        positions = torch.arange(msg.start_pos, msg.start_pos + n, device=m.device)
+        m.run(hidden.to(m.dtype), positions, n_logits=1, end=msg.start_pos + n)
+        m.kv.note(msg.start_pos, msg.tokens)
+        self.prefill_s += time.perf_counter() - t0
+
+    def _no_hole(self, start: int, emit) -> None:
+        if start > len(self.model.kv.written):
+            self._fail(emit, f"context hole: the tail holds {len(self.model.kv.written)} positions, the head "
+                             f"wrote at {start} (did the tail restart?)", resync=True)
+
+    def _verify(self, msg: wire.Forward, emit) -> None:
+        m, n = self.model, len(msg.tokens)
+        shape = self.hello.shape(n)
+        if shape is None:
+            self._fail(emit, f"a tree frame of {n} nodes; the hello announced at most {self.hello.frames[-1]}")
+        if msg.first_id == 1:
+            if self.frontier is not None:
+                self._fail(emit, f"tree {msg.tree} opened twice")
+            self._no_hole(msg.start_pos, emit)
+            del m.kv.written[msg.start_pos:]  # positions from the root on are the tree's
+            self.frontier, self.root_pos = (0, msg.tokens[0], msg.start_pos - 1), msg.start_pos
+        elif self.frontier is None or msg.first_id != self.next_id or msg.start_pos != self.root_pos:
+            self._fail(emit, f"a frame of tree {msg.tree} with nodes from {msg.first_id} at root {msg.start_pos}: "
+                             f"expected nodes from {self.next_id} at {self.root_pos} after an opening frame")
+        self.next_id = msg.first_id + n
+        frontier, pick, pos = self.frontier
+        base = pos + 1  # the context: everything up to the frontier
+        live: list[int] = []  # frame indices of the live nodes, in order
+        where: dict[int, int] = {}  # node id -> its row among the live ones
+        for i, (parent, token) in enumerate(zip(msg.parents, msg.tokens)):
+            node = msg.first_id + i
+            first = parent == frontier and token == pick and not any(msg.parents[j] == frontier for j in live)
+            if first or parent in where:
+                where[node] = len(live)
+                live.append(i)
+        self.skipped += n - len(live)
+        if not live:  # nothing of this frame can be on the committed path: nothing computed
+            self._answer(msg, (), (), 0.0, emit)
             return
-        gen = sampling.round_generator(msg.sampling.seed, msg.start_pos, "verify", device) \
-            if msg.sampling.temperature > 0 else None
-        path = None
-        if mask is not None:
-            path, tokens = sampling.verify_tree(logits, msg.parents, msg.tokens[1:], msg.sampling, gen)
-            n_acc = len(path)
-            m.keep([msg.start_pos + i for i in path], msg.start_pos + 1, tokens[:-1])
-        else:
-            drafts = torch.tensor(msg.tokens[n - k:], dtype=torch.long)  # verify copies it without a sync
-            q_idx = tensor_from_bytes(msg.q_indices, torch.int32, k, msg.n_q, device)
-            q_prob = tensor_from_bytes(msg.q_probs, torch.float32, k, msg.n_q, device)
-            n_acc, tokens = sampling.verify(logits, drafts, msg.sampling, q_idx, q_prob, gen)
-        # the round's whole compute here, its prefill chunks included: the head subtracts it from
-        # the round trip, so that RTT is the network's alone
-        tail_us = min(int((time.perf_counter() - t0 + self.prefill_s) * 1e6), 2 ** 32 - 1)
+        if base + shape > m.kv.max_len:
+            self._fail(emit, f"a tree frame reaching slot {base + shape}, beyond the context of {m.kv.max_len}")
+        t0 = time.perf_counter()
+        rows = len(live)
+        depth = [0] * rows
+        visible = torch.zeros(shape, shape, dtype=torch.bool)
+        visible[rows:, shape - 1] = True  # padding rows write and see the last slot only
+        for r, i in enumerate(live):
+            parent = msg.parents[i]
+            if parent in where:
+                above = where[parent]
+                depth[r] = depth[above] + 1
+                visible[r] = visible[above]
+            else:
+                depth[r] = 1
+            visible[r, r] = True
+        positions = [pos + d for d in depth]
+        sent = DTYPES[msg.dtype.name.lower()]
+        hidden = tensor_from_bytes(msg.hidden, sent, n, msg.hidden_size, m.device)[live].to(m.dtype)
+        if rows < shape:
+            hidden = torch.cat([hidden, hidden.new_zeros(shape - rows, msg.hidden_size)])
+        slots = torch.tensor(list(range(base, base + rows)) + [base + shape - 1] * (shape - rows), device=m.device)
+        rope = torch.tensor(positions + [max(base - 1, 0)] * (shape - rows), device=m.device)
+        mask = TreeMask(rope, torch.tensor([base], device=m.device), visible.to(m.device))
+        logits = m.run(hidden, slots, n_logits=shape, end=base + shape, tree=mask)[:rows]
+        chosen = sampling.picks(logits, positions, msg.sampling)
+        out = torch.cat([chosen, torch.isfinite(logits).all().long()[None]]).tolist()  # the one host sync
+        if not out[-1]:
+            self._fail(emit, f"layers [{self.hello.split}, {self.hello.n_layers}) of {shown(self.hello.model)} "
+                             f"computed logits that are not finite in {DTYPE_NAMES[m.dtype]} (an overflow: Qwen2.5 "
+                             "in float16 is known to); start the head with --dtype bfloat16 on GPUs that have it, "
+                             "or --dtype float32")
+        self.computed += rows
+        path, node_row = [], 0  # the walk: from the frontier's live child, while the pick is a child
+        while True:
+            path.append(node_row)
+            child = msg.first_id + live[node_row]
+            nxt = next((r for r in range(node_row + 1, rows)
+                        if msg.parents[live[r]] == child and msg.tokens[live[r]] == out[node_row]), None)
+            if nxt is None:
+                break
+            node_row = nxt
+        m.keep([base + r for r in path], base, [msg.tokens[live[r]] for r in path])
+        last = path[-1]
+        self.frontier = (msg.first_id + live[last], out[last], positions[last])
+        self._answer(msg, tuple(live[r] for r in path), tuple(out[r] for r in path), time.perf_counter() - t0, emit)
+
+    def _answer(self, msg: wire.Forward, path, tokens, seconds: float, emit) -> None:
+        # the frame's whole compute here, its prefill included: the head subtracts it from the round
+        # trip, so that RTT is the network's alone
+        tail_us = min(int((seconds + self.prefill_s) * 1e6), 2 ** 32 - 1)
         self.prefill_s = 0.0
         self.rounds += 1
-        self.last = (self.epoch, tuple(tokens), msg.start_pos + len(tokens))
-        emit(wire.encode(wire.Verdict(msg.round, msg.start_pos, n_acc, tuple(tokens), tail_us,
-                                      tuple(path) if path is not None else None)))
+        emit(wire.encode(wire.Verdict(msg.round, msg.tree, path, tokens, tail_us)))

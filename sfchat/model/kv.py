@@ -161,5 +161,10 @@ class StaticKV:
                 hi = mid
         return lo
 
-    def reset(self) -> None:
+    def reset(self, zero: bool = False) -> None:
+        """Forget what the slots hold; ``zero`` also clears them (a peer's NaN left in a slot that a
+        later forward's window covers would poison its softmax, masked or not)."""
         self.written.clear()
+        if zero:
+            for buf in self.keys + self.values:
+                buf.zero_()

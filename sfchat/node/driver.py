@@ -1,38 +1,41 @@
-"""The head's round driver: moves a round's frames over a link and owns its clocks and faults.
+"""The head's round driver: moves frames over a link and owns their clocks and faults.
 
 Contract
 --------
-``RoundDriver(rounds, link, ...)`` is the only code that talks to the tail, in local mode (a
-``MemoryLink``) and relay mode alike. ``connect(hello)`` performs the HELLO/READY handshake;
-``begin(prompt_ids)`` sets the context; each ``round(s, eos_ids, budget)`` returns the outcome of
-one verdict of the sans-I/O ``round.HeadRound``:
+``RoundDriver(speculator, link, policy=..., ...)`` is the only code that talks to the tail, in
+local mode (a ``MemoryLink``) and relay mode alike, and depends on the ``sfchat.link.Link``
+protocol alone. ``connect(hello)`` performs the HELLO/READY handshake; ``begin(prompt_ids)`` sets
+the context; each ``round(s, eos_ids, budget)`` returns the outcome of one verdict of the sans-I/O
+``engine.speculator.Speculator``:
 
-    [plan (draft + head slice), send]  ->  speculate and send while frames in flight < m
-        ->  wait for the oldest frame's verdict  ->  take it  ->  [drop the rest if it broke them]
+    build and send frames while fewer than m are in flight  ->  wait for the oldest's verdict
+        ->  take it (commit, prune the tree)
 
-Frames in flight: the rounds sent but not answered yet, oldest first, each built on the
-likeliest outcome of the one before (``HeadRound.speculate``). When a verdict is not the
-outcome the next frame assumed (or the reply ends, or the sampling changes), the rest are
-dropped: the tail drops them too, as a broken epoch, and the next round is planned from the
-committed context in a new epoch. The shape of each round and ``m`` come from
-``policy.SpeculationPolicy`` (``max_in_flight`` bounds ``m``; 1 is the sequential round), fed
-every verdict. Nothing is in flight over a link whose tail computes inside ``recv`` (local
-mode's ``MemoryLink``, ``overlaps = False``). Output never depends on any of it (see ``round``).
+Frames in flight: a frame may be built before the verdicts of the frames before it are known;
+its nodes hang anywhere in the reply's live tree (``engine.live``), so a verdict that is not the
+likeliest outcome costs only the nodes below the outcomes that did not happen, never the frames
+behind it. The frame size and ``m`` come from the policy (``engine.policy.PipelinePolicy``
+unless one is handed in; ``max_in_flight`` bounds ``m``; 1 is one frame per round trip), fed
+every verdict; a frame goes out while others are in flight only if the tree expects it to commit
+at least the policy's ``min_yield`` tokens. Nothing is in flight over a link whose tail computes
+inside ``recv`` (local mode's ``MemoryLink``, ``overlaps = False``). Output never depends on any
+of it (see ``engine.speculator``).
 
 Each ``RoundOutcome`` has honest figures, measured where they happen: ``draft_ms`` and ``head_ms``
-(head slice, frame building and sending) of a round planned in this call, ``overlap_ms`` the
-rounds speculated while verdicts travel, ``wait_ms`` the time blocked on the verdict after that,
-``tail_ms`` the tail's own compute (from the verdict) and ``rtt_ms`` the time from sending the
-round to its verdict's arrival less the tail's compute. The parts add up to ``round_ms``, the
-time between two verdicts taken. ``speculated`` marks a round whose frame went out before the
-verdict before it was known, and whose assumption held.
+(head slice, frame building and sending) of the frames built in this call, ``overlap_ms`` the
+frames built while verdicts travel, ``wait_ms`` the time blocked on the verdict after that,
+``tail_ms`` the tail's own compute (from the verdict, never more than the time it took) and
+``rtt_ms`` the time from sending the frame to its verdict's arrival less the tail's compute. The
+parts add up to ``round_ms``, the time between two verdicts taken. ``speculated`` marks a verdict
+whose frame went out while another was in flight and that committed tokens.
 
-Faults (relay mode): a lost link (tail gone, relay gone, no verdict within ``round_timeout``)
-during a round or during the handshake is re-established with backoff for up to
-``reconnect_timeout``; the round is redone after a fresh HELLO, and the new tail is re-primed
-through the ordinary prefill path. A stall is reported after ``STALL_NOTICE_S``. Verdicts of
-abandoned rounds are ignored. A tail that breaks the protocol (a malformed frame, an impossible
-verdict, a bad PROGRESS) ends the reply with ``LinkError``, never a crash or a bogus token.
+Faults (relay mode): a lost link (tail gone, relay gone, no verdict within ``round_timeout``: a
+deadline that nothing else the tail sends extends) during a round or the handshake is
+re-established with backoff for up to ``reconnect_timeout``; the round is redone after a fresh
+HELLO, and the new tail is re-primed through the ordinary prefill path. A stall is reported after
+``STALL_NOTICE_S``. Verdicts of abandoned frames are ignored. A tail that breaks the protocol (a
+malformed frame, an impossible verdict, a bad PROGRESS) ends the reply with ``LinkError``, never
+a crash or a bogus token.
 """
 
 from __future__ import annotations
@@ -46,9 +49,10 @@ from sfchat.protocol import wire
 from sfchat.events import LinkState, RoundStats
 from sfchat.protocol.handshake import Hello, Ready
 from sfchat.protocol.messages import Failure, Progress
-from sfchat.link import LinkClosed, PeerGone
-from sfchat.engine.policy import SpeculationPolicy
-from sfchat.engine.round import Commit, HeadRound, Plan, ProtocolError
+from sfchat.link import Link, LinkClosed, PeerGone
+from sfchat.engine.live import ProtocolError
+from sfchat.engine.policy import PipelinePolicy
+from sfchat.engine.speculator import Commit, Frame, Speculator
 
 STALL_NOTICE_S = 3.0  # a round without a verdict for this long is reported as stalled
 
@@ -68,30 +72,26 @@ class RoundOutcome:
 
 
 class RoundDriver:
-    def __init__(self, rounds: HeadRound, link, *, on_event=lambda event: None, reconnect=None,
-                 round_timeout: float = 60.0, reconnect_timeout: float = 300.0, max_in_flight: int = 1):
+    def __init__(self, speculator: Speculator, link: Link, *, policy: PipelinePolicy | None = None,
+                 on_event=lambda event: None, reconnect=None, round_timeout: float = 60.0,
+                 reconnect_timeout: float = 300.0, max_in_flight: int = 1):
         """``reconnect(timeout) -> link`` makes a new link to a tail (relay mode); without it a
         lost link is an error. ``on_event`` receives LinkState changes."""
         if max_in_flight < 1:
             raise ValueError(f"max_in_flight must be at least 1, not {max_in_flight}")
-        self.rounds, self.link = rounds, link
+        self.spec, self.link = speculator, link
         self.on_event, self.reconnect = on_event, reconnect
         self.round_timeout, self.reconnect_timeout = round_timeout, reconnect_timeout
         self.hello: Hello | None = None
         self.on_progress = None
-        self.flight: deque[Plan] = deque()  # sent, not answered yet; oldest first
+        self.flight: deque[Frame] = deque()  # sent, not answered yet; oldest first
         self.flight_sampling: wire.Sampling | None = None
-        self.max_in_flight = max_in_flight
-        self.policy = self.new_policy()
-
-    def new_policy(self) -> SpeculationPolicy:
-        return SpeculationPolicy(self.rounds.shapes, self.max_in_flight if self.link.overlaps else 1)
+        self.policy = policy or PipelinePolicy(speculator.frame_sizes, max_in_flight if link.overlaps else 1)
 
     # what the rest of the head reads of the engine
-    head = property(lambda self: self.rounds.head)
-    drafter = property(lambda self: self.rounds.drafter)
-    k = property(lambda self: self.rounds.k)
-    tokens = property(lambda self: self.rounds.tokens)
+    head = property(lambda self: self.spec.head)
+    drafter = property(lambda self: self.spec.drafter)
+    tokens = property(lambda self: self.spec.tokens)
 
     # -- handshake -----------------------------------------------------------------------------
     def connect(self, hello: Hello, on_progress=None) -> Ready:
@@ -138,7 +138,7 @@ class RoundDriver:
                     raise LinkLost(f"gave up after {self.reconnect_timeout:.0f} s of reconnecting: {exc}") from None
                 time.sleep(delay)
                 delay = min(delay * 2, 5.0)
-        self.rounds.forget_tail()
+        self.spec.restart()
         self.on_event(LinkState("connected", "reconnected; the context was sent again"))
         return ready
 
@@ -174,26 +174,19 @@ class RoundDriver:
         except wire.WireError as exc:
             raise LinkError(f"protocol error: a {msg.type.name} frame with {exc}") from None
 
-    @staticmethod
-    def _checked(fn, *args):
-        try:
-            return fn(*args)
-        except ProtocolError as exc:
-            raise LinkError(f"protocol error: {exc}") from None
-
     # -- generation ----------------------------------------------------------------------------
     def begin(self, prompt_ids: list[int]) -> int:
         """Make ``prompt_ids`` the context; returns how many of its positions are already cached."""
         self.flight.clear()
-        return self.rounds.begin(prompt_ids)
+        return self.spec.begin(prompt_ids)
 
     def reset(self) -> None:
         """Forget the conversation (a new chat)."""
         self.flight.clear()
-        self.rounds.reset()
+        self.spec.reset()
 
     def round(self, s: wire.Sampling, eos_ids: set[int], budget: int) -> RoundOutcome:
-        """One round; a lost link is re-established and the round redone (relay mode)."""
+        """One verdict; a lost link is re-established and the round redone (relay mode)."""
         while True:
             try:
                 return self._round(s, eos_ids, budget)
@@ -206,83 +199,87 @@ class RoundDriver:
         t0 = time.perf_counter()
         if self.flight and self.flight_sampling != s:
             self.flight.clear()
-        speculated = bool(self.flight)
-        planned = None
-        if not self.flight:
-            shape, _ = self.policy.choose()
-            planned = self.rounds.plan(s, shape)
-            self._send_plan(planned)
-            self.flight_sampling = s
-        first = self.flight[0]
-        built = planned.draft_ms + planned.head_ms if planned else 0.0
-        t2 = time.perf_counter()
-        while True:  # speculation in flight: the likeliest outcome of the newest frame, sent now
-            shape, m = self.policy.choose()
-            last = self.flight[-1]
-            if len(self.flight) >= m or not self.rounds.can_speculate(last, budget, eos_ids):
+            self.spec.close()
+        self.flight_sampling = s
+        size, m = self.policy.choose()
+        built = draft_ms = 0.0
+        waiting_before = bool(self.flight)  # the frame this verdict answers went out in an earlier call
+        t2 = t0
+        while len(self.flight) < m:
+            frame = self.spec.frame(s, size, budget, self.policy.min_yield if self.flight else 0.0)
+            if frame is None:
                 break
-            ahead = self.rounds.speculate(last, s, shape)
-            self._send_plan(ahead)
-            built += ahead.draft_ms + ahead.head_ms
+            for raw in frame.frames:
+                self._send(raw)
+            frame.sent_at = time.perf_counter()
+            frame.ahead = bool(self.flight)
+            self.flight.append(frame)
+            built += frame.draft_ms + frame.head_ms
+            if len(self.flight) == 1 and not waiting_before:
+                draft_ms, t2 = frame.draft_ms, time.perf_counter()  # it is out: what follows overlaps it
+        if not self.flight:  # nothing may be sent: the context window is full
+            return RoundOutcome(Commit((), "context"), RoundStats(0, 0, 0.0, 0.0, 0.0, 0.0, 0.0))
+        first = self.flight[0]
         t3 = time.perf_counter()
-        verdict, arrived = self._await_verdict(first.round_id)
+        verdict, arrived = self._await_verdict(first)
         t4 = time.perf_counter()
-        commit = self._checked(self.rounds.take, first, verdict, eos_ids, budget)
+        commit = self._checked(self.spec.take, first, verdict, eos_ids, budget)
         in_flight = len(self.flight)
         self.flight.popleft()
-        holds = self.rounds.holds(first, verdict)
-        if self.flight and (commit.finish is not None or not holds):
-            self.flight.clear()  # frames built on an outcome that did not happen: the tail drops them too
+        if commit.finish is not None:
+            self.flight.clear()
         t5 = time.perf_counter()
 
-        tail_ms = verdict.tail_us / 1e3
-        rtt_ms = (max(arrived, first.sent_at) - first.sent_at) * 1e3 - tail_ms
-        full = list(verdict.path) == first.likeliest()
+        elapsed_ms = (max(arrived, first.sent_at) - first.sent_at) * 1e3
+        tail_ms = min(verdict.tail_us / 1e3, elapsed_ms)  # a tail's word, never more than it took
+        rtt_ms = elapsed_ms - tail_ms
         self.policy.observe(
-            first.shape, accepted=commit.accepted, full=full, sent_bytes=first.sent_bytes, rtt_ms=rtt_ms,
-            tail_ms=tail_ms, compute_ms=first.draft_ms + first.head_ms if first.steady else None,
-            guess_right=holds if first.outcome is not None and full else None,
-            # the head's own time per verdict beyond drafting and the head slice: its busy time,
-            # and the time from the verdict's arrival (or the start of the wait) to having it
+            first.size, tokens=len(commit.tokens), sent_bytes=first.sent_bytes, rtt_ms=rtt_ms, tail_ms=tail_ms,
+            build_ms=first.draft_ms + first.head_ms if first.steady else None,
+            # the head's own time per verdict beyond building frames: its busy time, and the time
+            # from the verdict's arrival (or the start of the wait) to having it
             overhead_ms=(t5 - t0 - (t4 - t3) + t4 - max(arrived, t3)) * 1e3 - built)
+        depth = max((n.pos for n in first.nodes), default=0) - first.nodes[0].pos + 1 if first.nodes else 0
         stats = RoundStats(
-            accepted=commit.accepted, committed=len(commit.tokens),
-            draft_ms=planned.draft_ms if planned else 0.0,
-            head_ms=(t2 - t0) * 1e3 - (planned.draft_ms if planned else 0.0),
+            accepted=max(len(commit.tokens) - 1, 0), committed=len(commit.tokens), draft_ms=draft_ms,
+            head_ms=(t2 - t0) * 1e3 - draft_ms,
             tail_ms=tail_ms, rtt_ms=rtt_ms, round_ms=(t5 - t0) * 1e3,
-            wait_ms=(t4 - t3) * 1e3, overlap_ms=(t3 - t2) * 1e3, speculated=speculated,
-            forward_bytes=first.forward_bytes, tree_nodes=len(first.tree) if first.tree is not None else 0,
-            depth=first.depth, in_flight=in_flight)
+            wait_ms=(t4 - t3) * 1e3, overlap_ms=(t3 - t2) * 1e3, speculated=first.ahead and bool(commit.tokens),
+            forward_bytes=first.forward_bytes, tree_nodes=len(first.nodes), depth=depth, in_flight=in_flight)
         return RoundOutcome(commit, stats)
 
-    def _send_plan(self, plan: Plan) -> None:
-        for frame in plan.frames:
-            self._send(frame)
-        plan.sent_at = time.perf_counter()
-        self.flight.append(plan)
+    @staticmethod
+    def _checked(fn, *args):
+        try:
+            return fn(*args)
+        except ProtocolError as exc:
+            raise LinkError(f"protocol error: {exc}") from None
 
-    def _await_verdict(self, round_id: int) -> tuple[wire.Verdict, float]:
-        """The verdict of ``round_id`` and when it arrived (``perf_counter``)."""
-        waited = 0.0
+    def _await_verdict(self, frame: Frame) -> tuple[wire.Verdict, float]:
+        """The verdict of ``frame`` and when it arrived (``perf_counter``), within ``round_timeout``
+        of the start of the wait whatever else arrives meanwhile."""
+        start = time.monotonic()
+        deadline, stalled = start + self.round_timeout, False
         while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise LinkLost(f"no verdict for {self.round_timeout:.0f} s")
             try:
-                msg = self._recv(STALL_NOTICE_S)
+                msg = self._recv(min(STALL_NOTICE_S, left))
             except TimeoutError:
-                waited += STALL_NOTICE_S
-                if waited == STALL_NOTICE_S:
-                    self.on_event(LinkState("stalled", f"no verdict for {waited:.0f} s; waiting"))
-                if waited >= self.round_timeout:
-                    raise LinkLost(f"no verdict for {waited:.0f} s") from None
+                if not stalled and time.monotonic() - start >= STALL_NOTICE_S:
+                    stalled = True
+                    self.on_event(LinkState("stalled", f"no verdict for {time.monotonic() - start:.0f} s; waiting"))
                 continue
-            if waited:
-                self.on_event(LinkState("connected", f"the link recovered after {waited:.0f} s"))
-                waited = 0.0
             if isinstance(msg, wire.Verdict):
-                if msg.round == round_id:
+                if msg.round == frame.round_id:
+                    if stalled:
+                        self.on_event(LinkState("connected", f"the link recovered after "
+                                                             f"{time.monotonic() - start:.0f} s"))
                     return msg, self.link.last_arrival or time.perf_counter()
-                if msg.round < round_id:
-                    continue  # a stale verdict of an abandoned round: never applied
-                raise LinkError(f"protocol error: a verdict for round {msg.round}, which was never sent")
+                if msg.round < frame.round_id:
+                    continue  # a stale verdict of an abandoned frame: never applied
+                raise LinkError(f"protocol error: a verdict for frame {msg.round}, which was never sent")
             if isinstance(msg, wire.Control) and msg.type is wire.MsgType.PROGRESS:
                 self._parsed(Progress, msg)
                 continue

@@ -14,6 +14,7 @@ HELLO names. Every failure a user can fix is a ``UserError``.
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -21,9 +22,8 @@ import torch
 
 from sfchat import UserError
 from sfchat.config import Settings
-from sfchat.engine.draft import Drafter, scratch_slots, tree_shape
-from sfchat.engine.policy import Shape, chain_depths, menu
-from sfchat.engine.round import HeadRound
+from sfchat.engine.draft import CHILDREN, WIDTH, Drafter
+from sfchat.engine.speculator import Speculator
 from sfchat.engine.verifier import Verifier
 from sfchat.events import LoadProgress, RuntimeReady
 from sfchat.model.devices import DTYPE_NAMES, default_draft_device, pick_dtype, resolve_device, resolve_devices, runnable_dtype
@@ -46,7 +46,7 @@ def uses_draft(s: Settings) -> bool:
 
 
 def open_engine(s: Settings, on_event: Callable = lambda e: None, link=None,
-                 src: ModelSource | None = None, dsrc: ModelSource | None = None):
+                src: ModelSource | None = None, dsrc: ModelSource | None = None, policy=None):
     """Load draft and head slice, capture graphs, connect to the tail: (RoundDriver, RuntimeReady).
 
     Token ids only: no tokenizer is needed (benchmarks use random-weight checkpoints)."""
@@ -66,53 +66,84 @@ def open_engine(s: Settings, on_event: Callable = lambda e: None, link=None,
     drafter = None
     if k:
         dsrc = dsrc or ModelSource.open(s.draft, s.draft_revision, progress_events(on_event, "draft"))
-    asked = s.budget(device.type == "cuda")
-    budget = tree_shape(asked, k, dsrc.config.vocab_size)[2] if k and asked else 0
-    shapes = menu(k, budget, auto_depth=s.k == "auto", auto_tree=s.tree_budget == "auto")
-    # a round writes K+1 positions past the last committed one, or a tree's frame and the draft's frontier
-    kv_len = max_context + scratch_slots(k, budget, dsrc.config.vocab_size if k else 1)
+    layout = frame_layout(s, k, device.type == "cuda")
+    kv_len = max_context + layout.scratch  # the live nodes' scratch after the context
     draft_dtype = pick_dtype(draft_device, s.dtype)
-    check_head(src.config, split, devices=devices, dtype=dtype, quant=quant, max_len=kv_len, k=k, tree_budget=budget,
+    check_head(src.config, split, devices=devices, dtype=dtype, quant=quant, max_len=kv_len, k=layout.size,
                draft=(dsrc.config, draft_device, draft_dtype, dquant) if k else None, local=link is None)
     if k:
         dmodel = ModelSlice.load(dsrc, 0, n_layers(dsrc.config), embed=True, head=True,
                                  dtype=draft_dtype, device=draft_device, max_len=kv_len,
                                  progress=progress_events(on_event, "draft"), quant=dquant)
-        drafter = Drafter(dmodel, k, tree_budget=budget, depths=chain_depths(shapes))
+        drafter = Drafter(dmodel, width=layout.width, children=layout.children, pool=layout.draft_pool)
     head = ModelSlice.load(src, 0, split, embed=True, head=False, dtype=dtype, device=device,
                            max_len=kv_len, progress=progress_events(on_event, "head"), quant=quant, devices=devices)
     if s.cuda_graphs and (device.type == "cuda" or draft_device.type == "cuda"):
-        capture_graphs(head, drafter, shapes, s.compile_draft, progress_events(on_event, "head"))
+        capture_graphs(head, drafter, layout, s.compile_draft, progress_events(on_event, "head"))
     mode = "relay" if link is not None else "local"
     if link is None:
         link = MemoryLink(Verifier(TailLoader(device, devices)))
-    reconnect = (lambda timeout: connect_relay(s, on_event, timeout)) if mode == "relay" else None
-    engine = RoundDriver(HeadRound(head, drafter, max_context=max_context, shapes=shapes), link, on_event=on_event,
-                         reconnect=reconnect, round_timeout=s.round_timeout, reconnect_timeout=s.reconnect_timeout,
+    reconnect = (lambda timeout: connect_relay(s, on_event, timeout)) if s.relay else None
+    spec = Speculator(head, drafter, max_context=max_context, frame_sizes=[layout.size], steps=k,
+                      head_pool=layout.head_pool)
+    engine = RoundDriver(spec, link, policy=policy, on_event=on_event, reconnect=reconnect,
+                         round_timeout=s.round_timeout, reconnect_timeout=s.reconnect_timeout,
                          max_in_flight=s.max_in_flight)
     hello = Hello(model=s.model, revision=s.revision, split=split, dtype=DTYPE_NAMES[dtype], max_len=kv_len,
-                  n_layers=L, hidden_size=src.config.hidden_size, k=k, graphs=s.cuda_graphs, quant=quant,
-                  tree_budget=budget, depths=chain_depths(shapes))
+                  n_layers=L, hidden_size=src.config.hidden_size, frames=(layout.size,), graphs=s.cuda_graphs,
+                  quant=quant)
     ready = engine.connect(hello, lambda *fields: on_event(LoadProgress("tail", *fields)))
     info = RuntimeReady(model=s.model, draft=s.draft if k else "none", split=split, n_layers=L,
                         dtype=DTYPE_NAMES[dtype], k=k, device=",".join(map(str, devices)), mode=mode,
-                        max_context=max_context, quant=quant, tree_budget=budget,
-                        shapes=tuple(str(x) for x in shapes), max_in_flight=engine.policy.max_in_flight,
+                        max_context=max_context, quant=quant, tree_budget=layout.size - 1,
+                        shapes=(str(layout),), max_in_flight=engine.policy.max_in_flight,
                         tail_dtype="" if ready.dtype == DTYPE_NAMES[dtype] else ready.dtype)
     on_event(info)
     return engine, info
 
 
-def capture_graphs(head: ModelSlice, drafter: Drafter | None, shapes: list[Shape], compile_draft: bool,
+@dataclass(frozen=True)
+class FrameLayout:
+    """What a frame and the scratch behind it look like: ``size`` nodes (the root and ``size - 1``
+    drafts) verified at that one padded shape; the draft expands ``width`` nodes per step and keeps
+    ``children`` continuations of each (a chain: one and one); scratch slots for the live nodes on
+    the head (``head_pool``: every frame in flight) and the draft (``draft_pool``)."""
+
+    size: int
+    width: int
+    children: int
+    head_pool: int
+    draft_pool: int
+
+    @property
+    def scratch(self) -> int:
+        return max(self.head_pool, self.draft_pool)
+
+    def __str__(self) -> str:
+        return f"chain {self.size - 1}" if self.children == 1 else f"tree {self.size - 1}"
+
+
+def frame_layout(s: Settings, k: int, cuda: bool) -> FrameLayout:
+    """The frame of these settings: ``--tree-budget`` drafts per frame (on a GPU, 64 under auto: a
+    frame's cost is nearly flat in its nodes there; on a CPU a chain), ``--k`` expansion steps,
+    up to ``--max-in-flight`` frames in flight."""
+    if not k:
+        return FrameLayout(1, 1, 1, 2, 2)
+    budget = s.budget(cuda)
+    size, width, children = (budget + 1, WIDTH, CHILDREN) if budget else (k + 1, 1, 1)
+    frames = s.max_in_flight + 1
+    return FrameLayout(size, width, children, head_pool=frames * size + 1,
+                       draft_pool=min(frames * k * width, 512) + 1 if budget else frames * (k + 1) + 1)
+
+
+def capture_graphs(head: ModelSlice, drafter: Drafter | None, layout: FrameLayout, compile_draft: bool,
                    progress) -> None:
-    """CUDA graphs for the steady-state round of every shape: the draft's steps (or its tree) and
-    the head forward of the verify positions (t0 and the drafts, or the tree's nodes)."""
+    """CUDA graphs for the steady state: the head slice over a frame, the draft's expansion step."""
     def warn(message):
         print(f"sfchat: {message}", file=sys.stderr)
 
-    progress("capture", 0, 2, "head verify")
-    for shape in shapes:
-        head.capture((shape.budget or shape.depth) + 1, log=warn, tree=bool(shape.budget))
+    progress("capture", 0, 2, "head frame")
+    head.capture(layout.size, log=warn, tree=True)
     progress("capture", 1, 2, "draft (compiling: the first start takes a minute)" if compile_draft else "draft")
     if drafter is not None and drafter.device.type == "cuda":
         drafter.capture(log=warn, compile=compile_draft)
@@ -154,7 +185,7 @@ class TailLoader:
         split = hello.split
         if not 0 <= split <= L:
             raise UserError(f"split {split} out of range 0..{L}")
-        limit = (getattr(src.config, "max_position_embeddings", 0) or 1 << 20) + wire.MAX_NODES + 1
+        limit = (getattr(src.config, "max_position_embeddings", 0) or 1 << 20) + wire.MAX_SCRATCH
         if hello.max_len > limit:  # a head must not make the tail allocate without bound
             raise UserError(f"a context of {hello.max_len} positions exceeds the model's {limit}")
         asked = pick_dtype(self.device, hello.dtype)
@@ -166,7 +197,7 @@ class TailLoader:
         quant = hello.quant
         where = ",".join(map(str, self.devices))
         check_tail(src.config, split, devices=self.devices, dtype=dtype, quant=quant, max_len=hello.max_len,
-                   k=hello.k, tree_budget=hello.tree_budget)
+                   k=max(hello.frames))
         self.log(f"loading {hello.model} layers [{split}, {L}) as {DTYPE_NAMES[dtype]}"
                  f"{' with NF4 weights' if quant == 'nf4' else ''} on {where}")
         return ModelSlice.load(src, split, L, embed=False, head=True, dtype=dtype, device=self.device,

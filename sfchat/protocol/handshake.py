@@ -3,9 +3,9 @@
 Contract
 --------
 ``Hello`` is what a head tells its tail (the model, revision, split, dtype, quantisation and
-context size to load, K (the deepest a round may draft), ``depths`` (the chain depths rounds may
-use: the tail captures a verify graph for each), the tree budget (0: no trees), whether to
-capture CUDA graphs); ``Ready`` is the tail's answer (what
+context size to load, ``frames``: the node counts a tree frame is padded to, each verified at
+that one shape (the tail captures a verify graph for each), and whether to capture CUDA
+graphs); ``Ready`` is the tail's answer (what
 it loaded and computes in). ``to_frame()`` encodes one as a wire Control frame; ``parse(data)``
 builds one from a decoded Control's JSON object and raises ``wire.WireError`` for a missing
 field, a value not of its exact JSON type (a bool is no int, a float no int), an integer out of
@@ -49,6 +49,9 @@ def json_field(data: dict, key: str, kind, default=..., lo: int = 0, hi: int = 0
     return value
 
 
+MAX_FRAME_SHAPES = 6  # frame sizes a hello may list (each costs the tail a graph per window)
+
+
 @dataclass(frozen=True)
 class Hello:
     model: str
@@ -58,18 +61,20 @@ class Hello:
     max_len: int
     n_layers: int
     hidden_size: int
-    k: int
+    frames: tuple[int, ...] = (1,)  # node counts a tree frame is padded to, ascending
     graphs: bool = True
     quant: str = "none"
-    tree_budget: int = 0  # draft nodes of a tree FORWARD (0: rounds are chains)
-    depths: tuple[int, ...] | None = None  # chain depths a round may draft (None: k alone)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "depths", (self.k,) if self.depths is None else tuple(self.depths))
+        object.__setattr__(self, "frames", tuple(self.frames))
 
     def shapes(self) -> list[tuple[int, bool]]:
-        """(positions, tree) of every verify FORWARD this hello allows: one graph each."""
-        return [(d + 1, False) for d in self.depths] + ([(self.tree_budget + 1, True)] if self.tree_budget else [])
+        """(rows, tree) of every verify FORWARD this hello allows: one graph each."""
+        return [(n, True) for n in self.frames]
+
+    def shape(self, n: int) -> int | None:
+        """The rows a frame of ``n`` nodes is verified at (None: larger than any)."""
+        return next((f for f in self.frames if f >= n), None)
 
     def identity(self) -> tuple:
         """What names the slice a tail loads for this hello (equal identities reuse the slice)."""
@@ -86,23 +91,18 @@ class Hello:
             max_len=json_field(data, "max_len", int, lo=1, hi=MAX_CONTEXT),
             n_layers=json_field(data, "n_layers", int, lo=1, hi=MAX_LAYERS),
             hidden_size=json_field(data, "hidden_size", int, lo=1, hi=wire.MAX_HIDDEN_SIZE),
-            # K+1 sizes the verify graph: never allocate on a head's word
-            k=(k := json_field(data, "k", int, 0, hi=wire.MAX_DRAFT)), graphs=json_field(data, "graphs", bool, True),
+            frames=_frames(data), graphs=json_field(data, "graphs", bool, True),
             quant=json_field(data, "quant", str, "none", choices=QUANT_MODES, label="quantisation"),  # a head without 4-bit sends none
-            tree_budget=json_field(data, "tree_budget", int, 0, hi=wire.MAX_NODES),  # sizes the tree graph, like k
-            depths=_depths(data, k),
         )
 
 
-MAX_DEPTHS = 8  # chain depths a hello may list (each costs the tail a graph)
-
-
-def _depths(data: dict, k: int) -> tuple[int, ...]:
-    value = data.get("depths", [k])
-    if type(value) is not list or len(value) > MAX_DEPTHS or any(type(d) is not int for d in value):
-        raise wire.WireError(f"depths={shown(value)} is not a list of at most {MAX_DEPTHS} integers")
-    if any(not 0 <= d <= k for d in value) or value != sorted(set(value)):
-        raise wire.WireError(f"depths={shown(value)} must ascend, without repeats, within 0..k={k}")
+def _frames(data: dict) -> tuple[int, ...]:
+    """Frame sizes size the tail's verify graphs: never allocate on a head's word unchecked."""
+    value = data.get("frames", [1])
+    if type(value) is not list or not 1 <= len(value) <= MAX_FRAME_SHAPES or any(type(n) is not int for n in value):
+        raise wire.WireError(f"frames={shown(value)} is not a list of 1 to {MAX_FRAME_SHAPES} integers")
+    if any(not 1 <= n <= wire.MAX_NODES for n in value) or value != sorted(set(value)):
+        raise wire.WireError(f"frames={shown(value)} must ascend, without repeats, within 1..{wire.MAX_NODES}")
     return tuple(value)
 
 

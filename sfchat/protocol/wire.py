@@ -16,31 +16,28 @@ Bodies:
 * HELLO, READY, PROGRESS, ERROR, BYE: UTF-8 JSON objects of metadata only (model id,
   split, K, stage names...). Never tensors. Strict JSON: ``NaN``, ``Infinity`` and numbers
   that overflow a double (``1e999``) are refused, as RFC 8259 has no such values.
-* FORWARD (head -> tail): a run of ``n_tokens`` consecutive positions starting at
-  ``start_pos`` whose last ``n_draft`` tokens are draft proposals to verify. With FLAG_TREE
-  the drafts form a token tree instead of a chain: the frame is ``[t0, node 1 .. node N]``
-  (``n_tokens == n_draft + 1``) and ``parents`` (uint16, one per node) names each node's
-  parent by its index in the frame (0 = t0), always an earlier one; a node's depth is its
-  parent's plus one and at most ``MAX_DEPTH``. Tree frames carry no draft distributions. ``hidden`` holds
-  the head slice's output for those positions as raw bytes (``dtype`` code, row-major
-  ``n_tokens x hidden_size``). With FLAG_VERDICT the tail answers with a VERDICT; without it
-  (prefill chunks) the tail only fills its KV cache. Optional sparse draft distributions
-  (``n_q`` entries per drafted position) and the sampling parameters travel with the frame,
-  so every round is self-contained. Every FORWARD names its ``epoch`` and what it ``assumes``:
-  the committed tokens of the verdict just before it in the same epoch (empty: it assumes
-  nothing, and a new epoch starts with such a frame). A frame sent before that verdict was known
-  (speculation in flight) is verified only if the verdict is what it assumes; otherwise the tail
-  drops it and every later frame of its epoch (see ``runtime/tail.py``).
-* VERDICT (tail -> head): ``n_accepted`` drafts were accepted; ``tokens`` are the committed
-  tokens of the round (the accepted drafts, then the target's own next token); ``path``
-  (uint16, one per accepted draft) their indices in the FORWARD, ascending (``1..n`` for a chain);
-  ``tail_us`` is the tail's compute time, used by the head to separate RTT from work.
+* FORWARD (head -> tail) comes in two kinds. A prefill FORWARD (no flag) carries a run of
+  consecutive positions from ``start_pos``: the tail only fills its KV cache. A tree FORWARD
+  (FLAG_VERDICT) carries the next nodes of a speculation tree (see ``engine/live.py``): node ids
+  ``first_id, first_id + 1, ...``, each node's token and the id of its parent (``parents``,
+  uint32), which is always an earlier id: a node of this frame, of an earlier frame of the same
+  tree, or 0, the tree's root (the context before position ``start_pos``, whose next token is the
+  first node's). Within one frame no node lies more than ``MAX_DEPTH`` below a node outside it.
+  The tail answers every tree FORWARD with a VERDICT. Every FORWARD names its ``tree``: a frame of
+  an older tree than the tail's newest is dropped unread. ``hidden`` holds the head slice's
+  output for the frame's tokens as raw bytes (``dtype`` code, row-major ``n_tokens x
+  hidden_size``); the sampling parameters travel with every frame, so each is self-contained.
+* VERDICT (tail -> head): for the tree FORWARD of the same ``round``: the frame's nodes that the
+  target's walk committed (``path``, uint16 indices into the frame, ascending, at most
+  ``MAX_DEPTH``; empty when no node of the frame was on the committed path) and the target's pick
+  at each of them (``tokens``: the token after it); ``tail_us`` is the tail's compute time, used
+  by the head to separate RTT from work.
 
 This module is torch-free: tensors cross it as ``bytes`` plus a dtype code and a shape.
 Every length is checked before anything is sliced, and any malformed input raises
 ``WireError`` (and nothing else; ``TreeError``, a ``WireError``, for a malformed tree or path),
-so a hostile peer cannot crash the process. Version 2 added trees (FLAG_TREE, parents, path);
-version 3 epochs and assumed outcomes (frames in flight).
+so a hostile peer cannot crash the process. Version 2 added trees, version 3 epochs and assumed
+outcomes; version 4 replaced chains, trees and epochs by one speculation tree across frames.
 """
 
 from __future__ import annotations
@@ -51,25 +48,22 @@ import struct
 from dataclasses import dataclass, field
 
 MAGIC = b"SFCH"
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 HEADER = struct.Struct("<4sBBHII")
-FORWARD_FIXED = struct.Struct("<IIIBIIdIdQIH")
-# start, n_tok, n_draft, dtype, hidden, n_q, temp, top_k, top_p, seed, epoch, n_assumes
+FORWARD_FIXED = struct.Struct("<IIIIBIdIdQ")
+# tree, start, n_tok, first_id, dtype, hidden, temp, top_k, top_p, seed
 # temperature and top_p travel as doubles: the tail must cut exactly where generate() would
-VERDICT_FIXED = struct.Struct("<IIII")  # start, n_accepted, n_tokens, tail_us
+VERDICT_FIXED = struct.Struct("<III")  # tree, n (path length), tail_us
 
-FLAG_VERDICT = 0x1  # FORWARD: answer with a VERDICT
-FLAG_TREE = 0x2  # FORWARD: the drafts form a tree (``parents`` follows the tokens)
+FLAG_VERDICT = 0x1  # FORWARD: the nodes of a speculation tree, to be verified (answered with a VERDICT)
 
 MAX_JSON_BYTES = 1 << 16
 MAX_TOKENS_PER_FRAME = 1 << 12
 MAX_HIDDEN_SIZE = 1 << 15
-MAX_DRAFT = 64  # drafts of a chain; also the deepest a tree may reach (MAX_DEPTH)
-MAX_DEPTH = MAX_DRAFT
-MAX_NODES = 256  # drafts of a tree
-MAX_Q_ENTRIES = 1 << 12
-MAX_ASSUMED = MAX_DEPTH + 1  # a verdict's tokens: every draft of the deepest path, and one more
+MAX_DEPTH = 64  # the deepest a tree FORWARD's nodes reach below nodes outside it; a verdict's path
+MAX_NODES = 256  # nodes of a tree FORWARD
+MAX_SCRATCH = 1 << 13  # KV slots past the model's context a head may ask a tail for (its live nodes)
 
 
 class WireError(ValueError):
@@ -77,7 +71,7 @@ class WireError(ValueError):
 
 
 class TreeError(WireError):
-    """A FORWARD whose token tree, or a VERDICT whose accepted path, is malformed."""
+    """A tree FORWARD whose nodes, or a VERDICT whose path, is malformed."""
 
 
 class MsgType(enum.IntEnum):
@@ -131,76 +125,62 @@ class Sampling:
 
 @dataclass(frozen=True)
 class Forward:
-    """Head-slice output for consecutive positions, optionally to be verified."""
+    """Head-slice output: a prefill run of positions, or nodes of a speculation tree to verify."""
 
-    round: int
-    start_pos: int
+    round: int  # the frame's number (its verdict names it)
+    tree: int  # the speculation tree it belongs to
+    start_pos: int  # prefill: the first position; tree frame: the position of the tree's first node
     tokens: tuple[int, ...]
     hidden: bytes
     dtype: DType
     hidden_size: int
-    n_draft: int = 0
-    want_verdict: bool = True
+    parents: tuple[int, ...] | None = None  # a tree frame: each node's parent id; None: prefill
+    first_id: int = 0  # a tree frame: the id of its first node
     sampling: Sampling = Sampling()
-    n_q: int = 0
-    q_indices: bytes = b""  # int32, n_draft * n_q
-    q_probs: bytes = b""  # float32, n_draft * n_q
-    parents: tuple[int, ...] | None = None  # a tree: each node's parent (index in the frame); None: a chain
-    epoch: int = 0
-    assumes: tuple[int, ...] = ()  # the previous verdict's tokens this frame was built on; (): none
+
+    @property
+    def verify(self) -> bool:
+        return self.parents is not None
 
 
 @dataclass(frozen=True)
 class Verdict:
-    """The tail's answer to a FORWARD with FLAG_VERDICT."""
+    """The tail's answer to a tree FORWARD."""
 
     round: int
-    start_pos: int
-    n_accepted: int
-    tokens: tuple[int, ...]
+    tree: int
+    path: tuple[int, ...]  # indices in the frame of the nodes newly committed, ascending
+    tokens: tuple[int, ...]  # the target's pick at each of them
     tail_us: int = 0
-    path: tuple[int, ...] | None = None  # the accepted drafts' indices in the FORWARD; None: 1..n_accepted
-
-    def __post_init__(self) -> None:
-        if self.path is None:
-            n = self.n_accepted if isinstance(self.n_accepted, int) else 0
-            object.__setattr__(self, "path", tuple(range(1, min(n, MAX_DRAFT + 1) + 1)))  # encode refuses more
 
 
 Message = Control | Forward | Verdict
 
 
-def _int32s(values, what: str) -> bytes:
+def _pack(fmt: str, values, what: str) -> bytes:
     try:
-        return struct.pack(f"<{len(values)}i", *values)
+        return struct.pack(f"<{len(values)}{fmt}", *values)
     except struct.error as exc:
         raise WireError(f"{what}: {exc}") from None
 
 
-def _uint16s(values, what: str) -> bytes:
-    try:
-        return struct.pack(f"<{len(values)}H", *values)
-    except struct.error as exc:
-        raise WireError(f"{what}: {exc}") from None
-
-
-def tree_depths(parents) -> list[int]:
-    """The depth of each node of a tree frame (t0 has depth 0); TreeError for a malformed tree:
-    a parent at or after its node, or a depth past MAX_DEPTH."""
-    depths = [0]
-    for i, parent in enumerate(parents, start=1):
-        if not 0 <= parent < i:
-            raise TreeError(f"tree node {i} names parent {parent}: a parent must come before its node")
-        depth = depths[parent] + 1
+def frame_depths(parents, first_id: int) -> list[int]:
+    """Each node's depth below the nearest node outside the frame (1 for a node whose parent is
+    outside it); TreeError for a parent that is not an earlier id or a depth past MAX_DEPTH."""
+    depths = []
+    for i, parent in enumerate(parents):
+        if not 0 <= parent < first_id + i:
+            raise TreeError(f"tree node {first_id + i} names parent {parent}: a parent must come before its node")
+        depth = depths[parent - first_id] + 1 if parent >= first_id else 1
         if depth > MAX_DEPTH:
-            raise TreeError(f"tree node {i} at depth {depth}, deeper than {MAX_DEPTH}")
+            raise TreeError(f"tree node {first_id + i} lies {depth} below the frame's outside, deeper than {MAX_DEPTH}")
         depths.append(depth)
     return depths
 
 
-def _check_path(path, n_accepted: int) -> None:
-    if len(path) != n_accepted or any(not a < b for a, b in zip((0,) + tuple(path), path)):
-        raise TreeError(f"VERDICT path {list(path)[:8]} is not {n_accepted} ascending node indices")
+def _check_path(path, n_tokens: int) -> None:
+    if len(path) != n_tokens or len(path) > MAX_DEPTH or any(not a < b for a, b in zip(path, path[1:])):
+        raise TreeError(f"VERDICT path {list(path)[:8]} is not at most {MAX_DEPTH} ascending indices, one per token")
 
 
 def encode(msg: Message) -> bytes:
@@ -225,77 +205,51 @@ def _encode(msg: Message) -> bytes:
             raise WireError(f"{msg.type.name} body of {len(body)} bytes exceeds {MAX_JSON_BYTES}")
         return HEADER.pack(MAGIC, PROTOCOL_VERSION, msg.type, 0, msg.round, len(body)) + body
     if isinstance(msg, Forward):
-        tree = msg.parents is not None
-        _check_forward(len(msg.tokens), msg.n_draft, msg.hidden_size, msg.n_q, tree, len(msg.assumes))
-        _check_forward_sizes(msg)
-        if tree:
-            if len(msg.parents) != msg.n_draft:
-                raise TreeError(f"a tree of {msg.n_draft} nodes with {len(msg.parents)} parents")
-            tree_depths(msg.parents)
-            if not msg.want_verdict:
-                raise TreeError("a tree FORWARD must ask for a verdict")
+        _check_forward(len(msg.tokens), msg.hidden_size, msg.verify, msg.first_id)
+        want = len(msg.tokens) * msg.hidden_size * msg.dtype.itemsize
+        if len(msg.hidden) != want:
+            raise WireError(f"hidden payload is {len(msg.hidden)} bytes, expected {want}")
+        if msg.verify:
+            if len(msg.parents) != len(msg.tokens):
+                raise TreeError(f"a tree frame of {len(msg.tokens)} nodes with {len(msg.parents)} parents")
+            frame_depths(msg.parents, msg.first_id)
         s = msg.sampling
-        fixed = FORWARD_FIXED.pack(
-            msg.start_pos, len(msg.tokens), msg.n_draft, msg.dtype, msg.hidden_size, msg.n_q,
-            s.temperature, s.top_k, s.top_p, s.seed, msg.epoch, len(msg.assumes),
-        )
-        _, _, _, _, _, _, temp, _, top_p, _, _, _ = FORWARD_FIXED.unpack(fixed)  # as the peer will read them
+        fixed = FORWARD_FIXED.pack(msg.tree, msg.start_pos, len(msg.tokens), msg.first_id, msg.dtype,
+                                   msg.hidden_size, s.temperature, s.top_k, s.top_p, s.seed)
+        _, _, _, _, _, _, temp, _, top_p, _ = FORWARD_FIXED.unpack(fixed)  # as the peer will read them
         _check_sampling(temp, top_p)
-        parents = _uint16s(msg.parents, "parents") if tree else b""
-        body = b"".join((fixed, _int32s(msg.tokens, "tokens"), parents, _int32s(msg.assumes, "assumes"), msg.hidden,
-                         msg.q_indices, msg.q_probs))
-        flags = (FLAG_VERDICT if msg.want_verdict else 0) | (FLAG_TREE if tree else 0)
+        parents = _pack("I", msg.parents, "parents") if msg.verify else b""
+        body = b"".join((fixed, _pack("i", msg.tokens, "tokens"), parents, msg.hidden))
+        flags = FLAG_VERDICT if msg.verify else 0
         return HEADER.pack(MAGIC, PROTOCOL_VERSION, MsgType.FORWARD, flags, msg.round, len(body)) + body
     if isinstance(msg, Verdict):
-        _check_verdict(msg.n_accepted, len(msg.tokens))
-        _check_path(msg.path, msg.n_accepted)
-        fixed = VERDICT_FIXED.pack(msg.start_pos, msg.n_accepted, len(msg.tokens), msg.tail_us)
-        body = fixed + _int32s(msg.tokens, "tokens") + _uint16s(msg.path, "path")
+        _check_path(msg.path, len(msg.tokens))
+        fixed = VERDICT_FIXED.pack(msg.tree, len(msg.path), msg.tail_us)
+        body = fixed + _pack("H", msg.path, "path") + _pack("i", msg.tokens, "tokens")
         return HEADER.pack(MAGIC, PROTOCOL_VERSION, MsgType.VERDICT, 0, msg.round, len(body)) + body
     raise WireError(f"cannot encode {type(msg).__name__}")
 
 
-def max_frame_size(hidden_size: int, n_tokens: int = MAX_TOKENS_PER_FRAME, n_q: int = 0) -> int:
+def max_frame_size(hidden_size: int, n_tokens: int = MAX_TOKENS_PER_FRAME) -> int:
     """Largest legal FORWARD frame for a model of ``hidden_size`` (used for websocket max_size)."""
-    return (HEADER.size + FORWARD_FIXED.size + 6 * n_tokens + 4 * MAX_ASSUMED + 4 * n_tokens * hidden_size
-            + 8 * MAX_DRAFT * n_q + MAX_JSON_BYTES)
+    return HEADER.size + FORWARD_FIXED.size + 8 * n_tokens + 4 * n_tokens * hidden_size + MAX_JSON_BYTES
 
 
-def _check_forward(n_tokens: int, n_draft: int, hidden_size: int, n_q: int, tree: bool = False,
-                   n_assumes: int = 0) -> None:
-    if not 0 <= n_assumes <= MAX_ASSUMED:
-        raise WireError(f"FORWARD assuming {n_assumes} tokens (at most {MAX_ASSUMED})")
-    if not 1 <= n_tokens <= MAX_TOKENS_PER_FRAME:
-        raise WireError(f"FORWARD with {n_tokens} tokens (1..{MAX_TOKENS_PER_FRAME} allowed)")
-    if tree:
-        if not 1 <= n_draft <= MAX_NODES or n_tokens != n_draft + 1 or n_q:
-            raise TreeError(f"a tree FORWARD with {n_draft} nodes, {n_tokens} tokens and {n_q} distribution "
-                            f"entries (1..{MAX_NODES} nodes, one token more, no distributions)")
-    elif not 0 <= n_draft <= min(n_tokens - 1, MAX_DRAFT):
-        raise WireError(f"FORWARD with {n_draft} drafts for {n_tokens} tokens")
+def _check_forward(n_tokens: int, hidden_size: int, tree: bool, first_id: int) -> None:
+    if not 1 <= n_tokens <= (MAX_NODES if tree else MAX_TOKENS_PER_FRAME):
+        raise WireError(f"FORWARD with {n_tokens} {'nodes' if tree else 'tokens'} "
+                        f"(1..{MAX_NODES if tree else MAX_TOKENS_PER_FRAME} allowed)")
+    if tree and not 1 <= first_id <= (1 << 32) - 1 - n_tokens:
+        raise TreeError(f"a tree frame whose first node id is {first_id}")
+    if not tree and first_id:
+        raise WireError("a prefill FORWARD with node ids")
     if not 1 <= hidden_size <= MAX_HIDDEN_SIZE:
         raise WireError(f"FORWARD hidden size {hidden_size} out of range")
-    if not 0 <= n_q <= MAX_Q_ENTRIES:
-        raise WireError(f"FORWARD with {n_q} distribution entries per draft")
 
 
 def _check_sampling(temperature: float, top_p: float) -> None:
     if not (0.0 <= temperature < float("inf") and 0.0 < top_p <= 1.0):  # also refuses NaN
         raise WireError("FORWARD sampling parameters out of range")
-
-
-def _check_verdict(n_accepted: int, n_tokens: int) -> None:
-    if not 1 <= n_tokens <= MAX_DRAFT + 1 or n_accepted != n_tokens - 1:
-        raise WireError(f"VERDICT with {n_accepted} accepted and {n_tokens} tokens")
-
-
-def _check_forward_sizes(msg: Forward) -> None:
-    want = len(msg.tokens) * msg.hidden_size * msg.dtype.itemsize
-    if len(msg.hidden) != want:
-        raise WireError(f"hidden payload is {len(msg.hidden)} bytes, expected {want}")
-    nq = msg.n_draft * msg.n_q * 4
-    if len(msg.q_indices) != nq or len(msg.q_probs) != nq:
-        raise WireError("draft distribution payload does not match n_draft * n_q")
 
 
 def decode(frame: bytes) -> Message:
@@ -350,46 +304,39 @@ def _finite(text: str) -> float:
 def _decode_forward(flags: int, rnd: int, body: memoryview) -> Forward:
     if len(body) < FORWARD_FIXED.size:
         raise WireError("FORWARD body too short")
-    start, n_tok, n_draft, dt, hsize, n_q, temp, top_k, top_p, seed, epoch, n_assumes = FORWARD_FIXED.unpack_from(body)
-    tree = bool(flags & FLAG_TREE)
-    _check_forward(n_tok, n_draft, hsize, n_q, tree, n_assumes)
+    tree_id, start, n_tok, first_id, dt, hsize, temp, top_k, top_p, seed = FORWARD_FIXED.unpack_from(body)
+    tree = bool(flags & FLAG_VERDICT)
+    _check_forward(n_tok, hsize, tree, first_id)
     try:
         dtype = DType(dt)
     except ValueError:
         raise WireError(f"unknown hidden dtype code {dt}") from None
-    sizes = (4 * n_tok, 2 * n_draft if tree else 0, 4 * n_assumes, n_tok * hsize * dtype.itemsize,
-             4 * n_draft * n_q, 4 * n_draft * n_q)
+    sizes = (4 * n_tok, 4 * n_tok if tree else 0, n_tok * hsize * dtype.itemsize)
     if FORWARD_FIXED.size + sum(sizes) != len(body):
         raise WireError("FORWARD body length does not match its header")
     _check_sampling(temp, top_p)
-    off = FORWARD_FIXED.size
-    parts = []
+    off, parts = FORWARD_FIXED.size, []
     for size in sizes:
         parts.append(bytes(body[off:off + size]))
         off += size
-    tokens = struct.unpack(f"<{n_tok}i", parts[0])
-    parents = struct.unpack(f"<{n_draft}H", parts[1]) if tree else None
+    parents = struct.unpack(f"<{n_tok}I", parts[1]) if tree else None
     if tree:
-        tree_depths(parents)
-        if not flags & FLAG_VERDICT:
-            raise TreeError("a tree FORWARD must ask for a verdict")
-    return Forward(
-        round=rnd, start_pos=start, tokens=tokens, hidden=parts[3], dtype=dtype, hidden_size=hsize,
-        n_draft=n_draft, want_verdict=bool(flags & FLAG_VERDICT),
-        sampling=Sampling(temp, top_k, top_p, seed), n_q=n_q, q_indices=parts[4], q_probs=parts[5],
-        parents=parents, epoch=epoch, assumes=struct.unpack(f"<{n_assumes}i", parts[2]),
-    )
+        frame_depths(parents, first_id)
+    return Forward(round=rnd, tree=tree_id, start_pos=start, tokens=struct.unpack(f"<{n_tok}i", parts[0]),
+                   hidden=parts[2], dtype=dtype, hidden_size=hsize, parents=parents, first_id=first_id,
+                   sampling=Sampling(temp, top_k, top_p, seed))
 
 
 def _decode_verdict(rnd: int, body: memoryview) -> Verdict:
     if len(body) < VERDICT_FIXED.size:
         raise WireError("VERDICT body too short")
-    start, n_acc, n_tok, tail_us = VERDICT_FIXED.unpack_from(body)
-    _check_verdict(n_acc, n_tok)
-    if VERDICT_FIXED.size + 4 * n_tok + 2 * n_acc != len(body):
+    tree_id, n, tail_us = VERDICT_FIXED.unpack_from(body)
+    if n > MAX_DEPTH:
+        raise TreeError(f"a VERDICT path of {n} nodes (at most {MAX_DEPTH})")
+    if VERDICT_FIXED.size + 6 * n != len(body):
         raise WireError("VERDICT body length does not match its header")
-    off = VERDICT_FIXED.size + 4 * n_tok
-    tokens = struct.unpack(f"<{n_tok}i", bytes(body[VERDICT_FIXED.size:off]))
-    path = struct.unpack(f"<{n_acc}H", bytes(body[off:]))
-    _check_path(path, n_acc)
-    return Verdict(rnd, start, n_acc, tokens, tail_us, path)
+    off = VERDICT_FIXED.size + 2 * n
+    path = struct.unpack(f"<{n}H", bytes(body[VERDICT_FIXED.size:off]))
+    tokens = struct.unpack(f"<{n}i", bytes(body[off:]))
+    _check_path(path, n)
+    return Verdict(rnd, tree_id, path, tokens, tail_us)

@@ -45,7 +45,7 @@ def run(session, ids, n=N_NEW):
     assert [t for r in rounds for t in r.token_ids] == list(fin.token_ids)
     # The histogram accounts for the tokens: (accepted + 1) per round, less the last round's cut.
     full = sum((a + 1) * count for a, count in enumerate(fin.accepted_histogram))
-    assert 0 <= full - len(fin.token_ids) <= session.engine.k
+    assert 0 <= full - len(fin.token_ids) <= max(session.engine.spec.frame_sizes)
     return fin
 
 

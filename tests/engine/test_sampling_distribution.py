@@ -19,7 +19,7 @@ import numpy as np
 from scipy.optimize import brentq
 
 from sampling_cases import (
-    ALPHA, PROMPT, SAMPLING, VIEWS, combined, describe, generate_sample, gof_pvalue, load,
+    ALPHA, K, PROMPT, SAMPLING, VIEWS, combined, describe, generate_sample, gof_pvalue, load,
     parallel_speculative_sample, project, view_pvalues,
 )
 
@@ -73,8 +73,8 @@ def test_speculative_sampling_is_distributed_as_generate(models, prompt_ids, exa
 
     assert load(models).encode(PROMPT) == prompt_ids
     spec, histogram = parallel_speculative_sample(models, prompt_ids, SAMPLING, N_SPEC, first_seed=0)
-    # every path of verification ran hundreds of times: 0..K drafts accepted (K: the bonus token)
-    assert (histogram >= 400).all(), histogram
+    # every depth of the walk ran often: 0..K drafts on the committed path
+    assert (histogram[:K + 1] >= 150).all(), histogram
     p_views = view_pvalues(spec, exact)
     print(f"speculative n={N_SPEC}, accepted histogram {histogram.tolist()}: {describe(p_views)}")
     assert combined(p_views) > ALPHA, describe(p_views)
@@ -93,24 +93,26 @@ def test_speculative_sampling_is_distributed_as_generate(models, prompt_ids, exa
 
 
 def test_tree_sampling_is_distributed_as_generate(models, prompt_ids, exact):
-    """Token trees (6 nodes, K deep: the draft's chain plus siblings) verified by one draw from the
-    target's warped distribution per node: the same tests, the same sample size."""
+    """Trees of 6 drafts per frame (the draft's likeliest continuations and their siblings): the
+    same tests, the same sample size, on other seeds."""
     spec, histogram = parallel_speculative_sample(models, prompt_ids, SAMPLING, N_SPEC, first_seed=50_000,
                                                   tree_budget=6)
-    assert (histogram >= 200).all(), histogram  # every depth of descent, the whole tree included
+    assert (histogram[:K] >= 200).all(), histogram  # every depth of the walk below K
     p_views = view_pvalues(spec, exact)
     print(f"\ntree speculative n={N_SPEC}, accepted histogram {histogram.tolist()}: {describe(p_views)}")
     assert combined(p_views) > ALPHA, describe(p_views)
 
 
-def test_sampling_in_flight_is_distributed_as_generate(models, prompt_ids, exact):
-    """Chains sent three frames ahead of their verdicts, each assuming the likeliest outcome of
-    the one before (most assumptions break: the draft disagrees often): the same tests, the same
-    sample size, on the seeds of the sequential test above."""
-    spec, histogram = parallel_speculative_sample(models, prompt_ids, SAMPLING, N_SPEC, first_seed=0, in_flight=3)
-    p_views = view_pvalues(spec, exact)
-    print(f"\nin flight n={N_SPEC}, accepted histogram {histogram.tolist()}: {describe(p_views)}")
-    assert combined(p_views) > ALPHA, describe(p_views)
+def test_sampling_in_flight_draws_exactly_the_sequential_replies(models, prompt_ids):
+    """Chains sent three frames ahead of their verdicts (most of their nodes die: the draft disagrees
+    often) give, seed by seed, the replies of the sequential chain: each committed token is the
+    target's draw at its position from the stream of the seed and that position alone, so the
+    distribution is the one the test above checks."""
+    n = 300
+    sequential, _ = parallel_speculative_sample(models, prompt_ids, SAMPLING, n, first_seed=0)
+    ahead, histogram = parallel_speculative_sample(models, prompt_ids, SAMPLING, n, first_seed=0, in_flight=3)
+    assert ahead == sequential
+    print(f"\nin flight n={n}, accepted histogram {histogram.tolist()}: the same outcomes")
 
 
 # -- seeds ----------------------------------------------------------------------------------------

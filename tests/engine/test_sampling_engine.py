@@ -6,7 +6,8 @@ tests/test_sampling_distribution.py the engine's output distribution; these test
 * seeds: the same seed gives the same reply (new session or reused), another seed another
   reply, temperature 0 is still greedy ``generate()``; the CLI's flags reach the sampler;
 * a draft whose vocabulary is larger than the target's;
-* the draft's sparse q' travels in every sampled VERIFY frame and is what the tail verifies with.
+* the sampling settings travel in every frame, and the tail draws each node's pick from the stream
+  of the seed and the node's position, with the frame's settings.
 
 The models and statistics are in ``sampling_cases``.
 """
@@ -31,7 +32,6 @@ from sampling_cases import (
 )
 from sfchat.protocol import wire
 from sfchat.engine import verifier as tail_module
-from sfchat.engine.draft import Drafter
 from sfchat.node.local_link import MemoryLink
 from sfchat.node.head import Head
 from sfchat.engine.verifier import Verifier
@@ -135,10 +135,10 @@ class FrameLog:
         self.link.close()
 
     def verifies(self) -> list[wire.Forward]:
-        return [f for f in self.forwards if f.want_verdict]
+        return [f for f in self.forwards if f.verify]
 
     def drafts(self) -> list[int]:
-        return [t for f in self.verifies() for t in f.tokens[len(f.tokens) - f.n_draft:]]
+        return [t for f in self.verifies() for t in f.tokens]
 
 
 def logged(models, draft="draft") -> tuple[Head, FrameLog]:
@@ -161,38 +161,27 @@ def test_draft_with_a_larger_vocabulary(models, prompt_ids, exact):
     assert combined(p_views) > ALPHA, describe(p_views)
 
 
-# -- q' on the wire -------------------------------------------------------------------------------
-def test_sampled_rounds_send_q_and_the_tail_verifies_with_it(models, prompt_ids, monkeypatch):
-    proposed, verified = [], []
-    propose, verify = Drafter.propose, tail_module.sampling.verify
+# -- the settings on the wire, the draws on the tail ----------------------------------------------
+def test_sampled_frames_carry_their_settings_and_the_tail_draws_per_position(models, prompt_ids, monkeypatch):
+    drawn = []
+    picks = tail_module.sampling.picks
 
-    def spy_propose(self, tokens, s, generator, k=None):
-        proposed.append(propose(self, tokens, s, generator, k))
-        return proposed[-1]
+    def spy(logits, positions, s):
+        drawn.append((list(positions), s))
+        return picks(logits, positions, s)
 
-    def spy_verify(logits, drafts, s, q_idx, q_prob, generator):
-        verified.append((drafts.tolist(), q_idx.clone(), q_prob.clone()))
-        return verify(logits, drafts, s, q_idx, q_prob, generator)
-
-    monkeypatch.setattr(Drafter, "propose", spy_propose)
-    monkeypatch.setattr(tail_module.sampling, "verify", spy_verify)
+    monkeypatch.setattr(tail_module.sampling, "picks", spy)
     session, log = logged(models)
-    n_q = session.engine.drafter.n_q
-    reply(session, prompt_ids, 20, replace(SAMPLING, seed=1))
+    s = replace(SAMPLING, seed=1)
+    fin = reply(session, prompt_ids, 20, s)
     frames = log.verifies()
-    assert len(frames) == len(proposed) == len(verified) > 1
-    for frame, (drafts, q_idx, q_prob), (got_drafts, got_idx, got_prob) in zip(frames, proposed, verified):
-        assert frame.n_draft == K and frame.n_q == n_q > 0
-        sent_idx = np.frombuffer(frame.q_indices, dtype="<i4").reshape(K, n_q)
-        sent_prob = np.frombuffer(frame.q_probs, dtype="<f4").reshape(K, n_q)
-        # what the draft sampled from is what was sent, and what the tail verified against
-        assert np.array_equal(sent_idx, q_idx.numpy()) and np.array_equal(sent_prob, q_prob.numpy())
-        assert got_drafts == drafts and torch.equal(got_idx, q_idx) and torch.equal(got_prob, q_prob)
-        np.testing.assert_allclose(sent_prob.sum(axis=1), 1, rtol=1e-5)
-        assert all(p[list(idx).index(d)] > 0 for d, idx, p in zip(drafts, sent_idx, sent_prob))
-    # greedy rounds carry no distribution at all
+    assert frames and all(f.sampling == s for f in frames)
+    assert drawn and all(settings == s for _, settings in drawn)
+    root = len(prompt_ids) - 1
+    assert drawn[0][0][0] == root  # the root's pick is the first token of the reply, drawn at its position
+    committed = [pos for positions, _ in drawn for pos in positions]
+    assert set(range(root, root + len(fin.token_ids))) <= set(committed)
+    # greedy frames carry temperature 0: the tail takes the argmax
     log.forwards.clear()
-    verified.clear()
     reply(session, prompt_ids, 12, Sampling())
-    assert log.verifies() and all(f.n_q == 0 and f.q_indices == f.q_probs == b"" for f in log.verifies())
-    assert verified and all(got_idx.shape == (K, 0) for _, got_idx, _ in verified)
+    assert log.verifies() and all(f.sampling.temperature == 0 for f in log.verifies())

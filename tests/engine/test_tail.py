@@ -3,11 +3,13 @@ usable for the next (correct) head."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from sfchat.engine.round import hidden_bytes
+from sfchat.engine.speculator import hidden_bytes
 from sfchat.model.slices import ModelSlice
 from sfchat.model.source import ModelSource
 from sfchat.engine.verifier import TailError, Verifier
@@ -23,7 +25,7 @@ K = 3
 
 def hello_for(path, **changes) -> bytes:
     data = {"model": str(path), "revision": None, "split": SPLIT, "dtype": "float32", "max_len": 64,
-            "n_layers": 4, "hidden_size": 64, "k": K}
+            "n_layers": 4, "hidden_size": 64, "frames": [K + 1, 8]}
     data.update(changes)
     return encode(Control(MsgType.HELLO, data))
 
@@ -48,15 +50,38 @@ def greedy_reference(path, ids, n):
     return out[0, len(ids):].tolist()
 
 
-def verify_frame(path, ids, drafts, rnd=1) -> bytes:
-    """What a head sends: the head slice's hidden states for the context and K drafts, in one FORWARD."""
-    src = ModelSource.open(str(path))
-    head = ModelSlice.load(src, 0, SPLIT, embed=True, head=False, dtype=torch.float32,
+def head_of(path) -> ModelSlice:
+    return ModelSlice.load(ModelSource.open(str(path)), 0, SPLIT, embed=True, head=False, dtype=torch.float32,
                            device=torch.device("cpu"), max_len=64)
-    seq = ids + drafts
-    hidden = head(torch.tensor(seq), torch.arange(len(seq)))
-    return encode(Forward(rnd, 0, tuple(seq), hidden_bytes(hidden), DType.FLOAT32, hidden.shape[-1],
-                          n_draft=len(drafts)))
+
+
+def tree_frames(path, ids, nodes, first_id=1, tree=1, rnd=1, known=None, prefill=True, sampling=None):
+    """What a head sends a tail for a tree's frame: the context but its last token as a prefill
+    FORWARD (for a tree's first frame), then the nodes ``(parent id, token)`` as the tree FORWARD,
+    with the head slice's hidden state of each node computed over its whole path (``known``:
+    id -> token path of nodes of earlier frames; updated)."""
+    head = head_of(path)
+    known = {0: []} if known is None else known
+    frames = []
+    n = len(ids)
+    if prefill:
+        pre = head(torch.tensor(ids[:-1]), torch.arange(n - 1))
+        frames.append(encode(Forward(rnd, tree, 0, tuple(ids[:-1]), hidden_bytes(pre, "x"), DType.FLOAT32, 64)))
+    rows = []
+    for i, (parent, token) in enumerate(nodes):
+        seq = ids[:-1] + known[parent] + [token]
+        known[first_id + i] = known[parent] + [token]
+        rows.append(head(torch.tensor(seq), torch.arange(len(seq)))[-1])
+    hidden = torch.stack(rows)
+    frames.append(encode(Forward(rnd, tree, n - 1, tuple(t for _, t in nodes), hidden_bytes(hidden, "x"), DType.FLOAT32,
+                                 64, parents=tuple(p for p, _ in nodes), first_id=first_id,
+                                 **({"sampling": sampling} if sampling else {}))))
+    return frames
+
+
+def chain(ids, drafts):
+    """The nodes of a tree's first frame that is a chain: the root (the context's last token), then drafts."""
+    return [(i, t) for i, t in enumerate([ids[-1]] + list(drafts))]
 
 
 @pytest.fixture(scope="module")
@@ -65,15 +90,16 @@ def tail_case(zoo):
     good, other = zoo["qwen2-untied"], zoo["qwen2-tied"]
     ref = greedy_reference(good, PROMPT, K + 1)
     assert ref != greedy_reference(other, PROMPT, K + 1)  # else the checks below could not tell them apart
-    return good, other, ref, verify_frame(good, PROMPT, ref[:K])
+    return good, other, ref, tree_frames(good, PROMPT, chain(PROMPT, ref[:K]))
 
 
-def check_serves(verifier: Verifier, path, ref, forward_frame) -> None:
+def check_serves(verifier: Verifier, path, ref, frames) -> None:
     ready = replies(verifier, hello_for(path), fails=False)
     assert ready[-1].type is MsgType.READY and ready[-1].data["n_layers"] == 4
-    (verdict,) = replies(verifier, forward_frame, fails=False)
+    assert replies(verifier, frames[0], fails=False) == []  # the prefill
+    (verdict,) = replies(verifier, frames[1], fails=False)
     assert isinstance(verdict, Verdict)
-    assert verdict.n_accepted == K and list(verdict.tokens) == ref  # all drafts accepted, then the bonus token
+    assert verdict.path == tuple(range(K + 1)) and list(verdict.tokens) == ref  # every node committed
 
 
 def test_tail_refuses_malformed_frames_and_stays_usable(tail_case):
@@ -83,8 +109,8 @@ def test_tail_refuses_malformed_frames_and_stays_usable(tail_case):
     assert "bad magic" in replies(v, b"X" * 40, fails=True)
     msg = replies(v, frame(MsgType.HELLO, b"{}", version=PROTOCOL_VERSION + 1), fails=True)
     assert "malformed frame" in msg and "version" in msg
-    assert replies(v, fwd, fails=True) == "FORWARD before HELLO"
-    assert "unexpected" in replies(v, encode(Verdict(1, 0, 0, (1,))), fails=True)
+    assert replies(v, fwd[1], fails=True) == "FORWARD before HELLO"
+    assert "unexpected" in replies(v, encode(Verdict(1, 1, (0,), (1,))), fails=True)
     assert "unexpected" in replies(v, encode(Control(MsgType.READY, {})), fails=True)
     assert replies(v, encode(Control(MsgType.BYE)), fails=False) == []
     check_serves(v, good, ref, fwd)
@@ -102,8 +128,10 @@ def test_tail_refuses_malformed_frames_and_stays_usable(tail_case):
     ({"dtype": ["float32"]}, "incomplete hello"),
     ({"split": 9}, "out of range"),
     ({"dtype": "float64"}, "unknown dtype"),
-    ({"tree_budget": 257}, "tree_budget=257 out of range 0..256"),
-    ({"tree_budget": True}, "tree_budget=True is not of the expected type"),
+    ({"frames": [257]}, "within 1..256"),
+    ({"frames": [True]}, "is not a list of 1 to"),
+    ({"frames": [8, 4]}, "must ascend"),
+    ({"frames": list(range(1, 9))}, "is not a list of 1 to 6 integers"),
 ])
 def test_tail_refuses_a_bad_hello_and_stays_usable(tail_case, changes, message):
     good, other, ref, fwd = tail_case
@@ -126,24 +154,21 @@ def test_tail_refuses_a_context_hole_and_mismatched_hidden_states(tail_case):
     good, other, ref, fwd = tail_case
     v = Verifier(TailLoader(torch.device("cpu")))
     replies(v, hello_for(good), fails=False)
-    msg = decode(fwd)
-    hole = encode(Forward(1, 5, msg.tokens, msg.hidden, DType.FLOAT32, 64, n_draft=K))
-    assert "context hole: the tail holds 0 positions, the head wrote at 5" in replies(v, hole, fails=True)
-    narrow = encode(Forward(1, 0, msg.tokens, msg.hidden[: len(msg.tokens) * 32 * 4], DType.FLOAT32, 32))
+    pre, tree = decode(fwd[0]), decode(fwd[1])
+    assert "context hole: the tail holds 0 positions, the head wrote at 5" in replies(
+        v, encode(replace(pre, start_pos=5)), fails=True)
+    assert "context hole: the tail holds 0 positions" in replies(v, fwd[1], fails=True)  # a root past the context
+    narrow = encode(replace(pre, hidden=pre.hidden[: len(pre.tokens) * 32 * 4], hidden_size=32))
     assert "do not match" in replies(v, narrow, fails=True)
-    half = encode(Forward(1, 0, msg.tokens, msg.hidden[: len(msg.tokens) * 64 * 2], DType.FLOAT16, 64))
+    half = encode(replace(pre, hidden=pre.hidden[: len(pre.tokens) * 64 * 2], dtype=DType.FLOAT16))
     assert "do not match" in replies(v, half, fails=True)
-    late = encode(Forward(1, 60, msg.tokens, msg.hidden, DType.FLOAT32, 64))
+    late = encode(replace(pre, start_pos=60))
     assert "exceed the context of 64" in replies(v, late, fails=True)
-    (verdict,) = replies(v, fwd, fails=False)  # the refusals left no trace in the cache
+    assert replies(v, fwd[0], fails=False) == []
+    (verdict,) = replies(v, fwd[1], fails=False)  # the refusals left no trace in the cache
     assert list(verdict.tokens) == ref
-    # a prefill that fills positions 0..n-1 makes n the next legal start, n + 1 a hole
-    n = len(PROMPT)
-    prefill = encode(Forward(2, 0, msg.tokens[:n], msg.hidden[: n * 64 * 4], DType.FLOAT32, 64,
-                             want_verdict=False))
-    assert replies(v, prefill, fails=False) == []
-    after = encode(Forward(3, n + 1, msg.tokens[:1], msg.hidden[: 64 * 4], DType.FLOAT32, 64))
-    assert "context hole" in replies(v, after, fails=True)
+    assert "a prefill FORWARD inside tree 1" in replies(v, fwd[0], fails=True)
+    assert "opened twice" in replies(v, encode(replace(tree, round=2)), fails=True)
 
 
 def test_runnable_dtype_swaps_bf16_for_fp16_only_on_a_gpu_without_bf16(monkeypatch):
@@ -171,61 +196,91 @@ def test_a_tail_computing_in_another_dtype_converts_the_heads_hidden_states(tail
     ready = replies(v, hello_for(good, dtype="bfloat16"), fails=False)
     assert ready[-1].data["dtype"] == "float32" and v.model.dtype is torch.float32
     assert any("no native bfloat16: computing in float32" in line for line in logged), logged
-    msg = decode(fwd)
-    n = len(msg.tokens)
-    bf16 = torch.frombuffer(bytearray(msg.hidden), dtype=torch.float32).view(n, 64).to(torch.bfloat16)
-    sent = encode(Forward(1, 0, msg.tokens, hidden_bytes(bf16), DType.BFLOAT16, 64, n_draft=K))
-    (verdict,) = replies(v, sent, fails=False)
+    bf16 = [encode(replace(m, dtype=DType.BFLOAT16, tree=2, hidden=hidden_bytes(torch.frombuffer(
+        bytearray(m.hidden), dtype=torch.float32).view(len(m.tokens), 64).to(torch.bfloat16), "x")))
+        for m in (decode(fwd[0]), decode(fwd[1]))]
+    assert replies(v, bf16[0], fails=False) == []
+    (verdict,) = replies(v, bf16[1], fails=False)
     assert list(verdict.tokens) == ref
-    # the tail's own dtype is accepted too; anything else is still refused
-    (verdict,) = replies(v, fwd, fails=False)
+    assert replies(v, encode(replace(decode(fwd[0]), tree=3)), fails=False) == []
+    (verdict,) = replies(v, encode(replace(decode(fwd[1]), tree=3)), fails=False)
     assert list(verdict.tokens) == ref
-    half = encode(Forward(1, 0, msg.tokens, bytes(n * 64 * 2), DType.FLOAT16, 64, n_draft=K))
+    half = encode(replace(decode(fwd[0]), tree=4, hidden=bytes(len(PROMPT[:-1]) * 64 * 2), dtype=DType.FLOAT16))
     assert "hidden states of size 64/float16 do not match the tail's 64/float32" in replies(v, half, fails=True)
 
 
-# -- token trees ------------------------------------------------------------------------------------
-def tree_frame(path, ids, parents, nodes, rnd=1) -> bytes:
-    """What a head sends a fresh tail for a tree round: the context but t0 as a prefill FORWARD,
-    then t0 and the nodes (with the tree mask) as the tree FORWARD."""
-    from sfchat.engine import tree as trees
-
-    src = ModelSource.open(str(path))
-    head = ModelSlice.load(src, 0, SPLIT, embed=True, head=False, dtype=torch.float32,
-                           device=torch.device("cpu"), max_len=64)
-    n = len(ids)
-    pre = head(torch.tensor(ids[:-1]), torch.arange(n - 1))
-    hid = head(torch.tensor(ids[-1:] + nodes), torch.arange(n - 1, n + len(nodes)),
-               tree=trees.mask(parents, n - 1, "cpu"))
-    return (encode(Forward(rnd, 0, tuple(ids[:-1]), hidden_bytes(pre), DType.FLOAT32, pre.shape[-1],
-                           want_verdict=False)),
-            encode(Forward(rnd, n - 1, tuple(ids[-1:] + nodes), hidden_bytes(hid), DType.FLOAT32, hid.shape[-1],
-                           n_draft=len(nodes), parents=tuple(parents))))
-
-
-def test_tail_verifies_a_tree_and_answers_its_path(tail_case):
+# -- speculation trees, incrementally ----------------------------------------------------------------
+def test_tail_walks_a_tree_down_the_targets_picks_and_answers_its_path(tail_case):
     good, _, ref, _ = tail_case
     v = Verifier(TailLoader(torch.device("cpu")))
-    replies(v, hello_for(good, tree_budget=5), fails=False)
+    replies(v, hello_for(good), fails=False)
     wrong = (ref[0] + 1) % 300
-    # t0 -> (wrong, ref0); ref0 -> ref1 -> (wrong, ref2): the target's path is nodes 2, 3, 5
-    pre, fwd = tree_frame(good, PROMPT, [0, 0, 2, 3, 3], [wrong, ref[0], ref[1], wrong, ref[2]])
+    # root -> (wrong, ref0); ref0 -> ref1 -> (wrong, ref2): the target's path is the root and nodes 3, 4, 6
+    nodes = [(0, PROMPT[-1]), (1, wrong), (1, ref[0]), (3, ref[1]), (4, wrong), (4, ref[2])]
+    pre, fwd = tree_frames(good, PROMPT, nodes)
     assert replies(v, pre, fails=False) == []
     (verdict,) = replies(v, fwd, fails=False)
-    assert verdict.path == (2, 3, 5) and list(verdict.tokens) == ref[:4]
+    assert verdict.path == (0, 2, 3, 5) and list(verdict.tokens) == ref[:4]
     assert v.model.kv.written == PROMPT + ref[:3]  # the path moved to the positions after the context
+    assert v.frontier == (6, ref[3], len(PROMPT) + 2)
 
 
-@pytest.mark.parametrize("budget, k, message", [
-    (4, K, "a tree of 5 nodes; the hello announced at most 4"),
-    (5, 2, "a tree 3 deep; the hello announced at most 2"),
-    (0, K, "a tree of 5 nodes; the hello announced at most 0"),
-])
-def test_tail_refuses_a_tree_larger_than_the_hello_allows(tail_case, budget, k, message):
+def test_a_later_frame_continues_the_walk_and_its_dead_nodes_are_never_computed(tail_case):
+    """The second frame was built before the first's verdict: it hangs under several nodes of the
+    first. Only the nodes below the target's actual pick run; the verdict continues the walk."""
     good, _, ref, _ = tail_case
+    full = greedy_reference(good, PROMPT, 7)
     v = Verifier(TailLoader(torch.device("cpu")))
-    replies(v, hello_for(good, tree_budget=budget, k=k), fails=False)
-    pre, fwd = tree_frame(good, PROMPT, [0, 0, 2, 3, 3], [1, ref[0], ref[1], 2, ref[2]])
+    replies(v, hello_for(good), fails=False)
+    known = {0: []}
+    first = [(0, PROMPT[-1]), (1, full[0]), (2, full[1])]  # the root and a chain of two
+    pre, fwd1 = tree_frames(good, PROMPT, first, known=known)
     replies(v, pre, fails=False)
-    assert replies(v, fwd, fails=True) == message
-    check_serves(v, good, ref, tail_case[3])  # and it serves the next head
+    (v1,) = replies(v, fwd1, fails=False)
+    assert v1.path == (0, 1, 2) and list(v1.tokens) == full[:3]
+    wrong = (full[2] + 1) % 300
+    # under node 3 (full[1]): the pick full[2] and a wrong one, each with a child; under node 2: a stale branch
+    second = [(3, wrong), (3, full[2]), (4, 17), (5, full[3]), (2, 99), (7, full[4])]
+    (fwd2,) = tree_frames(good, PROMPT, second, first_id=4, rnd=2, known=known, prefill=False)
+    computed, skipped = v.computed, v.skipped
+    (v2,) = replies(v, fwd2, fails=False)
+    assert v.skipped - skipped == 3 and v.computed - computed == 3  # 4, 6 (under 4) and 8 (under the old 2) died
+    assert v2.path == (1, 3, 5) and list(v2.tokens) == full[3:6]
+    assert v.model.kv.written == PROMPT + full[:5]
+    third = [(3, 5)]  # under a node long committed past: dead, nothing computed, an empty verdict
+    (fwd3,) = tree_frames(good, PROMPT, third, first_id=10, rnd=3, known=known, prefill=False)
+    (v3,) = replies(v, fwd3, fails=False)
+    assert v3.path == () and v3.tokens == () and v.computed - computed == 3
+
+
+def test_frames_of_an_older_tree_are_dropped_unread_and_node_ids_come_in_order(tail_case):
+    good, _, ref, fwd = tail_case
+    v = Verifier(TailLoader(torch.device("cpu")))
+    replies(v, hello_for(good), fails=False)
+    for raw in fwd:
+        replies(v, raw, fails=False)
+    written = list(v.model.kv.written)
+    newer = [encode(replace(decode(raw), tree=2, round=5)) for raw in fwd]
+    for raw in newer:
+        replies(v, raw, fails=False)
+    assert replies(v, fwd[1], fails=False) == [] and v.dropped == 1  # tree 1 is over: dropped, no reply
+    assert v.model.kv.written == written
+    out_of_order = encode(replace(decode(newer[1]), first_id=9, parents=tuple(p + 8 for p in decode(newer[1]).parents)))
+    assert "expected nodes from 5" in replies(v, out_of_order, fails=True)  # K + 1 = 4 nodes came first
+    unopened = encode(replace(decode(fwd[1]), tree=3, first_id=2, parents=tuple(p + 1 for p in decode(fwd[1]).parents)))
+    assert "after an opening frame" in replies(v, unopened, fails=True)
+    too_large = encode(replace(decode(fwd[1]), tree=4, tokens=(1,) * 9, parents=tuple(range(9)),
+                               hidden=bytes(9 * 64 * 4)))
+    assert "a tree frame of 9 nodes; the hello announced at most 8" in replies(v, too_large, fails=True)
+
+
+def test_a_heads_nan_states_never_reach_the_next_head(tail_case):
+    """A hostile head fills the tail's cache with NaN; the next head (the same model, reused) must get
+    exact verdicts: a NaN key in any slot a window covers poisons the softmax, masked or not."""
+    good, _, ref, fwd = tail_case
+    v = Verifier(TailLoader(torch.device("cpu")))
+    replies(v, hello_for(good), fails=False)
+    nan = torch.full((40, 64), float("nan")).numpy().tobytes()
+    replies(v, encode(Forward(1, 1, 0, tuple(range(40)), nan, DType.FLOAT32, 64)), fails=False)
+    assert not all(torch.isfinite(k).all() for k in v.model.kv.keys)
+    check_serves(v, good, ref, fwd)

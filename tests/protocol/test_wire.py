@@ -28,11 +28,13 @@ def frame(mtype: int, body: bytes, *, version: int = PROTOCOL_VERSION, flags: in
     return HEADER.pack(magic, version, mtype, flags, rnd, len(body) if body_len is None else body_len) + body
 
 
-def forward_body(n_tok: int, n_draft: int, hsize: int, *, dtype: int = DType.FLOAT32, n_q: int = 0,
-                 temp: float = 0.0, top_p: float = 1.0, hidden_bytes_: int | None = None) -> bytes:
-    fixed = FORWARD_FIXED.pack(0, n_tok, n_draft, dtype, hsize, n_q, temp, 0, top_p, 0, 0, 0)
+def forward_body(n_tok: int, hsize: int, *, tree: bool = False, first_id: int = 0, dtype: int = DType.FLOAT32,
+                 temp: float = 0.0, top_p: float = 1.0, hidden_bytes_: int | None = None, parents=None) -> bytes:
+    fixed = FORWARD_FIXED.pack(1, 0, n_tok, first_id, dtype, hsize, temp, 0, top_p, 0)
     hidden = bytes(n_tok * hsize * 4 if hidden_bytes_ is None else hidden_bytes_)
-    return fixed + struct.pack(f"<{n_tok}i", *range(n_tok)) + hidden + bytes(8 * n_draft * n_q)
+    ids = struct.pack(f"<{n_tok}i", *range(n_tok))
+    parents = struct.pack(f"<{n_tok}I", *(parents or [0] * n_tok)) if tree else b""
+    return fixed + ids + parents + hidden
 
 
 # -- round trips ------------------------------------------------------------------------------
@@ -43,23 +45,18 @@ EXAMPLES = [
     Control(MsgType.PROGRESS, {"stage": "download", "done": 1, "total": 4, "detail": "model-0001.safetensors"}),
     Control(MsgType.ERROR, {"message": "ünïcødé: not the same model"}),
     Control(MsgType.BYE),
-    # a prefill chunk: no drafts, no verdict wanted
-    Forward(round=1, start_pos=0, tokens=(5, 6, 7), hidden=bytes(range(3 * 4 * 4)), dtype=DType.FLOAT32,
-            hidden_size=4, want_verdict=False),
-    # a greedy verify: t0 plus three drafts
-    Forward(round=2, start_pos=3, tokens=(1, 2, 3, 4), hidden=b"\x01\x02" * 4 * 2, dtype=DType.BFLOAT16,
-            hidden_size=2, n_draft=3),
-    # a sampled verify with sparse draft distributions
-    Forward(round=2**32 - 1, start_pos=2**32 - 1, tokens=(-(2**31), 2**31 - 1, 0), hidden=b"\xff" * 3 * 2 * 2,
-            dtype=DType.FLOAT16, hidden_size=2, n_draft=2, sampling=Sampling(0.75, 40, 0.875, 2**64 - 1),
-            n_q=2, q_indices=struct.pack("<4i", 9, 8, 7, 6), q_probs=struct.pack("<4f", 0.5, 0.5, 0.25, 0.75)),
-    # a token tree: t0, two children of t0, a grandchild under the second
-    Forward(round=3, start_pos=9, tokens=(1, 2, 3, 4), hidden=b"\x01\x02" * 4 * 2, dtype=DType.BFLOAT16,
-            hidden_size=2, n_draft=3, parents=(0, 0, 2), sampling=Sampling(0.8, 0, 1.0, 5)),
-    Verdict(round=7, start_pos=12, n_accepted=0, tokens=(42,)),
-    Verdict(round=9, start_pos=12, n_accepted=2, tokens=(3, 4, 42), path=(2, 3)),
-    Verdict(round=8, start_pos=13, n_accepted=wire.MAX_DRAFT, tokens=tuple(range(wire.MAX_DRAFT + 1)),
-            tail_us=123456),
+    # a prefill chunk: no nodes, no verdict wanted
+    Forward(round=1, tree=1, start_pos=0, tokens=(5, 6, 7), hidden=bytes(range(3 * 4 * 4)), dtype=DType.FLOAT32,
+            hidden_size=4),
+    # a tree's first frame: the root (its parent 0, the context), two children, a grandchild
+    Forward(round=2, tree=1, start_pos=3, tokens=(1, 2, 3, 4), hidden=b"\x01\x02" * 4 * 2, dtype=DType.BFLOAT16,
+            hidden_size=2, parents=(0, 1, 1, 3), first_id=1),
+    # a later frame, sampled, hanging under nodes of the first
+    Forward(round=2**32 - 1, tree=2**32 - 1, start_pos=2**32 - 1, tokens=(-(2**31), 2**31 - 1), hidden=b"\xff" * 4,
+            dtype=DType.FLOAT16, hidden_size=1, parents=(4, 5), first_id=5, sampling=Sampling(0.75, 40, 0.875, 2**64 - 1)),
+    Verdict(round=7, tree=1, path=(), tokens=()),
+    Verdict(round=9, tree=1, path=(0, 2), tokens=(3, 42), tail_us=5),
+    Verdict(round=8, tree=3, path=tuple(range(wire.MAX_DEPTH)), tokens=tuple(range(wire.MAX_DEPTH)), tail_us=123456),
 ]
 
 
@@ -69,7 +66,7 @@ def test_every_message_type_round_trips(msg):
     assert decode(raw) == msg
     assert encode(decode(raw)) == raw
     assert decode(bytearray(raw)) == msg and decode(memoryview(raw)) == msg
-    assert len(raw) <= wire.max_frame_size(64, n_q=2)
+    assert len(raw) <= wire.max_frame_size(64)
 
 
 f32 = st.floats(width=32, allow_nan=False, allow_infinity=False)
@@ -80,25 +77,25 @@ i32 = st.integers(-(2**31), 2**31 - 1)
 @st.composite
 def forwards(draw):
     n = draw(st.integers(1, 12))
-    k = draw(st.integers(0, n - 1))
     h = draw(st.integers(1, 6))
     dtype = draw(st.sampled_from(list(DType)))
-    n_q = draw(st.integers(0, 3)) if k else 0
+    tree = draw(st.booleans())
+    first = draw(st.integers(1, 2**20)) if tree else 0
+    parents = tuple(draw(st.integers(max(0, first + i - 3), first + i - 1)) for i in range(n)) if tree else None
     return Forward(
-        round=draw(u32), start_pos=draw(u32), tokens=tuple(draw(st.lists(i32, min_size=n, max_size=n))),
+        round=draw(u32), tree=draw(u32), start_pos=draw(u32), tokens=tuple(draw(st.lists(i32, min_size=n, max_size=n))),
         hidden=draw(st.binary(min_size=n * h * dtype.itemsize, max_size=n * h * dtype.itemsize)),
-        dtype=dtype, hidden_size=h, n_draft=k, want_verdict=draw(st.booleans()),
+        dtype=dtype, hidden_size=h, parents=parents, first_id=first,
         sampling=Sampling(draw(f32.filter(lambda x: x >= 0)), draw(u32),
                           draw(f32.filter(lambda x: 0 < x <= 1)), draw(st.integers(0, 2**64 - 1))),
-        n_q=n_q, q_indices=draw(st.binary(min_size=4 * k * n_q, max_size=4 * k * n_q)),
-        q_probs=draw(st.binary(min_size=4 * k * n_q, max_size=4 * k * n_q)),
     )
 
 
 @st.composite
 def verdicts(draw):
-    tokens = tuple(draw(st.lists(i32, min_size=1, max_size=wire.MAX_DRAFT + 1)))
-    return Verdict(draw(u32), draw(u32), len(tokens) - 1, tokens, draw(u32))
+    path = tuple(sorted(set(draw(st.lists(st.integers(0, 255), max_size=wire.MAX_DEPTH)))))
+    tokens = tuple(draw(st.lists(i32, min_size=len(path), max_size=len(path))))
+    return Verdict(draw(u32), draw(u32), path, tokens, draw(u32))
 
 
 json_values = st.recursive(
@@ -192,7 +189,7 @@ def test_decode_of_frames_with_one_header_field_replaced(msg, field, value):
 
 # -- specific rejections ---------------------------------------------------------------------------
 
-VALID_FORWARD = encode(EXAMPLES[6])
+VALID_FORWARD = encode(EXAMPLES[6])  # a tree frame
 
 
 DECODE_REJECTIONS = [
@@ -214,23 +211,26 @@ DECODE_REJECTIONS = [
     (frame(MsgType.HELLO, b"[" * 100000), "too large"),
     (frame(MsgType.HELLO, b"[" * 60000), "not JSON"),  # RecursionError inside json
     (frame(MsgType.HELLO, b'{"a": ' + b"1" * 5000 + b"}"), "not JSON"),  # int beyond Python's digit limit
-    (frame(MsgType.FORWARD, forward_body(3, 3, 2)), "FORWARD with 3 drafts for 3 tokens"),
-    (frame(MsgType.FORWARD, forward_body(3, 5, 2)), "drafts for 3 tokens"),
-    (frame(MsgType.FORWARD, forward_body(0, 0, 2)), "FORWARD with 0 tokens"),
-    (frame(MsgType.FORWARD, forward_body(1, 0, 0)), "hidden size 0 out of range"),
-    (frame(MsgType.FORWARD, forward_body(2, 1, 4, hidden_bytes_=2 * 4 * 4 - 1)), "body length does not match"),
-    (frame(MsgType.FORWARD, forward_body(2, 1, 4, hidden_bytes_=2 * 4 * 2)), "body length does not match"),
-    (frame(MsgType.FORWARD, forward_body(2, 1, 4, dtype=9)), "unknown hidden dtype code 9"),
-    (frame(MsgType.FORWARD, forward_body(2, 1, 4, temp=float("nan"))), "sampling parameters out of range"),
-    (frame(MsgType.FORWARD, forward_body(2, 1, 4, temp=-1.0)), "sampling parameters out of range"),
-    (frame(MsgType.FORWARD, forward_body(2, 1, 4, top_p=0.0)), "sampling parameters out of range"),
+    (frame(MsgType.FORWARD, forward_body(0, 2)), "FORWARD with 0 tokens"),
+    (frame(MsgType.FORWARD, forward_body(0, 2, tree=True, first_id=1), flags=wire.FLAG_VERDICT), "0 nodes"),
+    (frame(MsgType.FORWARD, forward_body(wire.MAX_NODES + 1, 1, tree=True, first_id=1), flags=wire.FLAG_VERDICT),
+     f"FORWARD with {wire.MAX_NODES + 1} nodes"),
+    (frame(MsgType.FORWARD, forward_body(2, 1, tree=True, first_id=0), flags=wire.FLAG_VERDICT), "first node id is 0"),
+    (frame(MsgType.FORWARD, forward_body(2, 1, first_id=3)), "a prefill FORWARD with node ids"),
+    (frame(MsgType.FORWARD, forward_body(2, 1, tree=True, first_id=4, parents=[3, 5]), flags=wire.FLAG_VERDICT),
+     "node 5 names parent 5: a parent must come before its node"),
+    (frame(MsgType.FORWARD, forward_body(1, 0)), "hidden size 0 out of range"),
+    (frame(MsgType.FORWARD, forward_body(2, 4, hidden_bytes_=2 * 4 * 4 - 1)), "body length does not match"),
+    (frame(MsgType.FORWARD, forward_body(2, 4, hidden_bytes_=2 * 4 * 2)), "body length does not match"),
+    (frame(MsgType.FORWARD, forward_body(2, 4, tree=True, first_id=1), flags=0), "a prefill FORWARD with node ids"),
+    (frame(MsgType.FORWARD, forward_body(2, 4, dtype=9)), "unknown hidden dtype code 9"),
+    (frame(MsgType.FORWARD, forward_body(2, 4, temp=float("nan"))), "sampling parameters out of range"),
+    (frame(MsgType.FORWARD, forward_body(2, 4, temp=-1.0)), "sampling parameters out of range"),
+    (frame(MsgType.FORWARD, forward_body(2, 4, top_p=0.0)), "sampling parameters out of range"),
     (frame(MsgType.FORWARD, b"\x00" * (FORWARD_FIXED.size - 1)), "FORWARD body too short"),
-    (frame(MsgType.VERDICT, VERDICT_FIXED.pack(0, 3, 2, 0) + struct.pack("<2i", 1, 2)),
-     "VERDICT with 3 accepted and 2 tokens"),
-    (frame(MsgType.VERDICT, VERDICT_FIXED.pack(0, 0, 2, 0) + struct.pack("<2i", 1, 2)),
-     "VERDICT with 0 accepted and 2 tokens"),
-    (frame(MsgType.VERDICT, VERDICT_FIXED.pack(0, 1, 2, 0) + struct.pack("<i", 1)), "VERDICT body length"),
-    (frame(MsgType.VERDICT, VERDICT_FIXED.pack(0, 0, 0, 0)), "VERDICT with 0 accepted and 0 tokens"),
+    (frame(MsgType.VERDICT, VERDICT_FIXED.pack(0, 2, 0) + struct.pack("<2H2i", 0, 1, 1, 2)[:-1]), "VERDICT body length"),
+    (frame(MsgType.VERDICT, VERDICT_FIXED.pack(0, wire.MAX_DEPTH + 1, 0)), f"path of {wire.MAX_DEPTH + 1} nodes"),
+    (frame(MsgType.VERDICT, VERDICT_FIXED.pack(0, 2, 0) + struct.pack("<2H2i", 1, 1, 1, 2)), "ascending"),
     (frame(MsgType.VERDICT, b"\x00" * 8), "VERDICT body too short"),
 ]
 
@@ -249,26 +249,32 @@ def test_decode_rejects_non_bytes():
 H4 = bytes(2 * 4 * 4)
 
 
+def tree(parents, first_id=1, **kw) -> Forward:
+    n = len(parents)
+    return Forward(round=1, tree=1, start_pos=4, tokens=tuple(range(n)), hidden=bytes(2 * n), dtype=DType.FLOAT16,
+                   hidden_size=1, parents=tuple(parents), first_id=first_id, **kw)
+
+
 ENCODE_REFUSALS = [
-    (Forward(1, 0, (1, 2), H4[:-1], DType.FLOAT32, 4), "hidden payload is 31 bytes, expected 32"),
-    (Forward(1, 0, (1, 2), H4, DType.FLOAT16, 4), "hidden payload is 32 bytes, expected 16"),
-    (Forward(1, 0, (1, 2), H4, DType.FLOAT32, 4, n_draft=2), "FORWARD with 2 drafts for 2 tokens"),
-    (Forward(1, 0, (), b"", DType.FLOAT32, 4), "FORWARD with 0 tokens"),
-    (Forward(1, 0, (1, 2), H4, DType.FLOAT32, 4, n_draft=1, n_q=2, q_indices=bytes(8)), "draft distribution"),
-    (Forward(1, 0, (1, 2), H4, DType.FLOAT32, 4, n_draft=0, n_q=1, q_indices=bytes(4), q_probs=bytes(4)),
-     "draft distribution"),
-    (Forward(1, 0, (1, 2**31), H4, DType.FLOAT32, 4), "tokens"),
-    (Forward(-1, 0, (1, 2), H4, DType.FLOAT32, 4), "cannot encode"),
-    (Forward(1, -5, (1, 2), H4, DType.FLOAT32, 4), "cannot encode"),
-    (Forward(1, 0, (1, 2), H4, DType.FLOAT32, 4, sampling=Sampling(temperature=float("nan"))), "sampling"),
-    (Forward(1, 0, (1, 2), H4, DType.FLOAT32, 4, sampling=Sampling(temperature=-0.5)), "sampling"),
-    (Forward(1, 0, (1, 2), H4, DType.FLOAT32, 4, sampling=Sampling(top_p=0.0)), "sampling"),
-    (Forward(1, 0, (1, 2), H4, DType.FLOAT32, 4, sampling=Sampling(top_k=-1)), "cannot encode"),
-    (Verdict(1, 0, 3, (1, 2)), "VERDICT with 3 accepted and 2 tokens"),
-    (Verdict(1, 0, 0, (1, 2)), "VERDICT with 0 accepted and 2 tokens"),
-    (Verdict(1, 0, -1, ()), "VERDICT with -1 accepted and 0 tokens"),
-    (Verdict(1, 0, 0, (2**31,)), "tokens"),
-    (Verdict(1, 0, 0, (1,), tail_us=-1), "cannot encode"),
+    (Forward(1, 1, 0, (1, 2), H4[:-1], DType.FLOAT32, 4), "hidden payload is 31 bytes, expected 32"),
+    (Forward(1, 1, 0, (1, 2), H4, DType.FLOAT16, 4), "hidden payload is 32 bytes, expected 16"),
+    (Forward(1, 1, 0, (), b"", DType.FLOAT32, 4), "FORWARD with 0 tokens"),
+    (Forward(1, 1, 0, (1, 2**31), H4, DType.FLOAT32, 4), "tokens"),
+    (Forward(-1, 1, 0, (1, 2), H4, DType.FLOAT32, 4), "cannot encode"),
+    (Forward(1, 1, -5, (1, 2), H4, DType.FLOAT32, 4), "cannot encode"),
+    (Forward(1, 1, 0, (1, 2), H4, DType.FLOAT32, 4, sampling=Sampling(temperature=float("nan"))), "sampling"),
+    (Forward(1, 1, 0, (1, 2), H4, DType.FLOAT32, 4, sampling=Sampling(temperature=-0.5)), "sampling"),
+    (Forward(1, 1, 0, (1, 2), H4, DType.FLOAT32, 4, sampling=Sampling(top_p=0.0)), "sampling"),
+    (Forward(1, 1, 0, (1, 2), H4, DType.FLOAT32, 4, sampling=Sampling(top_k=-1)), "cannot encode"),
+    (Forward(1, 1, 0, (1, 2), H4, DType.FLOAT32, 4, parents=(0,), first_id=1), "a tree frame of 2 nodes with 1 parents"),
+    (tree([0, 1], first_id=0), "first node id is 0"),
+    (tree([0, 2]), "node 2 names parent 2"),
+    (Forward(1, 1, 0, (1, 2), H4, DType.FLOAT32, 4, first_id=2), "a prefill FORWARD with node ids"),
+    (Verdict(1, 0, (0, 1), (1,)), "one per token"),
+    (Verdict(1, 0, (1, 0), (1, 2)), "ascending"),
+    (Verdict(1, 0, (0,), (2**31,)), "tokens"),
+    (Verdict(1, 0, (70000,), (1,)), "path"),
+    (Verdict(1, 0, (0,), (1,), tail_us=-1), "cannot encode"),
     (Control(MsgType.FORWARD, {}), "FORWARD is not a JSON message type"),
     (Control(MsgType.VERDICT, {}), "not a JSON message type"),
     (Control(MsgType.HELLO, [1, 2]), "must be a JSON object"),  # type: ignore[arg-type]
@@ -291,18 +297,19 @@ def sloppy_messages(draw):
     ints = st.integers(-3, 5) | st.integers(-(2**65), 2**65)
     kind = draw(st.sampled_from(["forward", "verdict", "control"]))
     if kind == "verdict":
-        return Verdict(draw(ints), draw(ints), draw(ints), tuple(draw(st.lists(ints, max_size=70))), draw(ints))
+        n = draw(st.integers(0, 70))
+        return Verdict(draw(ints), draw(ints), tuple(draw(st.lists(ints, max_size=n))),
+                       tuple(draw(st.lists(ints, max_size=70))), draw(ints))
     if kind == "control":
         return Control(draw(st.sampled_from(list(MsgType))), draw(st.dictionaries(st.text(max_size=3), json_values,
                                                                                    max_size=3)), draw(ints))
     n = draw(st.integers(0, 5))
     h = draw(st.integers(0, 5))
-    return Forward(draw(ints), draw(ints), tuple(draw(st.lists(ints, min_size=n, max_size=n))),
+    parents = None if draw(st.booleans()) else tuple(draw(st.lists(ints, max_size=6)))
+    return Forward(draw(ints), draw(ints), draw(ints), tuple(draw(st.lists(ints, min_size=n, max_size=n))),
                    bytes(draw(st.integers(0, 4 * n * max(h, 1) + 2))), draw(st.sampled_from(list(DType))), h,
-                   n_draft=draw(ints), sampling=Sampling(draw(st.floats(width=32) | st.floats()), draw(ints),
-                                                         draw(st.floats()), draw(ints)),
-                   n_q=draw(st.integers(-1, 2)), q_indices=bytes(draw(st.integers(0, 8))),
-                   q_probs=bytes(draw(st.integers(0, 8))))
+                   parents=parents, first_id=draw(ints),
+                   sampling=Sampling(draw(st.floats(width=32) | st.floats()), draw(ints), draw(st.floats()), draw(ints)))
 
 
 @fuzz(300)
@@ -320,69 +327,24 @@ def test_error_frames_are_json_objects():
     assert json.loads(raw[HEADER.size:]) == {"message": "x"}
 
 
-# -- token trees (protocol version 2) ------------------------------------------------------------
-def tree_forward(parents, n=None, **kw):
-    n = len(parents) if n is None else n
-    return Forward(round=1, start_pos=4, tokens=tuple(range(n + 1)), hidden=bytes(4 * (n + 1)), dtype=DType.FLOAT16,
-                   hidden_size=2, n_draft=n, parents=tuple(parents), **kw)
-
-
-def forged_tree(parents) -> bytes:
-    """A well-formed tree frame whose parents field is overwritten on the wire."""
-    raw = bytearray(encode(tree_forward([0] * len(parents))))
-    off = HEADER.size + FORWARD_FIXED.size + 4 * (len(parents) + 1)
-    raw[off:off + 2 * len(parents)] = struct.pack(f"<{len(parents)}H", *parents)
-    return bytes(raw)
-
-
-def test_a_chain_verdict_names_its_path():
-    assert Verdict(1, 2, 3, (5, 6, 7, 8)).path == (1, 2, 3)
-    assert decode(encode(Verdict(1, 2, 3, (5, 6, 7, 8)))).path == (1, 2, 3)
-
-
-@pytest.mark.parametrize("parents, message", [
-    ([0, 2], "node 2 names parent 2: a parent must come before its node"),
-    ([0, 0, 5], "node 3 names parent 5"),
-    ([1], "node 1 names parent 1"),
-    (list(range(wire.MAX_DEPTH + 1)), f"deeper than {wire.MAX_DEPTH}"),
-])
-def test_a_malformed_tree_is_refused_by_its_own_error(parents, message):
-    with pytest.raises(wire.TreeError, match=message):
-        decode(forged_tree(parents))
-    with pytest.raises(wire.TreeError, match=message):
-        encode(tree_forward(parents))
-
-
-def test_tree_limits():
-    assert decode(encode(tree_forward(list(range(wire.MAX_DEPTH))))).parents == tuple(range(wire.MAX_DEPTH))
+# -- speculation trees (protocol version 4) --------------------------------------------------------
+def test_a_frame_lies_at_most_max_depth_below_the_nodes_outside_it():
+    deep = list(range(wire.MAX_DEPTH))  # node 1 under the root, node 2 under node 1, ...
+    assert wire.frame_depths(deep, 1) == list(range(1, wire.MAX_DEPTH + 1))
+    assert decode(encode(tree(deep))).parents == tuple(deep)
+    with pytest.raises(wire.TreeError, match=f"deeper than {wire.MAX_DEPTH}"):
+        encode(tree(deep + [wire.MAX_DEPTH]))
+    # the same chain continued in a later frame: its depth counts from the nodes outside that frame
+    assert wire.frame_depths(list(range(100, 100 + wire.MAX_DEPTH)), 101)[-1] == wire.MAX_DEPTH
     wide = [0] * wire.MAX_NODES
-    assert decode(encode(tree_forward(wide))).n_draft == wire.MAX_NODES
-    with pytest.raises(wire.TreeError, match="nodes"):
-        encode(tree_forward(wide + [0]))
-    with pytest.raises(wire.TreeError, match="must ask for a verdict"):
-        encode(tree_forward([0, 1], want_verdict=False))
-    with pytest.raises(wire.TreeError, match="one token more"):
-        encode(Forward(round=1, start_pos=0, tokens=(1, 2, 3), hidden=bytes(12), dtype=DType.FLOAT16,
-                       hidden_size=2, n_draft=1, parents=(0,)))
-    raw = bytearray(encode(tree_forward([0, 1])))
-    raw[6] &= ~wire.FLAG_VERDICT  # the flags field: a tree that asks for nothing
-    with pytest.raises(wire.TreeError, match="must ask for a verdict"):
-        decode(bytes(raw))
+    assert len(decode(encode(tree(wide))).tokens) == wire.MAX_NODES
 
 
-@pytest.mark.parametrize("path", [(2, 1), (0, 1), (1, 1)])
-def test_a_malformed_verdict_path_is_refused(path):
-    good = encode(Verdict(1, 2, 2, (5, 6, 7), path=(1, 2)))
-    forged = good[:-4] + struct.pack("<2H", *path)
-    with pytest.raises(wire.TreeError, match="ascending node indices"):
-        decode(forged)
-    with pytest.raises(wire.TreeError):
-        encode(Verdict(1, 2, 2, (5, 6, 7), path=path))
+def test_every_verdict_fits_one_padded_size():
+    """The largest verdict stays under the sealed link's smallest padded size, so the relay cannot
+    tell how many tokens a frame committed from its verdict's length."""
+    from sfchat.link.padding import MIN_PADDED
 
-
-def test_a_verdict_claiming_a_huge_accepted_count_is_refused_without_allocating_it():
-    """The default path of a Verdict is 1..n_accepted: built for n = 2**40 it filled the memory."""
-    msg = Verdict(round=1, start_pos=0, n_accepted=2 ** 40, tokens=(1,))
-    assert len(msg.path) <= wire.MAX_DRAFT + 1
-    with pytest.raises(WireError, match="VERDICT with"):
-        encode(msg)
+    largest = encode(Verdict(2**32 - 1, 2**32 - 1, tuple(range(wire.MAX_DEPTH)), (2**31 - 1,) * wire.MAX_DEPTH,
+                             2**32 - 1))
+    assert len(largest) + 1 < MIN_PADDED

@@ -1,0 +1,312 @@
+"""The head's speculation, sans I/O: the live tree of a reply, the frames that carry it, the verdicts.
+
+Contract
+--------
+``Speculator(head, drafter, max_context, frame_sizes, steps, head_pool)`` holds the committed
+context (token ids) of one conversation, the head slice, the draft and the reply's
+``live.LiveTree``, and does every computation of a frame, but never touches a link: a ``Frame``
+carries its encoded FORWARDs as ``bytes`` and a verdict comes back as a decoded ``wire.Verdict``.
+The driver (``node.driver.RoundDriver``) moves them and owns every clock, failure and the number
+of frames in flight.
+
+* ``begin(prompt_ids)`` makes the prompt the context and opens a new tree: its first frame
+  carries the context the target lacks as prefill FORWARDs before the tree FORWARD.
+* ``frame(s, size)``: the next frame of at most ``size`` nodes, or None when there is nothing to
+  send (the context window or the reply's budget reached). The draft expands the tree's likeliest
+  nodes ``steps`` times (``width`` at a time; a prompt-lookup continuation is grafted under the
+  root at no draft cost), the tree chooses the frame's nodes best first, the head slice runs them
+  at one fixed shape, padded to ``size`` rows (each row sees the context, its ancestors in the
+  head's scratch pool and itself), and the frame is encoded. Frames may be built while earlier
+  ones are in flight: a frame's nodes hang anywhere in the live tree, under nodes of earlier
+  frames whose verdicts are not known yet.
+* ``take(frame, verdict, eos, budget)``: the verdict, checked against the frame
+  (``live.ProtocolError`` for anything it cannot be), committed and cut at the first EOS, the
+  token budget and the context window (``Commit``). The committed nodes' K/V become context in
+  place on the head slice and the draft (``SlotPool.commit``); nodes no longer live give their
+  slots back. A reply that ends (``finish``) closes the tree: the next ``begin`` opens another.
+* ``restart()``: the tail lost its context (a new tail): the next frame sends all of it again.
+
+Greedy output does not depend on any of it: every committed token is the target's own pick at a
+node whose path is the committed context, and a sampled one the target's draw at that position
+from a stream keyed by the reply's seed and the position alone, so the output is the same for any
+draft, tree, frame size and number of frames in flight.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from sfchat import UserError
+from sfchat.engine.lookup import lookup
+from sfchat.engine.draft import Drafter
+from sfchat.engine.live import Calibration, LiveTree, Node, ProtocolError, SlotPool
+from sfchat.model.devices import DTYPE_NAMES
+from sfchat.model.kv import PREFILL_CHUNK, TreeMask
+from sfchat.model.slices import ModelSlice
+from sfchat.protocol import wire
+
+LOOKUP_TOKENS = 8  # tokens of a prompt-lookup continuation grafted under the root
+
+
+@dataclass(frozen=True)
+class Commit:
+    tokens: tuple[int, ...]  # committed by the verdict (after truncation)
+    finish: str | None  # None, "eos", "length" or "context"
+
+
+@dataclass
+class Frame:
+    """One frame, ready to send: its FORWARDs and the nodes the verdict is checked against."""
+
+    round_id: int
+    tree: int
+    nodes: list[Node]
+    frames: list[bytes]
+    size: int  # the padded shape it ran at
+    expected: float  # the tree's estimate of the tokens it commits
+    draft_ms: float
+    head_ms: float
+    steady: bool  # no prefill: its compute is a frame's alone
+    sent_at: float = 0.0  # perf_counter when its FORWARDs went out
+    ahead: bool = False  # it went out while another frame was in flight
+    forward_bytes: int = field(init=False)
+    sent_bytes: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.forward_bytes = len(self.frames[-1])
+        self.sent_bytes = sum(map(len, self.frames))
+
+
+def hidden_bytes(h: torch.Tensor, what: str) -> bytes:
+    """The hidden states as raw bytes; a UserError if any is not finite (fp16 overflow)."""
+    h = h.contiguous().cpu()
+    if not bool(torch.isfinite(h).all()):
+        raise UserError(what)
+    return h.view(torch.uint8).numpy().tobytes()
+
+
+class Speculator:
+    def __init__(self, head: ModelSlice, drafter: Drafter | None, *, max_context: int,
+                 frame_sizes: list[int], steps: int, head_pool: int):
+        self.head, self.drafter = head, drafter
+        self.max_context, self.steps = max_context, steps if drafter is not None else 0
+        self.frame_sizes = sorted(frame_sizes)
+        self.pool = SlotPool(0, head_pool)
+        self.tokens: list[int] = []
+        self.round_id = 0
+        self.tree_id = 0
+        self.live: LiveTree | None = None
+        self.calibration = Calibration(drafter.children if drafter is not None else 1)
+        self.device = head.device
+        self.vocab = head.config.vocab_size
+        self.wire_dtype = wire.DType[DTYPE_NAMES[head.dtype].upper()]
+        self.unfed: list[Node] = []  # committed nodes the draft has not run, oldest first
+        self.prefill_from: int | None = None  # where the next frame's prefill starts (None: sent)
+        self.tree_start = 0
+
+    # -- the conversation ----------------------------------------------------------------------
+    def begin(self, prompt_ids: list[int]) -> int:
+        """Make ``prompt_ids`` the context and open a tree; how many positions are already cached."""
+        if len(prompt_ids) >= self.max_context:
+            raise UserError(f"the prompt has {len(prompt_ids)} tokens, the context window is "
+                            f"{self.max_context}: shorten it or raise --max-context")
+        if not prompt_ids:
+            raise UserError("the prompt is empty")
+        self.tokens = list(prompt_ids)
+        reused = min(self.head.kv.reusable(self.tokens), len(self.tokens) - 1)
+        self._open()
+        return reused
+
+    def _open(self) -> None:
+        """A new tree after the committed context: its root is the last committed token."""
+        self.tree_id += 1
+        self.live = LiveTree(self.tokens, self.calibration)
+        self.prefill_from = min(self.head.kv.reusable(self.tokens), len(self.tokens) - 1)
+        self.tree_start = len(self.tokens) - 1
+        self.pool.reset(self.tree_start)
+        self.unfed = []
+        if self.drafter is not None:
+            self.drafter.sync(self.tokens[:-1])
+
+    def close(self) -> None:
+        """End the tree (the reply ended, or its frames in flight are dropped): the next frame opens one."""
+        self.live = None
+
+    def reset(self) -> None:
+        """Forget the conversation (a new chat): every cached position becomes stale."""
+        self.tokens, self.live = [], None
+        self.head.kv.reset()
+        if self.drafter is not None:
+            self.drafter.reset()
+
+    def restart(self) -> None:
+        """A new tail holds no context: the next frame sends it all again."""
+        self.head.kv.reset()
+        self.live = None
+
+    # -- a frame -------------------------------------------------------------------------------
+    def frame(self, s: wire.Sampling, size: int | None, budget: int, min_yield: float = 0.0) -> Frame | None:
+        """The next frame of at most ``size`` nodes (None: the largest size), or None when nothing may be sent (``budget``:
+        tokens the reply may still commit) or it would be expected to commit fewer than
+        ``min_yield`` tokens."""
+        if self.live is None:
+            self._open()
+        t0 = time.perf_counter()
+        live, size = self.live, size or self.frame_sizes[-1]
+        self._grow(s)
+        t1 = time.perf_counter()
+        # a node's pick is the token after it: only nodes whose picks fit the budget and the window
+        nodes = live.choose(min(size, self.pool.free), min(self.max_context - 1, live.root.pos + budget))
+        expected = sum(n.value for n in nodes)
+        if not nodes or expected < min_yield:
+            return None
+        live.send(nodes)
+        frames = self._prefill()
+        frames.append(self._forward(nodes, s))
+        t2 = time.perf_counter()
+        self.round_id += 1
+        return Frame(self.round_id, self.tree_id, nodes, frames, size=self._shape(len(nodes)),
+                     expected=expected, draft_ms=(t1 - t0) * 1e3, head_ms=(t2 - t1) * 1e3,
+                     steady=len(frames) == 1)
+
+    def _shape(self, n: int) -> int:
+        return next(f for f in self.frame_sizes if f >= n)
+
+    def _grow(self, s: wire.Sampling) -> None:
+        """The draft's expansions of the likeliest nodes, after the committed nodes it has not run."""
+        live, d = self.live, self.drafter
+        if not live.root.sent and not live.root.children:
+            branch = lookup(self.tokens, LOOKUP_TOKENS)
+            if branch:
+                live.graft(branch)
+        for _ in range(self.steps):
+            catch_up = self.unfed[:d.rows]
+            room = min(d.width, d.rows - len(catch_up)) if len(catch_up) == len(self.unfed) else 0
+            targets = live.expandable(room)
+            need = sum(n.draft_slot is None for n in catch_up + targets)
+            while targets and need > d.pool.free:
+                need -= targets.pop().draft_slot is None
+            if not catch_up and not targets or need > d.pool.free:
+                break
+            rows = catch_up + targets
+            for node in rows:
+                if node.draft_slot is None:
+                    node.draft_slot = d.pool.take()
+            out = d.expand([(n.token, n.pos, n.draft_slot, self._ancestors(n, catch_up)) for n in rows], s)
+            if catch_up:  # their K/V is the context's now
+                del self.unfed[:len(catch_up)]
+                self._draft_commit(catch_up)
+            for node, proposals in zip(targets, out[len(catch_up):]):
+                live.expanded(node, proposals)
+
+    def _ancestors(self, node: Node, catch_up: list[Node]) -> list[int]:
+        """The draft slots ``node`` attends to in the pool: its live ancestors', and the unfed
+        committed nodes' fed in the same step before it."""
+        slots = [a.draft_slot for a in node.path_to(None)[:-1] if a.draft_slot is not None]
+        if node in catch_up:
+            slots += [c.draft_slot for c in catch_up[:catch_up.index(node)]]
+        elif catch_up:
+            slots += [c.draft_slot for c in catch_up]
+        return slots
+
+    def _draft_commit(self, nodes: list[Node]) -> None:
+        moved = self.drafter.commit([n.draft_slot for n in nodes], [n.token for n in nodes])
+        for n in nodes:
+            n.draft_slot = None
+        self._relocate(moved, "draft_slot")
+
+    def _relocate(self, moved: dict[int, int], attr: str) -> None:
+        if moved:
+            for node in [*self.live.nodes(), *self.unfed]:
+                slot = getattr(node, attr)
+                if slot in moved:
+                    setattr(node, attr, moved[slot])
+
+    def _prefill(self) -> list[bytes]:
+        """FORWARDs of the context the target lacks, before a tree's first frame."""
+        if self.prefill_from is None:
+            return []
+        start, end = self.prefill_from, self.tree_start
+        self.prefill_from = None
+        frames = []
+        for i in range(start, end, PREFILL_CHUNK):
+            piece = self.tokens[i:min(i + PREFILL_CHUNK, end)]
+            ids = torch.tensor(piece, dtype=torch.long, device=self.device).clamp_(max=self.vocab - 1)
+            hidden = self.head.run(ids, torch.arange(i, i + len(piece), device=self.device), end=i + len(piece))
+            self.head.kv.note(i, piece)
+            frames.append(self._encode(i, piece, hidden, None, 0, wire.Sampling()))
+        self.head.kv.note(end, [])  # positions from the root on are stale (the tail drops them too)
+        return frames
+
+    def _forward(self, nodes: list[Node], s: wire.Sampling) -> bytes:
+        """The head slice over the frame's nodes, padded to its shape; the tree FORWARD."""
+        size, base, trash = self._shape(len(nodes)), self.pool.n, self.pool.trash
+        for node in nodes:
+            node.head_slot = self.pool.take()
+        ids, slots, rope = [0] * size, [trash] * size, [max(base - 1, 0)] * size
+        visible = torch.zeros(size, self.pool.size, dtype=torch.bool)
+        visible[:, trash - base] = True  # a padding row sees its own trash slot: never an empty softmax
+        for r, node in enumerate(nodes):
+            ids[r], slots[r], rope[r] = min(node.token, self.vocab - 1), node.head_slot, node.pos
+            visible[r, trash - base] = False
+            visible[r, [a.head_slot - base for a in node.path_to(None)]] = True
+        dev = self.device
+        mask = TreeMask(torch.tensor(rope, device=dev), torch.tensor([base], device=dev), visible.to(dev))
+        hidden = self.head.run(torch.tensor(ids, device=dev), torch.tensor(slots, device=dev),
+                               end=base + self.pool.size, tree=mask)[:len(nodes)]
+        parents = tuple(self.live.parent_id(n) for n in nodes)
+        return self._encode(self.tree_start, [n.token for n in nodes], hidden, parents, nodes[0].id, s)
+
+    def _encode(self, start, tokens, hidden, parents, first_id, s) -> bytes:
+        what = (f"the head's layers [{self.head.lo}, {self.head.hi}) of the target computed values that are not "
+                f"finite in {DTYPE_NAMES[self.head.dtype]} (an overflow: Qwen2.5 in float16 is known to); use "
+                "--dtype bfloat16 on a GPU that has it, or --dtype float32")
+        return wire.encode(wire.Forward(
+            round=self.round_id + 1, tree=self.tree_id, start_pos=start, tokens=tuple(tokens),
+            hidden=hidden_bytes(hidden, what), dtype=self.wire_dtype, hidden_size=hidden.shape[-1],
+            parents=parents, first_id=first_id, sampling=s))
+
+    # -- a verdict -----------------------------------------------------------------------------
+    def take(self, frame: Frame, verdict: wire.Verdict, eos_ids: set[int], budget: int) -> Commit:
+        """Check ``verdict`` against ``frame`` and commit its tokens."""
+        if verdict.round != frame.round_id or verdict.tree != frame.tree:
+            raise ProtocolError(f"a verdict for frame {verdict.round} of tree {verdict.tree} answered frame "
+                                f"{frame.round_id} of tree {frame.tree}")
+        if self.live is None or frame.tree != self.tree_id:
+            raise RuntimeError("a verdict taken for a closed tree")  # the driver's bug, never the tail's
+        before = set(self.live.nodes())
+        picks = self.live.take(frame.nodes, verdict.path, verdict.tokens, self.vocab)
+        committed = [frame.nodes[i] for i in verdict.path]
+        for node in before - set(self.live.nodes()) - set(committed):  # dead: their slots go back
+            self.pool.release(node.head_slot)
+            if self.drafter is not None:
+                self.drafter.release(node.draft_slot)
+        if committed:
+            src, dst, moved = self.pool.commit([n.head_slot for n in committed])
+            self.head.kv.move(src, dst)
+            self.head.kv.note(self.pool.n - len(committed), [n.token for n in committed])
+            self._relocate(moved, "head_slot")
+            if self.drafter is not None:
+                n_fed = 0 if self.unfed else next(
+                    (i for i, n in enumerate(committed) if n.draft_slot is None), len(committed))
+                if n_fed:
+                    self._draft_commit(committed[:n_fed])
+                self.unfed += committed[n_fed:]
+        out, finish = [], None
+        for t in picks:
+            out.append(t)
+            if t in eos_ids:
+                finish = "eos"
+            elif len(out) >= budget:
+                finish = "length"
+            elif len(self.tokens) + len(out) >= self.max_context:
+                finish = "context"
+            if finish:
+                break
+        self.tokens.extend(out)
+        if finish:
+            self.close()
+        return Commit(tuple(out), finish)
