@@ -48,7 +48,7 @@ AUTO_TREE_BUDGET = 64  # the tree --tree-budget auto offers on a GPU (7 KiB per 
 MAX_IN_FLIGHT = 16
 MAX_CONTEXT = 1 << 20  # tokens; the model's own window caps it further
 MAX_NEW_TOKENS = 1 << 20
-MAX_TEMPERATURE = 2.0  # beyond it every model's output is noise (the OpenAI API's range too)
+MAX_TEMPERATURE = 2.0  # the OpenAI API's range, which the server keeps too: above it replies turn to noise
 MAX_TOP_K = 1 << 20
 
 
