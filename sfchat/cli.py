@@ -81,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("generation")
     g.add_argument("--prompt", help="one-shot: answer this prompt and exit")
     g.add_argument("--max-new-tokens", type=int, help=f"reply length limit (default {d.max_new_tokens})")
-    g.add_argument("--temperature", type=float, help="0 = greedy (default 0)")
+    g.add_argument("--temperature", type=float, help="0 = greedy (default 0), at most 2")
     g.add_argument("--top-k", type=int, help="sample from the k most likely tokens (0 = off)")
     g.add_argument("--top-p", type=float, help="nucleus sampling threshold (1 = off)")
     g.add_argument("--seed", type=int, help="seed for reproducible sampling")

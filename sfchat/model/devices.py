@@ -49,12 +49,21 @@ def resolve_device(name: str | None) -> torch.device:
         raise UserError(f"unknown device {name!r} (use cpu, cuda or cuda:N)") from None
     if dev.type == "cuda":
         if not torch.cuda.is_available():
-            raise UserError(f"device {name!r} requested but no CUDA GPU is available")
+            raise UserError(f"device {name!r} requested but {no_gpu_reason()}")
         if (dev.index or 0) >= torch.cuda.device_count():
             raise UserError(f"device {name!r} does not exist ({torch.cuda.device_count()} GPUs visible)")
     elif dev.type != "cpu":
         raise UserError(f"unsupported device {name!r} (use cpu, cuda or cuda:N)")
     return dev
+
+
+def no_gpu_reason() -> str:
+    """Why torch sees no CUDA GPU here, and the fixes, for a refusal of ``--device cuda``."""
+    if torch.version.cuda is None:
+        return ("no CUDA GPU is visible (this torch is a CPU-only build): use --device cpu, or install the CUDA "
+                "build of torch (https://pytorch.org/get-started/locally/) on a machine with a GPU")
+    return ("no CUDA GPU is visible (check nvidia-smi, the driver and CUDA_VISIBLE_DEVICES): use --device cpu, "
+            "or install the CUDA build of torch that matches the driver")
 
 
 def resolve_devices(name: str | None) -> list[torch.device]:

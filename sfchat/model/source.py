@@ -10,8 +10,8 @@ hold the requested tensors, downloading just those (the hub cache is honoured, a
 Progress: ``("download", bytes, file bytes, "name (i/n)")`` while a shard downloads (0 for an
 unknown size), ``("load", tensors, n, name)`` while tensors are read.
 
-Failures a user can fix (missing directory, unknown repo, gated repo, no network, no
-safetensors) raise ``sfchat.UserError`` with the fix in the message. This module knows nothing
+Failures a user can fix (missing directory, a file named as a model, unknown repo, gated repo,
+no network, no safetensors) raise ``sfchat.UserError`` with the fix in the message. This module knows nothing
 about layers, devices or dtypes.
 
 Names from the network: the tail opens what a head's HELLO names, so it passes ``allowed_dirs``
@@ -58,6 +58,7 @@ _probe_lock = threading.Lock()
 _probe_result: list[str | None] = []  # the one probe of this process, once made
 HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}(/[A-Za-z0-9][A-Za-z0-9._-]{0,95})?")
 MAX_NAME_CHARS = 1024
+EXAMPLE_ID = "Qwen/Qwen2.5-1.5B-Instruct"
 
 
 def hub_unreachable() -> str | None:
@@ -204,7 +205,12 @@ class ModelSource:
         path = Path(name).expanduser()
         if path.is_dir():
             src = cls(name, revision, path, None, {})
-        elif path.exists() or name.startswith((".", "/", "~")) or name.count("/") > 1:
+        elif path.exists():
+            hint = f"; its directory {str(path.parent)!r} looks like one" if (path.parent / "config.json").is_file() \
+                else ""
+            raise UserError(f"{name!r} is a file, not a model: a model is a directory (config.json, the tokenizer "
+                            f"files and *.safetensors weights) or a Hugging Face hub id such as {EXAMPLE_ID}{hint}")
+        elif name.startswith((".", "/", "~")) or name.count("/") > 1:
             raise UserError(f"model directory {name!r} does not exist")
         else:
             src = cls(name, revision, None, None, {}, hub_unreachable())

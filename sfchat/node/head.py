@@ -2,13 +2,14 @@
 
 Contract
 --------
-``Head.open(settings, on_event, link=None, policy=None)`` opens the target (refusing an unsupported model
-before fetching anything else), its tokenizer and the draft's (which must be the same), then
-the engine (``loading.open_engine``: draft, head slice, graphs, the tail's handshake). A relay
-link is dialled by the caller (``connect.connect_relay``) and handed in; without one the tail
-runs in this process; ``policy`` replaces the one that picks frame sizes and frames in flight
-(``engine.policy.PipelinePolicy``). ``open`` reports ``LoadProgress``, ``LinkState`` and
-``RuntimeReady`` through ``on_event``.
+``Head.open(settings, on_event, link=None, policy=None)`` refuses a device this machine lacks,
+then opens the target (refusing an unsupported model before fetching anything else), its
+tokenizer and the draft's (which must be the same; a refused default draft is named as the
+default, with ``--draft none`` as the way out), then the engine (``loading.open_engine``: draft,
+head slice, graphs, the tail's handshake). A relay link is dialled by the caller
+(``connect.connect_relay``) and handed in; without one the tail runs in this process; ``policy``
+replaces the one that picks frame sizes and frames in flight (``engine.policy.PipelinePolicy``).
+``open`` reports ``LoadProgress``, ``LinkState`` and ``RuntimeReady`` through ``on_event``.
 
 * ``encode(messages)``: a conversation's prompt ids under the one system prompt rule
   (``prompts.with_system``) and the chat template setting.
@@ -29,15 +30,30 @@ from __future__ import annotations
 import time
 from typing import Callable, Iterator
 
-from sfchat.config import Settings
+from sfchat import UserError
+from sfchat.config import GPU_DRAFT, Settings
 from sfchat.events import ReplyFinished, ReplyStarted, RuntimeReady, TokensCommitted
 from sfchat.model.slices import architecture
 from sfchat.model.source import ModelSource
 from sfchat.node.driver import RoundDriver
-from sfchat.node.loading import check_same_tokenizer, open_engine, progress_events, uses_draft
+from sfchat.node.loading import check_devices, check_same_tokenizer, open_engine, progress_events, uses_draft
 from sfchat.node.prompts import TextStream, encode, eos_ids, load_tokenizer, with_system
 from sfchat.protocol.wire import Sampling
 from sfchat.tally import Tally
+
+
+def open_draft(s: Settings, tokenizer, on_event: Callable) -> ModelSource:
+    """The draft's source, with the target's tokenizer. A refusal of ``GPU_DRAFT`` says that it is
+    the default draft and how to do without it: a user who named only ``--model`` never chose it."""
+    try:
+        dsrc = ModelSource.open(s.draft, s.draft_revision, progress_events(on_event, "draft"))
+        check_same_tokenizer(s, tokenizer, load_tokenizer(dsrc, s.draft_revision))
+    except UserError as exc:
+        if s.draft != GPU_DRAFT:
+            raise
+        raise UserError(f"the draft {GPU_DRAFT}, the default when --draft is not given, cannot be used: {exc} "
+                        "(--draft none runs without a draft; --draft DIR_OR_HUB_ID picks another)") from None
+    return dsrc
 
 
 class Head:
@@ -46,13 +62,11 @@ class Head:
 
     @classmethod
     def open(cls, s: Settings, on_event: Callable = lambda e: None, link=None, policy=None) -> "Head":
+        check_devices(s)
         src = ModelSource.open(s.model, s.revision, progress_events(on_event, "head"))
         architecture(src.config)  # refuse an unsupported model before fetching anything else
         tokenizer = load_tokenizer(src, s.revision)
-        dsrc = None
-        if uses_draft(s):
-            dsrc = ModelSource.open(s.draft, s.draft_revision, progress_events(on_event, "draft"))
-            check_same_tokenizer(s, tokenizer, load_tokenizer(dsrc, s.draft_revision))
+        dsrc = open_draft(s, tokenizer, on_event) if uses_draft(s) else None
         engine, info = open_engine(s, on_event, link, src, dsrc, policy)
         return cls(s, tokenizer, engine, eos_ids(src, tokenizer), info)
 

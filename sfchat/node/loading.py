@@ -7,7 +7,8 @@ round shapes, checks the memory it needs, loads the draft and the head slice, ca
 CUDA graphs, connects to the tail (in-process through ``MemoryLink`` unless a relay link is
 given) and returns ``(RoundDriver, RuntimeReady)``, reporting ``LoadProgress`` as it goes.
 Token ids only: no tokenizer is needed (benchmarks use random-weight checkpoints).
-``TailLoader`` is the tail's: a callable the ``Verifier`` is given, which loads the slice a
+``check_devices(settings)`` refuses a device this machine lacks, for a caller to run before it
+fetches anything. ``TailLoader`` is the tail's: a callable the ``Verifier`` is given, which loads the slice a
 HELLO names. Every failure a user can fix is a ``UserError``.
 """
 
@@ -43,6 +44,14 @@ def progress_events(on_event: Callable, node: str):
 
 def uses_draft(s: Settings) -> bool:
     return bool(s.draft) and s.draft.lower() != "none" and s.depth > 0
+
+
+def check_devices(s: Settings) -> None:
+    """Refuse a ``--device`` or ``--draft-device`` this machine lacks (a UserError naming the fix),
+    before anything is fetched."""
+    resolve_devices(s.device)
+    if s.draft_device:
+        resolve_device(s.draft_device)
 
 
 def open_engine(s: Settings, on_event: Callable = lambda e: None, link=None,

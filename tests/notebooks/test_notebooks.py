@@ -1,0 +1,160 @@
+"""The Kaggle notebooks, executed headless as a user runs them top to bottom: a real relay on
+loopback, tiny models on the CPU, the tail notebook in a kernel of its own until it is stopped as a
+user stops its cell, and the head notebook serving and chatting through it. Each notebook gets its
+parameters in a cell after the one tagged "parameters", as papermill would inject them."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+from nbclient.exceptions import CellExecutionError
+from relay_process import REPO, TOKEN, start_relay
+
+from sfchat.config import Settings
+from sfchat.events import ReplyFinished
+from sfchat.node.head import Head
+from sfchat.node.prompts import make_sampling
+from sfchat.plaintext import plain
+
+NOTEBOOKS = REPO / "notebooks"
+PROMPT = "hello world, how are you?"
+N_TOKENS = 24
+SESSION = "notebooks"
+KERNEL = "sfchat-tests"  # a kernel of this very Python, whatever other kernels the machine has
+
+
+def with_parameters(name: str, **values) -> nbformat.NotebookNode:
+    nb = nbformat.read(NOTEBOOKS / name, as_version=4)
+    tagged = [i for i, cell in enumerate(nb.cells) if "parameters" in cell.metadata.get("tags", [])]
+    assert len(tagged) == 1, f"{name}: one cell tagged 'parameters'"
+    known = set(re.findall(r"^([A-Z_]+) = ", nb.cells[tagged[0]].source, re.M))
+    assert set(values) <= known, f"{name} has no parameters {set(values) - known}"
+    injected = nbformat.v4.new_code_cell("\n".join(f"{k} = {v!r}" for k, v in values.items()),
+                                         metadata={"tags": ["injected-parameters"]})
+    nb.cells.insert(tagged[0] + 1, injected)
+    return nb
+
+
+def printed(nb) -> str:
+    return "".join(out.get("text", "") for cell in nb.cells for out in cell.get("outputs", [])
+                   if out.get("output_type") == "stream")
+
+
+def client(nb, folder: Path, timeout: int) -> NotebookClient:
+    folder.mkdir()
+    return NotebookClient(nb, timeout=timeout, kernel_name=KERNEL, resources={"metadata": {"path": str(folder)}})
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def listening(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+@pytest.fixture
+def kernel_env(tmp_path, monkeypatch):
+    """What the notebooks' kernels inherit: this checkout first on the path, no hub, one thread,
+    no SFCHAT_ settings of the machine running the tests; and the kernel itself, this Python."""
+    spec = tmp_path / "jupyter" / "kernels" / KERNEL
+    spec.mkdir(parents=True)
+    (spec / "kernel.json").write_text(json.dumps({"argv": [sys.executable, "-m", "ipykernel_launcher", "-f",
+                                                           "{connection_file}"],
+                                                  "display_name": KERNEL, "language": "python"}))
+    monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "jupyter"))
+    for name in [n for n in os.environ if n.startswith("SFCHAT_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    for name, value in (("HF_HUB_OFFLINE", "1"), ("HF_HOME", str(tmp_path / "hf")), ("OMP_NUM_THREADS", "1"),
+                        ("TOKENIZERS_PARALLELISM", "false"), ("XDG_DATA_HOME", str(tmp_path / "data")),
+                        ("XDG_CONFIG_HOME", str(tmp_path / "config"))):
+        monkeypatch.setenv(name, value)
+
+
+def test_the_tail_and_head_notebooks_pair_through_a_relay_and_chat(zoo, tmp_path, kernel_env):
+    model = draft = zoo["qwen2-tied"]  # its own draft: every draft accepted; its greedy reply runs N_TOKENS long
+    local = Head.open(Settings(model=str(model), draft=str(draft), device="cpu"))
+    expected = [e for e in local.ask([{"role": "user", "content": PROMPT}], N_TOKENS, make_sampling(0, 0, 1.0, 0))
+                if isinstance(e, ReplyFinished)][0]
+    local.close()
+    assert expected.text.strip()
+
+    with open(tmp_path / "relay.log", "w") as relay_log:
+        relay, port = start_relay(relay_log)
+    url = f"ws://127.0.0.1:{port}"
+    tail_nb = with_parameters("tail.ipynb", SFCHAT_SOURCE="", RELAY_URL=url, TOKEN=TOKEN, SESSION=SESSION,
+                              DEVICE="cpu", MODELS_DIR=str(zoo["tokenizer"].parent))
+    tail = client(tail_nb, tmp_path / "tail", timeout=600)
+    tail_failure: list[BaseException] = []
+
+    def run_tail():
+        try:
+            tail.execute()
+        except BaseException as exc:  # the test reads it below: stopping the tail cell raises here by design
+            tail_failure.append(exc)
+
+    tail_thread = threading.Thread(target=run_tail, daemon=True)
+    tail_thread.start()
+    try:
+        deadline, code = time.monotonic() + 120, None
+        while code is None and time.monotonic() < deadline and tail_thread.is_alive():
+            code = re.search(r"PAIRING_CODE = \"(\d+-[a-z]+-[a-z]+)\"", printed(tail_nb))
+            time.sleep(0.2)
+        assert code, f"the tail notebook printed no pairing code: {printed(tail_nb)!r} {tail_failure}"
+
+        http = free_port()
+        head_nb = with_parameters("head.ipynb", SFCHAT_SOURCE="", RELAY_URL=url, TOKEN=TOKEN, SESSION=SESSION,
+                                  PAIRING_CODE=code.group(1), MODEL=str(model), DRAFT=str(draft), DEVICE="cpu",
+                                  PORT=http, LOAD_TIMEOUT_S=300, MAX_TOKENS=N_TOKENS, FIRST_PROMPT=PROMPT)
+        started = time.monotonic()
+        client(head_nb, tmp_path / "head", timeout=300).execute()
+        print(f"\nthe head notebook ran in {time.monotonic() - started:.1f} s")
+        said = printed(head_nb)
+        assert f"serving {model}" in said, said
+        reply = "\n".join(plain(line) for line in expected.text.split("\n"))
+        assert reply in said, (reply, said)
+        figures = re.search(r"\[\d+ rounds, ([\d.]+) tokens/round, [\d.]+ tok/s, ttft [\d.]+ s, RTT \d+ ms, "
+                            r"draft/head/tail [\d.]+/[\d.]+/[\d.]+ ms per round\]", said)
+        assert figures and float(figures.group(1)) > 1, said  # the rounds went through the tail with drafts
+        deadline = time.monotonic() + 20  # the head notebook's kernel took its server with it
+        while listening(http) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not listening(http), "the server outlived the head notebook's kernel"
+        assert re.search(r"paired with a head", printed(tail_nb)), printed(tail_nb)
+    finally:
+        if tail.km is not None and tail.km.has_kernel:  # as a user stops the tail cell: an interrupt
+            tail.km.provisioner.process.send_signal(signal.SIGINT)
+        tail_thread.join(60)
+        relay.terminate()
+        relay.wait(10)
+    assert not tail_thread.is_alive()
+    assert len(tail_failure) == 1 and isinstance(tail_failure[0], CellExecutionError)
+    assert "KeyboardInterrupt" in str(tail_failure[0])  # stopped in its last cell, not failed before
+
+
+@pytest.mark.parametrize("name", ["tail.ipynb", "head.ipynb"])
+def test_a_notebook_ships_clean_with_every_code_cell_explained(name):
+    nb = nbformat.read(NOTEBOOKS / name, as_version=4)
+    nbformat.validate(nb)
+    assert nb.metadata.kernelspec.name == "python3"
+    assert nb.cells[0].cell_type == "markdown"
+    for before, cell in zip(nb.cells, nb.cells[1:]):
+        if cell.cell_type == "code":
+            assert before.cell_type == "markdown", f"{name}: no explanation before {cell.source[:60]!r}"
+            assert cell.outputs == [] and cell.execution_count is None, f"{name} ships with outputs"
+    assert f"(notebooks/{name})" in (REPO / "README.md").read_text()
