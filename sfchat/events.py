@@ -129,9 +129,14 @@ class RuntimeFailed:
     fatal: bool = False
 
 
-Event = LoadProgress | RuntimeReady | LinkState | ReplyStarted | TokensCommitted | ReplyFinished | RuntimeFailed
+@dataclass(frozen=True)
+class CodeWanted:
+    reason: str
+
+
+Event = LoadProgress | RuntimeReady | LinkState | ReplyStarted | TokensCommitted | ReplyFinished | RuntimeFailed | CodeWanted
 
 __all__ = [
     "LoadProgress", "RuntimeReady", "LinkState", "RoundStats", "ReplyStarted", "TokensCommitted",
-    "ReplyFinished", "RuntimeFailed", "Event",
+    "ReplyFinished", "RuntimeFailed", "CodeWanted", "Event",
 ]

@@ -7,8 +7,16 @@ thread), as sqlite3 connections are not shared across threads here.
 Durability: the journal is WAL with ``synchronous=NORMAL``, so a commit survives an
 application crash (it is in the WAL file) and at worst the last commits are lost on a power
 cut. Callers save a prompt before generation starts and a streaming reply about once a
-second; a reply row still in status "streaming" when a ``History`` is opened was cut off by a
-crash, and is marked "interrupted" then.
+second, also while no text arrives (its ``updated_at`` is the writer's heartbeat).
+
+Live and dead replies: a streaming row records its writer (process id and host name). When a
+``History`` is opened, a streaming row whose writer is gone (no such process on this host, or no
+heartbeat for ``STALE_S``) was cut off by a crash and is marked "interrupted" (``recovered``
+counts them); a row another running sfchat is still writing is left alone.
+
+Errors: every failure of the database file (damaged, locked by another program for longer than
+``LOCK_TIMEOUT_S``, unreadable) is a ``HistoryError``, a ``UserError`` of one line that names the
+file and the fix.
 
 Times are Unix seconds (float) as ``time.time()`` gives them.
 
@@ -21,12 +29,19 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import sqlite3
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from sfchat import UserError
+
+LOCK_TIMEOUT_S = 3.0  # another sfchat holds the write lock for milliseconds; longer is another program
+STALE_S = 30.0  # a streaming row not saved for this long has no live writer
 STATUSES = ("complete", "streaming", "cancelled", "interrupted")
 ROLES = ("user", "assistant", "system")
 TITLE_CHARS = 60
@@ -49,11 +64,18 @@ CREATE TABLE IF NOT EXISTS messages (
     created_at  REAL NOT NULL,
     updated_at  REAL NOT NULL,
     stats_json  TEXT,
+    writer_pid  INTEGER,
+    writer_host TEXT,
     UNIQUE (chat_id, seq)
 );
 CREATE INDEX IF NOT EXISTS chats_by_update ON chats(updated_at);
 """
-_SCHEMA_VERSION = 1
+_SCHEMA_VERSION = 2  # 2: writer_pid, writer_host
+_HOST = socket.gethostname()
+
+
+class HistoryError(UserError):
+    """The history file cannot be used; the message names the file and the fix."""
 
 
 @dataclass(frozen=True)
@@ -111,21 +133,62 @@ class History:
     """The chat store. Use it from the thread that created it."""
 
     def __init__(self, path: str | Path) -> None:
-        if str(path) != ":memory:":
-            _private_file(Path(path))
         self.path = str(path)
-        self._conn = sqlite3.connect(self.path)
+        try:
+            if self.path != ":memory:":
+                _private_file(Path(path))
+            self._conn = sqlite3.connect(self.path, timeout=LOCK_TIMEOUT_S)
+        except (OSError, sqlite3.Error) as exc:
+            raise self._error(exc) from None
         self._conn.row_factory = sqlite3.Row
-        self._conn.execute("PRAGMA journal_mode=WAL")
-        self._conn.execute("PRAGMA synchronous=NORMAL")
-        self._conn.execute("PRAGMA foreign_keys=ON")
-        with self._conn:
-            self._conn.executescript(_SCHEMA)
-            self._conn.execute(f"PRAGMA user_version={_SCHEMA_VERSION}")
-            # Whatever is still "streaming" now was being written when a previous run died.
-            self.recovered = self._conn.execute(
-                "UPDATE messages SET status='interrupted' WHERE status='streaming'"
-            ).rowcount
+        try:
+            self._prepare()
+        except HistoryError:
+            self._conn.close()
+            raise
+
+    def _prepare(self) -> None:
+        """Settings, schema (schema 1 gains the writer columns) and the recovery of dead replies."""
+        with self._db():
+            self._conn.execute("PRAGMA journal_mode=WAL")
+            self._conn.execute("PRAGMA synchronous=NORMAL")
+            self._conn.execute("PRAGMA foreign_keys=ON")
+            with self._conn:
+                self._conn.executescript(_SCHEMA)
+                columns = {r[1] for r in self._conn.execute("PRAGMA table_info(messages)")}
+                for column, kind in (("writer_pid", "INTEGER"), ("writer_host", "TEXT")):
+                    if column not in columns:  # a history of schema 1
+                        self._conn.execute(f"ALTER TABLE messages ADD COLUMN {column} {kind}")
+                self._conn.execute(f"PRAGMA user_version={_SCHEMA_VERSION}")
+                dead = [r[0] for r in self._conn.execute(
+                    "SELECT id, writer_pid, writer_host, updated_at FROM messages WHERE status='streaming'")
+                    if not _writer_lives(r[1], r[2], r[3])]
+                self._conn.executemany("UPDATE messages SET status='interrupted' WHERE id=?",
+                                       [(i,) for i in dead])
+                self.recovered = len(dead)
+
+    @contextmanager
+    def _db(self) -> Iterator[None]:
+        """Failures of the file itself become one ``HistoryError``; mistakes of the caller stay."""
+        try:
+            yield
+        except sqlite3.DatabaseError as exc:
+            if not isinstance(exc, sqlite3.OperationalError) and type(exc) is not sqlite3.DatabaseError:
+                raise  # a constraint, a closed connection: sfchat's mistake, not the file's
+            raise self._error(exc) from None
+
+    def _error(self, exc: Exception) -> HistoryError:
+        cause = str(exc) or type(exc).__name__
+        if "locked" in cause:
+            return HistoryError(f"the chat history {self.path} is locked by another program (for over "
+                                f"{LOCK_TIMEOUT_S:.0f} s; another sfchat holds it only for moments): close that "
+                                f"program, or start sfchat with --history OTHER_FILE")
+        if type(exc) is sqlite3.DatabaseError:  # not a database, malformed image
+            return HistoryError(f"the chat history {self.path} is damaged ({cause}): move it aside "
+                                f"(mv '{self.path}' '{self.path}.broken') and sfchat starts an empty one, "
+                                f"or start sfchat with --history OTHER_FILE")
+        return HistoryError(f"the chat history {self.path} cannot be used ({cause}): check the disk and the "
+                            f"file's permissions, or start sfchat with --history OTHER_FILE")
 
     @property
     def journal_mode(self) -> str:
@@ -133,7 +196,7 @@ class History:
 
     def new_chat(self, title: str, model: str = "") -> int:
         now = time.time()
-        with self._conn:
+        with self._db(), self._conn:
             cur = self._conn.execute(
                 "INSERT INTO chats(title, created_at, updated_at, model) VALUES (?, ?, ?, ?)",
                 (title, now, now, model),
@@ -148,17 +211,19 @@ class History:
         status: str = "complete",
         stats: dict[str, Any] | None = None,
     ) -> int:
-        """Append a message to a chat (next ``seq``) and return its id."""
+        """Append a message to a chat (next ``seq``) and return its id; a streaming one records
+        this process as its writer."""
         _check_status(status)
         now = time.time()
-        with self._conn:
+        writer = (os.getpid(), _HOST) if status == "streaming" else (None, None)
+        with self._db(), self._conn:
             seq = self._conn.execute(
                 "SELECT COALESCE(MAX(seq), -1) + 1 FROM messages WHERE chat_id=?", (chat_id,)
             ).fetchone()[0]
             cur = self._conn.execute(
                 "INSERT INTO messages(chat_id, seq, role, content, status, created_at, updated_at,"
-                " stats_json) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                (chat_id, seq, role, content, status, now, now, _dump(stats)),
+                " stats_json, writer_pid, writer_host) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (chat_id, seq, role, content, status, now, now, _dump(stats), *writer),
             )
             self._conn.execute("UPDATE chats SET updated_at=? WHERE id=?", (now, chat_id))
         return int(cur.lastrowid)
@@ -174,7 +239,7 @@ class History:
         if status is not None:
             _check_status(status)
         now = time.time()
-        with self._conn:
+        with self._db(), self._conn:
             self._conn.execute(
                 "UPDATE messages SET content=?, status=COALESCE(?, status),"
                 " stats_json=COALESCE(?, stats_json), updated_at=? WHERE id=?",
@@ -187,20 +252,22 @@ class History:
 
     def list_chats(self, limit: int = 200) -> list[ChatSummary]:
         """Chats, most recently updated first."""
-        rows = self._conn.execute(
-            "SELECT c.id, c.title, c.created_at, c.updated_at, c.model,"
-            " (SELECT COUNT(*) FROM messages m WHERE m.chat_id=c.id) AS n"
-            " FROM chats c ORDER BY c.updated_at DESC, c.id DESC LIMIT ?",
-            (limit,),
-        ).fetchall()
+        with self._db():
+            rows = self._conn.execute(
+                "SELECT c.id, c.title, c.created_at, c.updated_at, c.model,"
+                " (SELECT COUNT(*) FROM messages m WHERE m.chat_id=c.id) AS n"
+                " FROM chats c ORDER BY c.updated_at DESC, c.id DESC LIMIT ?",
+                (limit,),
+            ).fetchall()
         return [ChatSummary(r["id"], r["title"], r["created_at"], r["updated_at"], r["model"], r["n"])
                 for r in rows]
 
     def load_chat(self, chat_id: int) -> list[Message]:
         """A chat's messages in conversation order."""
-        rows = self._conn.execute(
-            "SELECT * FROM messages WHERE chat_id=? ORDER BY seq", (chat_id,)
-        ).fetchall()
+        with self._db():
+            rows = self._conn.execute(
+                "SELECT * FROM messages WHERE chat_id=? ORDER BY seq", (chat_id,)
+            ).fetchall()
         return [
             Message(r["id"], r["chat_id"], r["seq"], r["role"], r["content"], r["status"],
                     r["created_at"], r["updated_at"],
@@ -210,19 +277,39 @@ class History:
 
     def recent_prompts(self, limit: int = 100) -> list[str]:
         """The user's latest prompts across all chats, oldest first (for prompt recall)."""
-        rows = self._conn.execute(
-            "SELECT content FROM messages WHERE role='user' ORDER BY created_at DESC, id DESC"
-            " LIMIT ?",
-            (limit,),
-        ).fetchall()
+        with self._db():
+            rows = self._conn.execute(
+                "SELECT content FROM messages WHERE role='user' ORDER BY created_at DESC, id DESC"
+                " LIMIT ?",
+                (limit,),
+            ).fetchall()
         return [r[0] for r in reversed(rows)]
 
     def delete_chat(self, chat_id: int) -> None:
-        with self._conn:
+        with self._db(), self._conn:
             self._conn.execute("DELETE FROM chats WHERE id=?", (chat_id,))
 
     def close(self) -> None:
         self._conn.close()
+
+
+def _writer_lives(pid: int | None, host: str | None, saved_at: float) -> bool:
+    """Whether the process that writes a streaming row still runs (rows of schema 1 name none)."""
+    if pid is None or time.time() - saved_at > STALE_S:
+        return False
+    if host != _HOST:
+        return True  # another machine sharing the file: its heartbeat is all there is to go by
+    if pid == os.getpid():
+        return False  # this History has written nothing yet: the pid was a dead process's
+    if os.name == "nt":
+        return True  # no signal 0 there: the heartbeat alone decides
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # a process of another user
+    return True
 
 
 def _check_status(status: str) -> None:

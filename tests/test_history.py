@@ -29,7 +29,7 @@ def test_wal_mode_and_schema(tmp_path):
     assert history._conn.execute("PRAGMA foreign_keys").fetchone()[0] == 1
     cols = {r[1] for r in history._conn.execute("PRAGMA table_info(messages)")}
     assert cols == {"id", "chat_id", "seq", "role", "content", "status", "created_at",
-                    "updated_at", "stats_json"}
+                    "updated_at", "stats_json", "writer_pid", "writer_host"}
     history.close()
 
 
@@ -160,3 +160,151 @@ def test_the_history_is_private_to_its_user(tmp_path):
         assert mode(older) == 0o600
     finally:
         os.umask(old)
+
+
+def test_a_damaged_history_is_one_line_naming_the_file_and_the_fix(tmp_path):
+    """Today's finding: "internal error: DatabaseError" and nothing about which file or what to do."""
+    from sfchat import UserError
+
+    junk = tmp_path / "junk.sqlite3"
+    junk.write_bytes(b"this is not an SQLite database " * 200)
+    with pytest.raises(UserError) as caught:
+        History(junk)
+    message = str(caught.value)
+    assert f"the chat history {junk} is damaged (file is not a database)" in message
+    assert f"mv '{junk}' '{junk}.broken'" in message and "--history" in message and "\n" not in message
+
+    torn = tmp_path / "torn.sqlite3"  # a real history whose pages were overwritten
+    h = History(torn)
+    chat = h.new_chat("t")
+    for i in range(300):
+        h.add_message(chat, "user", f"prompt {i} " * 20)
+    h._conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    h.close()
+    data = bytearray(torn.read_bytes())
+    data[4096:len(data) - 4096] = b"\xff" * (len(data) - 8192)
+    torn.write_bytes(bytes(data))
+    with pytest.raises(UserError, match=r"is damaged \(database disk image is malformed\): move it aside"):
+        History(torn).load_chat(chat)
+
+
+def test_a_locked_history_says_so_within_seconds(tmp_path):
+    """Today's finding: "database is locked", as an internal error, after 10 s."""
+    import time
+
+    from sfchat import UserError
+
+    path = tmp_path / "h.sqlite3"
+    History(path).close()
+    holder = sqlite3.connect(path, isolation_level=None)
+    holder.execute("BEGIN EXCLUSIVE")  # another program writing, and not letting go
+    start = time.monotonic()
+    with pytest.raises(UserError, match=rf"the chat history {path} is locked by another program .*--history"):
+        History(path)
+    assert time.monotonic() - start < 6
+    holder.execute("ROLLBACK")
+    History(path).close()  # free again: it opens
+    holder.close()
+
+
+WRITER = """
+import sys, time
+sys.path.insert(0, {root!r})
+from sfchat.history import History
+from sfchat.ui.session import ChatSession
+session = ChatSession(History({path!r}))
+session.send("question")
+session.reply_started()
+session.reply_text("half an answer")
+print("STREAMING", flush=True)
+while True:  # a long prefill, a tail reconnecting: no text comes, the heartbeat goes on
+    time.sleep(0.1)
+    session.heartbeat()
+"""
+
+
+def test_a_reply_another_sfchat_is_writing_is_left_alone_until_its_writer_dies(tmp_path):
+    """Today's finding: a second sfchat on the same history marked the first's live reply interrupted."""
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    path = tmp_path / "h.sqlite3"
+    script = WRITER.format(root=str(Path(__file__).parents[1]), path=str(path))
+    writer = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert writer.stdout.readline().strip() == "STREAMING"
+        second = History(path)
+        assert second.recovered == 0
+        chat = second.list_chats()[0].id
+        reply = second.load_chat(chat)[1]
+        assert reply.status == "streaming"
+        time.sleep(1.5)
+        later = second.load_chat(chat)[1]  # the writer's heartbeat, which saves the text too
+        assert later.updated_at > reply.updated_at and later.content == "half an answer"
+        assert History(path).recovered == 0  # still alive: still left alone
+        second.close()
+    finally:
+        writer.kill()
+        writer.wait(10)
+    third = History(path)  # the writer is gone: its reply was cut off
+    assert third.recovered == 1
+    assert third.load_chat(chat)[1].status == "interrupted"
+    third.close()
+
+
+@pytest.mark.parametrize("writer, age_s, lives", [
+    ("parent", 1.0, True),  # a live process on this host, saving
+    ("parent", 60.0, False),  # alive, but silent for longer than STALE_S: not a writer any more
+    ("gone", 1.0, False),  # no such process
+    ("other host", 1.0, True),  # another machine sharing the file: its heartbeat decides
+    ("other host", 60.0, False),
+    ("none", 1.0, False),  # a row of schema 1, which names no writer
+])
+def test_who_writes_a_streaming_row_decides_whether_it_is_dead(tmp_path, writer, age_s, lives):
+    import os
+    import socket
+    import time
+
+    from sfchat.history import STALE_S
+
+    assert STALE_S < 60.0
+    path = tmp_path / "h.sqlite3"
+    h = History(path)
+    msg = h.add_message(h.new_chat("t"), "assistant", "partial", status="streaming")
+    gone = max(int(open("/proc/sys/kernel/pid_max").read()) - 1, os.getpid() + 1)
+    pid, host = {"parent": (os.getppid(), socket.gethostname()), "gone": (gone, socket.gethostname()),
+                 "other host": (os.getppid(), "elsewhere"), "none": (None, None)}[writer]
+    h._conn.execute("UPDATE messages SET writer_pid=?, writer_host=?, updated_at=? WHERE id=?",
+                    (pid, host, time.time() - age_s, msg))
+    h._conn.commit()
+    h.close()
+    reopened = History(path)
+    assert reopened.recovered == (0 if lives else 1)
+    assert reopened.load_chat(1)[0].status == ("streaming" if lives else "interrupted")
+    reopened.close()
+
+
+def test_a_history_of_schema_1_gains_the_writer_columns_and_recovers_its_rows(tmp_path):
+    path = tmp_path / "old.sqlite3"
+    old = sqlite3.connect(path)
+    old.executescript("""
+        CREATE TABLE chats (id INTEGER PRIMARY KEY, title TEXT NOT NULL, created_at REAL NOT NULL,
+                            updated_at REAL NOT NULL, model TEXT NOT NULL DEFAULT '');
+        CREATE TABLE messages (id INTEGER PRIMARY KEY, chat_id INTEGER NOT NULL REFERENCES chats(id)
+                               ON DELETE CASCADE, seq INTEGER NOT NULL, role TEXT NOT NULL, content TEXT NOT NULL,
+                               status TEXT NOT NULL, created_at REAL NOT NULL, updated_at REAL NOT NULL,
+                               stats_json TEXT, UNIQUE (chat_id, seq));
+        INSERT INTO chats VALUES (1, 'old chat', 1, 1, 'm');
+        INSERT INTO messages VALUES (1, 1, 0, 'user', 'q', 'complete', 1, 1, NULL);
+        INSERT INTO messages VALUES (2, 1, 1, 'assistant', 'cut', 'streaming', 1, 1, NULL);
+        PRAGMA user_version=1;
+    """)
+    old.close()
+    h = History(path)
+    assert h.recovered == 1
+    assert [(m.content, m.status) for m in h.load_chat(1)] == [("q", "complete"), ("cut", "interrupted")]
+    assert h._conn.execute("PRAGMA user_version").fetchone()[0] == 2
+    h.add_message(1, "assistant", "new", status="streaming")
+    h.close()

@@ -7,8 +7,9 @@ the parsed ``config`` (transformers ``AutoConfig``), the checkpoint's weight map
 shard file name), and ``fetch(names)``, which returns local paths for only the shard files that
 hold the requested tensors, downloading just those (the hub cache is honoured, and
 ``HF_HUB_OFFLINE=1`` works when the files are cached). Only safetensors checkpoints are read.
-Progress: ``("download", bytes, file bytes, "name (i/n)")`` while a shard downloads (0 for an
-unknown size), ``("load", tensors, n, name)`` while tensors are read.
+Progress: ``("download", bytes, file bytes, "name (i/n)")`` while a shard of a hub model
+downloads (0 for an unknown size; a local directory downloads nothing and reports none),
+``("load", tensors, n, name)`` while tensors are read.
 
 Failures a user can fix (missing directory, a file named as a model, unknown repo, gated repo,
 no network, no safetensors) raise ``sfchat.UserError`` with the fix in the message. This module knows nothing
@@ -293,15 +294,16 @@ class ModelSource:
         if missing:
             raise UserError(f"checkpoint {self.name!r} lacks tensor {missing[0]!r}")
         files = sorted({self.weight_map[n] for n in names})
+        report = progress if self.local_dir is None else _no_progress  # a directory downloads nothing
         paths = {}
         for i, f in enumerate(files):
             detail = f"{f} ({i + 1}/{len(files)})"
-            progress("download", 0, 0, detail)
+            report("download", 0, 0, detail)
             try:
-                paths[f] = self.file(f, report=lambda done, total, d=detail: progress("download", done, total, d))
+                paths[f] = self.file(f, report=lambda done, total, d=detail: report("download", done, total, d))
             except FileNotFoundError:
                 raise UserError(f"checkpoint {self.name!r} is missing shard {f}") from None
-        progress("download", len(files), len(files), "")
+        report("download", len(files), len(files), "")
         return paths
 
     def read(self, names: list[str], device: str, progress: Progress = _no_progress):

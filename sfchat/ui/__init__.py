@@ -3,6 +3,7 @@
 ``SfchatApp(runtime, history, params, title)`` is the app; ``run_tui`` runs it in the terminal.
 """
 
-from sfchat.ui.app import Runtime, RuntimeEvent, SfchatApp, run_tui
+from sfchat.ui.app import SfchatApp, run_tui
+from sfchat.ui.runtime import Runtime, RuntimeEvent
 
 __all__ = ["SfchatApp", "Runtime", "RuntimeEvent", "run_tui"]

@@ -1,42 +1,50 @@
 """The sfchat Textual application: wires the runtime, the chat session and the widgets.
 
-Contract: ``SfchatApp`` is given a runtime object (see ``Runtime``) and starts it when
-mounted; the runtime reports events by calling a listener from its own thread, and the
-listener only wraps them in ``RuntimeEvent`` and posts them to the app with Textual's
+Contract: ``SfchatApp`` is given a runtime object (see ``sfchat.ui.runtime.Runtime``) and
+starts it when mounted; the runtime reports events by calling a listener from its own thread,
+and the listener only wraps them in ``RuntimeEvent`` and posts them to the app with Textual's
 thread-safe ``post_message``. Every widget, every history write and every decision happens
 on the app's thread. The app closes the runtime when it exits, and the history too when it
 opened it itself (given a path rather than a ``History``).
 
 Text that came from the network (link details, runtime failure messages: close reasons, tail
-errors, relay refusals) is shown only through ``sfchat.plaintext.plain`` and never as markup.
+errors, relay refusals, the reason a pairing code is wanted) is shown only through
+``sfchat.plaintext.plain`` and never as markup.
+
+A ``CodeWanted`` event opens ``CodeScreen`` (or gives the open one its new reason); the code
+typed there goes to ``runtime.set_code``, and a refused code makes the runtime ask again.
+A message sent while a reply runs is queued (one message; more text joins it) and sent when the
+reply ends, cancelled or not; a failed reply or a full context puts it back in the editor.
+A ``HistoryError`` (the database file locked or damaged) is an error notice, never a crash; a
+prompt the history could not store stays in the editor, unsent. The user's commands (keys,
+palette) are in ``sfchat.ui.actions``.
 
 This module never imports torch, ``sfchat.model``, ``sfchat.engine`` or ``sfchat.node``: the runtime is injected.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
-from textual.app import App, ComposeResult, SystemCommand
+from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
-from textual.message import Message
-from textual.screen import Screen
 from textual.widgets import Footer, Static
 
 from sfchat.events import (
-    Event, LinkState, LoadProgress, ReplyFinished, ReplyStarted, RuntimeFailed, RuntimeReady,
+    CodeWanted, Event, LinkState, LoadProgress, ReplyFinished, ReplyStarted, RuntimeFailed, RuntimeReady,
     TokensCommitted,
 )
-from sfchat.history import ChatSummary, History
+from sfchat.history import History, HistoryError
 from sfchat.plaintext import plain
+from sfchat.ui.actions import UserActions
 from sfchat.ui.chat import ChatView, ReplyMessage, reply_summary
 from sfchat.ui.meter import Meter
 from sfchat.ui.metrics import MetricsPanel
 from sfchat.ui.prompt import PromptInput
-from sfchat.ui.screens import HistoryScreen
+from sfchat.ui.runtime import Runtime, RuntimeEvent
+from sfchat.ui.screens import CodeScreen
 from sfchat.ui.session import ChatSession
 from sfchat.ui.widgets import HeaderBar, LoadPanel, status_text
 
@@ -44,34 +52,18 @@ FLUSH_HZ = 15  # Markdown re-renders per second while a reply streams
 WIDE_COLUMNS = 100  # from this width on, the metrics panel is shown unless toggled off
 
 
-class Runtime(Protocol):
-    """What the app needs from the runtime; all calls return at once and are thread-safe."""
-
-    def start(self, listener: Callable[[Event], None]) -> None: ...
-    def submit(self, messages: list[dict], params: dict) -> None: ...
-    def cancel(self) -> None: ...
-    def new_chat(self) -> None: ...
-    def close(self) -> None: ...
-
-
-class RuntimeEvent(Message):
-    """A runtime event, carried from the runtime thread to the app's thread."""
-
-    def __init__(self, event: Event) -> None:
-        super().__init__()
-        self.event = event
-
-
-class SfchatApp(App[None]):
+class SfchatApp(UserActions):
     """Chat with a split model and watch speculative decoding work."""
 
     CSS_PATH = "sfchat.tcss"
     TITLE = "sfchat"
     HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (WIDE_COLUMNS, "-wide")]
     BINDINGS = [
-        # Short labels: at 80 columns the footer must hold every key, Cancel included.
+        # Short labels and a compact footer: at 80 columns it must hold every key, Cancel included.
         Binding("ctrl+n", "new_chat", "New"),
-        Binding("f2,ctrl+h", "history", "History"),
+        Binding("f1", "help", "Help"),
+        # Not Ctrl+H: terminals send it as Backspace.
+        Binding("f2,ctrl+r", "history", "History"),
         Binding("f3", "toggle_metrics", "Metrics"),
         # Priority, or the prompt editor would take Ctrl+Y as "redo".
         Binding("ctrl+y", "copy_reply", "Copy", priority=True),
@@ -95,7 +87,7 @@ class SfchatApp(App[None]):
         self.runtime = runtime
         self._owns_history = not isinstance(history, History)
         self.history = history if isinstance(history, History) else History(history or ":memory:")
-        self.session = ChatSession(self.history)
+        self.session = ChatSession(self.history, on_error=lambda exc: self.call_later(self._history_failed, exc))
         self.params = dict(params or {})
         self.header_title = title
         self.ready: RuntimeReady | None = None
@@ -104,7 +96,8 @@ class SfchatApp(App[None]):
         self.state = "loading"
         self.link_state = ""
         self._reply: ReplyMessage | None = None
-        self._waiting_notice: Static | None = None  # "waiting for a tail ..." until it connects
+        self._queued: str | None = None  # sent when the reply in progress ends
+        self._history_error = ""  # the last one shown: a locked file is said once, not per token
         self._metrics_dirty = False
 
     def compose(self) -> ComposeResult:
@@ -114,10 +107,9 @@ class SfchatApp(App[None]):
                 yield LoadPanel(id="load")
                 yield ChatView(id="chat")
                 yield Static(id="status")
-                yield PromptInput(id="prompt",
-                                  placeholder="Message  (Enter sends · Ctrl+J newline)")
+                yield PromptInput(id="prompt", placeholder="Enter sends · Ctrl+J newline")
             yield MetricsPanel(id="metrics")
-        yield Footer()
+        yield Footer(compact=True)
 
     async def on_mount(self) -> None:
         self.query_one(ChatView).border_title = "new chat"
@@ -139,6 +131,7 @@ class SfchatApp(App[None]):
         self.post_message(RuntimeEvent(event))
 
     async def on_unmount(self) -> None:
+        self._flush_timer.stop()  # a reply still streaming at exit has no widgets left to draw in
         self.runtime.close()
         if self._owns_history:
             self.history.close()
@@ -167,6 +160,20 @@ class SfchatApp(App[None]):
                 await self._reply_finished(event)
             case RuntimeFailed():
                 await self._runtime_failed(event)
+            case CodeWanted():
+                self._ask_code(plain(event.reason))
+
+    def _ask_code(self, reason: str) -> None:
+        if isinstance(self.screen, CodeScreen):
+            self.screen.ask_again(reason)
+        else:
+            self.push_screen(CodeScreen(reason), self._code_given)
+
+    async def _code_given(self, code: str | None) -> None:
+        try:
+            self.runtime.set_code(code or "")
+        except Exception as exc:  # a runtime that cannot take it: an error, not a crash
+            await self._runtime_failed(RuntimeFailed(str(exc) or type(exc).__name__, fatal=True))
 
     async def _link_changed(self, event: LinkState) -> None:
         detail = plain(event.detail)
@@ -175,20 +182,14 @@ class SfchatApp(App[None]):
         before, self.link_state = self.link_state, event.state
         # The header has room for the state only; what the user must know goes further.
         if event.state == "waiting" and detail:
-            await self._drop_waiting_notice()
-            self._waiting_notice = await self.query_one(ChatView).add_notice(detail)
+            await self.query_one(ChatView).note("waiting", detail)
         elif event.state in ("reconnecting", "stalled"):
             self.notify(detail or event.state, title=f"link {event.state}", severity="warning",
                         markup=False)
         elif event.state == "connected":
-            await self._drop_waiting_notice()  # the tail is back: the notice is history
+            await self.query_one(ChatView).note("waiting", None)  # the tail is back: the notice is history
             if before in ("reconnecting", "stalled"):
                 self.notify(detail or "the link is back", title="link connected", markup=False)
-
-    async def _drop_waiting_notice(self) -> None:
-        if self._waiting_notice is not None:
-            await self._waiting_notice.remove()
-            self._waiting_notice = None
 
     def _runtime_ready(self, ready: RuntimeReady) -> None:
         self.ready = ready
@@ -224,6 +225,7 @@ class SfchatApp(App[None]):
             await self.query_one(ChatView).add_notice(
                 f"The conversation has run out of context{limit}. Start a new chat with Ctrl+N.",
                 "warning")
+        await self._send_queued(event.finish_reason != "context")
 
     async def _runtime_failed(self, event: RuntimeFailed) -> None:
         turn = self.session.reply_failed()
@@ -242,6 +244,7 @@ class SfchatApp(App[None]):
             self.query_one(HeaderBar).set_error(message)
             self.query_one(LoadPanel).display = False
             self._set_state("failed")
+        await self._send_queued(False)
 
     def _end_reply(self) -> None:
         self._reply = None
@@ -251,7 +254,9 @@ class SfchatApp(App[None]):
         self._set_state("ready" if self.ready and not self.failed else self.state)
 
     def _tick(self) -> None:
-        """Render what streamed in since the last tick (text and figures), at FLUSH_HZ."""
+        """Render what streamed in since the last tick (text and figures), at FLUSH_HZ; save the
+        reply about once a second (the writer's heartbeat)."""
+        self.session.heartbeat()
         if self._reply is not None:
             self._reply.flush()
         if self._metrics_dirty:
@@ -269,7 +274,8 @@ class SfchatApp(App[None]):
     def _show_status(self) -> None:
         figures = self.meter.figures() if self.ready else None
         status = self.query_one("#status", Static)
-        status.update(status_text(self.state, figures, status.content_size.width or None))
+        relay = self.ready is not None and self.ready.mode == "relay"
+        status.update(status_text(self.state, figures, status.content_size.width or None, relay))
 
     def on_resize(self) -> None:
         self.call_after_refresh(self._show_status)  # the status line's figures fit its width
@@ -282,18 +288,23 @@ class SfchatApp(App[None]):
             return
         if self.failed:
             self.notify("The runtime has failed; restart sfchat.", severity="error")
-            return
-        if self.ready is None:
+        elif self.ready is None:
             self.notify("Still loading: the prompt can be sent once the model is ready.",
                         severity="warning")
-            return
-        if self.session.replying:
-            self.notify("A reply is in progress: Esc cancels it.", severity="warning")
-            return
-        messages = self.session.send(text)  # stored before the runtime sees it
-        prompt = self.query_one(PromptInput)
-        prompt.clear()
-        prompt.remember(text)
+        elif self.session.replying:
+            await self._queue(text)
+        elif await self._send(text):
+            self.query_one(PromptInput).clear()
+
+    async def _send(self, text: str) -> bool:
+        """Store the prompt, show it and submit it; False when the history refused it."""
+        try:
+            messages = self.session.send(text)  # stored before the runtime sees it
+        except HistoryError as exc:
+            await self._history_failed(exc)
+            return False
+        self._history_error = ""  # the file works again: a new failure is worth saying
+        self.query_one(PromptInput).remember(text)
         chat = self.query_one(ChatView)
         chat.border_title = self.session.title
         await chat.add_user(text)
@@ -304,90 +315,26 @@ class SfchatApp(App[None]):
             self.runtime.submit(messages, dict(self.params))
         except Exception as exc:  # a refused submit is an error notice, not a crash
             await self._runtime_failed(RuntimeFailed(str(exc) or type(exc).__name__))
-
-    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
-        # Cancel exists only while a reply runs; switching chats is greyed out meanwhile.
-        if action == "cancel":
-            return self.session.replying
-        if action in ("new_chat", "history"):
-            return None if self.session.replying else True
         return True
 
-    def action_cancel(self) -> None:
-        if self.session.replying:
-            self.runtime.cancel()
-            if self._reply is not None:
-                self._reply.set_info("cancelling…")
+    async def _queue(self, text: str) -> None:
+        """A message typed while a reply runs: kept (with any queued before it) until it ends."""
+        self._queued = f"{self._queued}\n\n{text}" if self._queued else text
+        self.query_one(PromptInput).clear()
+        await self.query_one(ChatView).note(
+            "queued", f"Queued, sent when this reply ends (Esc ends it now): {self._queued}")
 
-    def _refuse_while_replying(self) -> bool:
-        if self.session.replying:
-            self.notify("A reply is in progress: Esc cancels it first.", severity="warning")
-        return self.session.replying
-
-    async def action_new_chat(self) -> None:
-        if self._refuse_while_replying():
+    async def _send_queued(self, send: bool) -> None:
+        """The reply ended: send the queued message, or (``send`` False) put it back in the editor."""
+        text, self._queued = self._queued, None
+        await self.query_one(ChatView).note("queued", None)
+        if text is None:
             return
-        self.runtime.new_chat()
-        self.session.new()
-        self._forget_reply_figures()
-        chat = self.query_one(ChatView)
-        await chat.clear()
-        chat.border_title = "new chat"
-        self.query_one(PromptInput).focus()
-
-    def _forget_reply_figures(self) -> None:
-        """Another chat: the panel and the status line stop showing the last reply's figures."""
-        self.meter.new_chat()
-        self.query_one(MetricsPanel).show(self.meter.figures() if self.ready else None)
-        self._show_status()
-
-    def action_history(self) -> None:
-        if isinstance(self.screen, HistoryScreen) or self._refuse_while_replying():
+        if send and await self._send(text):
             return
-        self.push_screen(HistoryScreen(self.history, self.session.chat_id), self._open_chat)
-
-    async def _open_chat(self, chosen: ChatSummary | None) -> None:
-        if chosen is None or self._refuse_while_replying():
-            return
-        messages = self.session.open(chosen.id, chosen.title)
-        self.runtime.new_chat()
-        self._forget_reply_figures()
-        chat = self.query_one(ChatView)
-        await chat.clear()
-        chat.border_title = chosen.title
-        for m in messages:
-            if m.role == "assistant":
-                await chat.add_reply(m.content, m.status, reply_summary(m.stats))
-            else:
-                await chat.add_user(m.content)
-        self.query_one(PromptInput).focus()
-
-    def action_toggle_metrics(self) -> None:
-        panel = self.query_one(MetricsPanel)
-        shown = panel.display
-        panel.set_class(shown, "-hidden")
-        panel.set_class(not shown, "-shown")
-        self.call_after_refresh(self._show_status)  # the status line got wider or narrower
-
-    def action_copy_reply(self) -> None:
-        text = self.session.last_reply()
-        if not text:
-            self.notify("No reply to copy yet.", severity="warning")
-            return
-        self.copy_to_clipboard(text)
-        self.notify(f"Copied the last reply ({len(text)} characters).")
-
-    def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
-        yield from super().get_system_commands(screen)
-        yield SystemCommand("New chat", "Start a new conversation (Ctrl+N)", self.action_new_chat)
-        yield SystemCommand("History", "Reopen an earlier chat (F2)", self.action_history)
-        yield SystemCommand("Metrics panel", "Show or hide the metrics panel (F3)",
-                            self.action_toggle_metrics)
-        yield SystemCommand("Copy reply", "Copy the last reply to the clipboard (Ctrl+Y)",
-                            self.action_copy_reply)
-        if self.session.replying:
-            yield SystemCommand("Cancel reply", "Stop the reply in progress (Esc)",
-                                self.action_cancel)
+        prompt = self.query_one(PromptInput)
+        prompt.load_text("\n\n".join(t for t in (text, prompt.text) if t))
+        self.notify("The queued message was not sent: it is back in the editor.", severity="warning")
 
 
 def run_tui(runtime: Runtime, history: History | str | Path | None = None,
@@ -396,4 +343,4 @@ def run_tui(runtime: Runtime, history: History | str | Path | None = None,
     SfchatApp(runtime, history, params, title).run()
 
 
-__all__ = ["SfchatApp", "Runtime", "RuntimeEvent", "run_tui"]
+__all__ = ["SfchatApp", "run_tui"]

@@ -1,6 +1,8 @@
 """The chat transcript: prompts, streaming Markdown replies and notices.
 
-Contract: ``ChatView`` shows what it is told and owns no conversation state. A streaming
+Contract: ``ChatView`` shows what it is told and owns no conversation state; ``note(slot,
+text)`` keeps at most one notice per slot (a new text replaces it, None removes it: "waiting for
+a tail" until it comes, the queued message until it is sent). A streaming
 ``ReplyMessage`` buffers the text it is given and renders it only when ``flush`` is called
 (the app does that on a ~15 Hz timer), because re-parsing Markdown once per token would be
 the slowest part of the whole chat on a fast link. At most one ``Markdown.append`` is in flight:
@@ -124,8 +126,12 @@ def reply_summary(stats: dict | None) -> str:
 class ChatView(VerticalScroll, can_focus=False):
     """The scrolling transcript; sticks to the bottom while new text arrives."""
 
-    EMPTY_TEXT = ("Type a message below. Enter sends · Shift+Enter, Alt+Enter or Ctrl+J "
-                  "for a newline · Up/Down recall earlier prompts.")
+    EMPTY_TEXT = ("Type a message below. Enter sends · Ctrl+J for a newline · Up/Down recall "
+                  "earlier prompts · F1 explains the keys and the figures.")
+
+    def __init__(self, *, id: str | None = None) -> None:
+        super().__init__(id=id)
+        self._notes: dict[str, Notice] = {}
 
     def compose(self) -> ComposeResult:
         yield Static(Content(self.EMPTY_TEXT), id="empty-hint")
@@ -134,6 +140,7 @@ class ChatView(VerticalScroll, can_focus=False):
         self.anchor()
 
     async def clear(self) -> None:
+        self._notes.clear()
         await self.remove_children()
         await self.mount(Static(Content(self.EMPTY_TEXT), id="empty-hint"))
         self.anchor()
@@ -160,3 +167,11 @@ class ChatView(VerticalScroll, can_focus=False):
         widget = Notice(text, severity)
         await self._add(widget)
         return widget
+
+    async def note(self, slot: str, text: str | None) -> None:
+        """Show ``text`` as the one notice of ``slot`` (replacing the last one); None removes it."""
+        old = self._notes.pop(slot, None)
+        if old is not None:
+            await old.remove()
+        if text is not None:
+            self._notes[slot] = await self.add_notice(text)

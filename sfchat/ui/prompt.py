@@ -1,10 +1,12 @@
 """The multi-line prompt editor.
 
 Contract: ``PromptInput`` is a ``TextArea`` where Enter posts ``PromptInput.Submitted`` (and
-does not insert a newline), Shift+Enter / Alt+Enter / Ctrl+J insert one, and Up on the first
-line / Down on the last line walk through earlier prompts like a shell. Plain terminals send
-Alt+Enter and Shift+Enter as a bare Enter; Ctrl+J is the newline key that always works there.
-Whether a prompt may be sent is the app's decision, not the editor's.
+does not insert a newline), Ctrl+J inserts one, and Up on the first line / Down on the last line
+walk through earlier prompts like a shell. Shift+Enter and Alt+Enter insert a newline too, but
+only in terminals that report them (the kitty keyboard protocol: kitty, WezTerm, foot, Ghostty);
+others (xterm, tmux, a notebook's terminal) send them as a bare Enter, which sends the message.
+So the hints promise Ctrl+J only. Whether a prompt may be sent is the app's decision, not the
+editor's.
 """
 
 from __future__ import annotations

@@ -1,8 +1,16 @@
-"""The history screen: pick an earlier chat to reopen, or delete one.
+"""The modal screens over the chat: the history, a yes/no question, the pairing code.
 
 Contract: ``HistoryScreen`` lists ``History.list_chats()`` and dismisses with the chosen
-``ChatSummary`` (None when closed with Esc). Opening the chat is the app's business; deleting
-is done here, as it concerns only the list (the chat that is open cannot be deleted).
+``ChatSummary`` (None when closed with Esc, or when the history file fails: said in an error
+notification). Opening the chat is the app's business; deleting
+is done here, as it concerns only the list (the chat that is open cannot be deleted), and only
+after ``ConfirmScreen`` got a "y": a deleted chat cannot be brought back.
+
+``ConfirmScreen(question)`` dismisses with True for "y", False for "n" or Esc.
+
+``CodeScreen(reason)`` asks for the pairing code in a masked field, with ``reason`` (which may
+come from the network) as plain text, and dismisses with the code typed; it cannot be dismissed
+empty (Ctrl+Q still quits). ``ask_again(reason)`` shows a new reason and empties the field.
 """
 
 from __future__ import annotations
@@ -13,11 +21,12 @@ from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Vertical
+from textual.content import Content
 from textual.screen import ModalScreen
-from textual.widgets import Footer, Label, OptionList
+from textual.widgets import Footer, Input, Label, OptionList, Static
 from textual.widgets.option_list import Option
 
-from sfchat.history import ChatSummary, History
+from sfchat.history import ChatSummary, History, HistoryError
 
 
 def _when(ts: float) -> str:
@@ -45,7 +54,12 @@ class HistoryScreen(ModalScreen[ChatSummary | None]):
         yield Footer()
 
     def on_mount(self) -> None:
-        self._refill()
+        try:
+            self._refill()
+        except HistoryError as exc:  # the file went bad since sfchat opened it
+            self.notify(str(exc), title="history", severity="error", markup=False)
+            self.dismiss(None)
+            return
         self.query_one(OptionList).focus()
 
     def _refill(self) -> None:
@@ -57,7 +71,8 @@ class HistoryScreen(ModalScreen[ChatSummary | None]):
             if n:
                 options.add_option(None)  # a rule between chats
             line = Text(chat.title, style="bold")
-            line.append(f"\n{_when(chat.updated_at)} · {chat.n_messages} messages", style="dim")
+            count = chat.n_messages
+            line.append(f"\n{_when(chat.updated_at)} · {count} message{'' if count == 1 else 's'}", style="dim")
             if chat.model:
                 line.append(f" · {chat.model}", style="dim")
             options.add_option(Option(line, id=str(chat.id)))
@@ -84,6 +99,66 @@ class HistoryScreen(ModalScreen[ChatSummary | None]):
             self.notify("That chat is open: start a new chat (Ctrl+N) before deleting it.",
                         severity="warning")
             return
-        self.history.delete_chat(chosen.id)
-        self.notify(f"Deleted “{chosen.title}”")
-        self._refill()
+        n = chosen.n_messages
+        question = (f"Delete the chat “{chosen.title}” ({n} message{'' if n == 1 else 's'})? "
+                    "It cannot be brought back.")
+
+        def answered(yes: bool | None) -> None:
+            if not yes:
+                return
+            try:
+                self.history.delete_chat(chosen.id)
+                self._refill()
+            except HistoryError as exc:
+                self.notify(str(exc), title="history", severity="error", markup=False)
+                return
+            self.notify(f"Deleted “{chosen.title}”", markup=False)
+
+        self.app.push_screen(ConfirmScreen(question), answered)
+
+
+class ConfirmScreen(ModalScreen[bool]):
+    """A yes/no question; only "y" says yes."""
+
+    BINDINGS = [
+        Binding("y", "dismiss(True)", "Yes"),
+        Binding("n,escape", "dismiss(False)", "No"),
+    ]
+
+    def __init__(self, question: str) -> None:
+        super().__init__()
+        self.question = question
+
+    def compose(self) -> ComposeResult:
+        with Vertical(classes="dialog"):
+            yield Static(Content(self.question))
+            yield Label("y: yes · n or Esc: no", classes="dialog-hint")
+        yield Footer()
+
+
+class CodeScreen(ModalScreen[str]):
+    """The pairing code, asked for in a masked field."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__()
+        self.reason = reason
+
+    def compose(self) -> ComposeResult:
+        with Vertical(classes="dialog"):
+            yield Label("Pairing code", classes="dialog-title")
+            yield Static(Content(self.reason), id="code-reason")
+            yield Input(password=True, placeholder="the code `sfchat --tail` printed", id="code-input")
+            yield Label("Enter pairs · Ctrl+Q quits", classes="dialog-hint")
+
+    def on_mount(self) -> None:
+        self.query_one(Input).focus()
+
+    def ask_again(self, reason: str) -> None:
+        self.reason = reason
+        self.query_one("#code-reason", Static).update(Content(reason))
+        self.query_one(Input).clear()
+
+    def on_input_submitted(self, event: Input.Submitted) -> None:
+        event.stop()
+        if event.value.strip():
+            self.dismiss(event.value.strip())

@@ -7,7 +7,12 @@ widgets or of the runtime itself.
 
 Write discipline (what a crash may lose): the prompt is stored before the runtime sees it;
 the reply row is created with status "streaming" when the reply starts, rewritten at most
-once per ``SAVE_INTERVAL_S`` while it streams, and written a last time when it ends.
+once per ``SAVE_INTERVAL_S`` while it streams, and written a last time when it ends. The app
+calls ``heartbeat`` on its timer while a reply runs: it saves the row also while no text comes
+(a long prefill, a tail reconnecting), so that another sfchat on the same history sees a live
+writer and leaves the row alone. A ``HistoryError`` from storing a prompt reaches the caller of
+``send`` (nothing was sent); one from saving a reply goes to ``on_error`` and the reply goes on
+(the session's state never waits for the file).
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sfchat.events import ReplyFinished
-from sfchat.history import History, Message, title_from_prompt
+from sfchat.history import History, HistoryError, Message, title_from_prompt
 
 SAVE_INTERVAL_S = 1.0
 
@@ -42,8 +47,10 @@ class ChatSession:
     """The open chat: its turns, the reply in progress, and their rows in the history."""
 
     def __init__(self, history: History, model: str = "",
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 on_error: Callable[[HistoryError], None] = lambda exc: None) -> None:
         self.history = history
+        self.on_error = on_error
         self.model = model
         self._clock = clock
         self.chat_id: int | None = None
@@ -79,6 +86,7 @@ class ChatSession:
         self.turns.append(Turn("user", prompt))
         self._reply = Turn("assistant", "", "streaming")
         self._reply_id = None
+        self._saved_at = float("-inf")
         # Every earlier reply is context, cut-off ones included (the user saw that text);
         # only replies that produced nothing at all are left out.
         return [{"role": t.role, "content": t.content} for t in self.turns
@@ -88,19 +96,25 @@ class ChatSession:
         if self._reply is None or self._reply_id is not None:
             return
         assert self.chat_id is not None
-        self._reply_id = self.history.add_message(self.chat_id, "assistant", "", "streaming")
-        self._saved_at = self._clock()
+        self._saved_at = self._clock()  # a failed write is tried again a save interval later, not per token
+        self._reply_id = self._save(self.history.add_message, self.chat_id, "assistant", "", "streaming")
 
     def reply_text(self, text: str) -> None:
         """Add streamed text; stored when the last save is old enough."""
         if self._reply is None:
             return
         self._reply.content += text
-        if self._reply_id is None:
-            self.reply_started()
+        if self._reply_id is not None:
+            self.heartbeat()
         elif self._clock() - self._saved_at >= SAVE_INTERVAL_S:
-            self.history.update_message(self._reply_id, self._reply.content)
+            self.reply_started()
+
+    def heartbeat(self) -> None:
+        """Save the streaming reply when its last save is ``SAVE_INTERVAL_S`` old."""
+        if self._reply is not None and self._reply_id is not None and \
+                self._clock() - self._saved_at >= SAVE_INTERVAL_S:
             self._saved_at = self._clock()
+            self._save(self.history.update_message, self._reply_id, self._reply.content)
 
     def reply_finished(self, event: ReplyFinished) -> Turn | None:
         """Store the reply as the runtime reports it in full; returns the finished turn."""
@@ -128,13 +142,21 @@ class ChatSession:
 
     def _close_reply(self, reply: Turn) -> None:
         assert self.chat_id is not None
-        if self._reply_id is None:
-            self._reply_id = self.history.add_message(
-                self.chat_id, "assistant", reply.content, reply.status, reply.stats)
-        else:
-            self.history.update_message(self._reply_id, reply.content, reply.status, reply.stats)
+        reply_id, self._reply, self._reply_id = self._reply_id, None, None
         self.turns.append(reply)
-        self._reply = self._reply_id = None
+        if reply_id is None:
+            self._save(self.history.add_message, self.chat_id, "assistant", reply.content, reply.status,
+                       reply.stats)
+        else:
+            self._save(self.history.update_message, reply_id, reply.content, reply.status, reply.stats)
+
+    def _save(self, write: Callable, *args: Any) -> Any:
+        """A reply's write; a failing file is reported, and the reply goes on (None)."""
+        try:
+            return write(*args)
+        except HistoryError as exc:
+            self.on_error(exc)
+            return None
 
     def last_reply(self) -> str | None:
         """Text of the newest reply, the one streaming included."""

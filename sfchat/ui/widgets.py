@@ -74,11 +74,12 @@ class LoadPanel(Vertical):
         row.query_one(".load-detail", Label).update(Text(event.detail))
 
 
-def status_text(state: str, figures: Figures | None, width: int | None = None) -> Text:
+def status_text(state: str, figures: Figures | None, width: int | None = None, relay: bool = False) -> Text:
     """The line above the prompt: what the app is doing, and the reply's speed in short.
 
-    It repeats the panel's main figures so that they stay visible when the panel is hidden;
-    given a ``width``, it keeps only the figures that fit whole (never half a figure).
+    It repeats the panel's main figures so that they stay visible when the panel is hidden (the
+    network round trip only in ``relay`` mode, tokens per round only with a draft); given a
+    ``width``, it keeps only the figures that fit whole (never half a figure).
     """
     labels = {
         "loading": ("loading…", "yellow"),
@@ -94,9 +95,9 @@ def status_text(state: str, figures: Figures | None, width: int | None = None) -
         parts = [f"{figures.tokens} tok"]
         if tps is not None:
             parts.append(f"{tps:.1f} tok/s")
-        if figures.tokens_per_round is not None:
+        if figures.tokens_per_round is not None and figures.k:
             parts.append(f"{figures.tokens_per_round:.2f} tok/round")
-        if figures.rtt_p50_ms is not None:
+        if figures.rtt_p50_ms is not None and relay:
             parts.append(f"RTT {figures.rtt_p50_ms:.0f} ms")
         while parts and width is not None and len(label) + 2 + len(" · ".join(parts)) > width:
             parts.pop()

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from textual.widgets import Static
 
 from sfchat.events import (
     LinkState, LoadProgress, ReplyFinished, ReplyStarted, RoundStats, RuntimeFailed,
@@ -22,7 +23,7 @@ from sfchat.ui import SfchatApp
 from sfchat.ui.chat import Notice, ReplyMessage, UserMessage
 from sfchat.ui.metrics import MetricsPanel
 from sfchat.ui.prompt import PromptInput
-from sfchat.ui.screens import HistoryScreen
+from sfchat.ui.screens import ConfirmScreen, HistoryScreen
 
 K = 4
 REPLY = ("Speculative decoding lets a **small draft model** propose tokens that the big "
@@ -173,9 +174,10 @@ async def test_reply_streams_and_metrics_fill(db):
         speed = " ".join(static_text(app.query_one("#speed")).split())
         fin = runtime.finished  # the panel shows the figures the runtime reports: one tally of the same rounds
         assert f"tok/s mean {fin.tps:.1f}" in speed and f"first token {fin.ttft_s:.2f} s" in speed
-        assert "accepted 2.00 of 4" in speed and "prompt 40 tok (10 cached)" in speed
+        assert "accepted 2.00 of 4" in speed and "prompt 40 (10 cached)" in speed
         timings = " ".join(static_text(app.query_one("#timings")).split())
-        assert "RTT p50/p95 82 / 84 ms" in timings and "draft/head/tail 5 / 3 / 4 ms" in timings
+        assert "RTT p50/p95 82 / 84 ms" in timings and "draft model 5 ms" in timings
+        assert "head/tail 3 / 4 ms" in timings
         hist = static_text(app.query_one("#histogram"))
         assert "accepted drafts per round" in hist and "█" in hist
         assert list(app.query_one("#spark-tps").data)
@@ -304,8 +306,20 @@ async def test_history_screen_deletes_a_chat_but_not_the_open_one(db):
         await open_history(pilot)
         await pilot.press("delete")  # the open chat: refused
         assert [c.title for c in app.history.list_chats()] == ["new", "old"]
-        await pilot.press("down", "delete", "escape")
+        await pilot.press("down", "delete")  # asked first: "n" keeps it
+        await pilot.pause(0.1)
+        assert [c.title for c in app.history.list_chats()] == ["new", "old"]
+        await wait_for(pilot, lambda: isinstance(app.screen, ConfirmScreen))
+        assert "Delete the chat “old” (1 message)?" in static_text(app.screen.query_one(Static))
+        await pilot.press("n")
+        await wait_for(pilot, lambda: isinstance(app.screen, HistoryScreen))
+        assert [c.title for c in app.history.list_chats()] == ["new", "old"]
+        await pilot.press("delete")
+        await wait_for(pilot, lambda: isinstance(app.screen, ConfirmScreen))
+        await pilot.press("y")
+        await wait_for(pilot, lambda: isinstance(app.screen, HistoryScreen))
         assert [c.title for c in app.history.list_chats()] == ["new"]
+        await pilot.press("escape")
         assert not isinstance(app.screen, HistoryScreen)
 
 
@@ -367,39 +381,3 @@ def test_ui_import_is_torch_free():
             "bad = [m for m in sys.modules if m == 'torch' or m.split('.')[:2] in (['sfchat', 'model'], ['sfchat', 'engine'], ['sfchat', 'node'])]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[2])
-
-
-def test_the_dtype_label_names_a_tail_that_computes_in_another_dtype():
-    from dataclasses import replace
-
-    from sfchat.ui.metrics import weights
-
-    assert weights(READY) == "bf16"
-    assert weights(replace(READY, dtype="bfloat16", tail_dtype="float16")) == "bfloat16/float16"
-    assert weights(replace(READY, tail_dtype="float16", quant="nf4")) == "bf16/float16+nf4"
-
-
-def test_the_panel_names_the_round_shape_its_depth_frames_in_flight_and_hits():
-    from dataclasses import replace
-
-    from sfchat.events import RoundStats
-    from sfchat.ui.meter import Meter
-    from sfchat.ui.metrics import drafts_text, flight_text
-
-    meter = Meter(K)
-    rounds = ((5, 64, 455 * 1024, 1, False), (6, 64, 455 * 1024, 3, True), (4, 0, 63 * 1024, 4, True))
-    for depth, nodes, size, flight, speculated in rounds:
-        stats = RoundStats(accepted=3, committed=4, draft_ms=1, head_ms=1, tail_ms=1, rtt_ms=80, round_ms=90,
-                           forward_bytes=size, tree_nodes=nodes, depth=depth, in_flight=flight,
-                           speculated=speculated)
-        meter.round(TokensCommitted("ab", (1, 2, 3, 4), stats, 0.1))
-        if nodes:
-            assert drafts_text(meter.figures(), READY).startswith("tree 64, depth ")
-    f = meter.figures()
-    assert f.depth_mean == 5.0 and f.tree_nodes == 0 and f.in_flight == 4
-    assert drafts_text(f, READY) == "chain 4, depth 5.0"
-    assert flight_text(f) == "4 · 100% hits"
-    shapes = ("chain 0", "chain 2", "chain 4", "chain 8", "tree 64, depth 8")
-    assert drafts_text(None, replace(READY, shapes=shapes)) == "auto: " + " / ".join(shapes)
-    assert drafts_text(None, replace(READY, shapes=("chain 8",))) == "chain 8"
-    assert drafts_text(None, None) == "–" and flight_text(None) == "–"

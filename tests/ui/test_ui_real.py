@@ -10,7 +10,7 @@ import textwrap
 import time
 
 from sfchat.config import Settings
-from sfchat.events import ReplyFinished, ReplyStarted
+from sfchat.events import LoadProgress, ReplyFinished, ReplyStarted
 from sfchat.history import History
 from sfchat.node.head import Head
 from sfchat.node.worker import RuntimeWorker
@@ -89,6 +89,20 @@ async def test_escape_cancels_a_real_reply_and_keeps_its_prefix(zoo, tmp_path):
     stored = history.load_chat(history.list_chats()[0].id)[1]
     assert stored.status == "cancelled" and stored.content == partial
     history.close()
+
+
+@pilot_test
+async def test_the_loading_panel_names_no_download_for_local_model_directories(zoo, tmp_path):
+    """Today's finding: "tail download" (and "head download", "draft download") in local mode with
+    local directories, where nothing is downloaded."""
+    worker = RecordingWorker(settings_for(zoo))
+    app = SfchatApp(worker, tmp_path / "h.sqlite3")
+    async with app.run_test(size=(120, 40)) as pilot:
+        await wait_for(pilot, lambda: app.ready is not None, 120)
+        stages = [str(label.render()) for label in app.query(".load-stage")]
+    assert stages and not [s for s in stages if "download" in s], stages
+    assert {"head load", "tail load", "draft load"} <= set(stages), stages
+    assert not [e for e in worker.events if isinstance(e, LoadProgress) and e.stage == "download"]
 
 
 DRIVER = textwrap.dedent("""

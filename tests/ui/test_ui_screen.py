@@ -147,7 +147,7 @@ async def test_at_80x24_the_footer_status_and_every_panel_row_fit(db):
             widget = app.query_one(row)
             assert panel.region.contains_region(widget.region), (row, panel.region, widget.region)
         shown = "\n".join(screen_lines(app))
-        for label in ("tok/s now", "RTT p50/p95", "draft/head/tail", "link", "model", "device"):
+        for label in ("tok/s now", "RTT p50/p95", "draft model", "head/tail", "link", "model", "device"):
             assert label in shown, shown
         assert panel.can_focus  # the rest (histogram, sparklines) scrolls from the keyboard
 

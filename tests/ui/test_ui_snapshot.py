@@ -57,9 +57,10 @@ class ScriptedRuntime:
             chunk = "".join(words[i:i + accepted + 1])
             i += accepted + 1
             rounds += 1
+            rtt = 84.0 + (rounds * 7) % 23
             stats = RoundStats(accepted=accepted, committed=accepted + 1, draft_ms=24.0 + rounds % 3,
-                               head_ms=18.0, tail_ms=21.0, rtt_ms=84.0 + (rounds * 7) % 23,
-                               round_ms=150.0 + (rounds * 11) % 40)
+                               head_ms=18.0, tail_ms=21.0, rtt_ms=rtt, round_ms=150.0 + (rounds * 11) % 40,
+                               wait_ms=rtt + 21.0, depth=K, forward_bytes=(K + 1) * 7168)
             self._emit(TokensCommitted(chunk, tuple(range(accepted + 1)), stats, 0.1 * rounds))
             tally.add(stats, 0.1 * rounds)
         self._emit(ReplyFinished("eos", text, tuple(range(len(words))), 31 * len(messages), **tally.figures()))
