@@ -2,12 +2,12 @@
 
 Contract
 --------
-``Head.open(settings, on_event, link=None)`` opens the target (refusing an unsupported model
-before fetching anything else), its tokenizer and the draft's (which must be the same), then
-the engine (``loading.open_engine``: draft, head slice, graphs, the tail's handshake). A relay
-link is dialled by the caller (``connect.connect_relay``) and handed in; without one the tail
-runs in this process. ``open`` reports ``LoadProgress``, ``LinkState`` and ``RuntimeReady``
-through ``on_event``.
+``Head.open(settings, on_event, link=None, redial=None)`` opens the target (refusing an
+unsupported model before fetching anything else), its tokenizer and the draft's (which must be
+the same), then the engine (``loading.open_engine``: draft, head slice, graphs, the tail's
+handshake). A relay link is dialled by the caller (a ``connect.HeadDialer``, handed in as
+``redial`` too, to reconnect with) and handed in; without one the tail runs in this process.
+``open`` reports ``LoadProgress``, ``LinkState`` and ``RuntimeReady`` through ``on_event``.
 
 * ``encode(messages)``: a conversation's prompt ids under the one system prompt rule
   (``prompts.with_system``) and the chat template setting.
@@ -44,7 +44,8 @@ class Head:
         self.settings, self.tokenizer, self.engine, self.eos, self.info = settings, tokenizer, engine, eos, info
 
     @classmethod
-    def open(cls, s: Settings, on_event: Callable = lambda e: None, link=None) -> "Head":
+    def open(cls, s: Settings, on_event: Callable = lambda e: None, link=None,
+             redial: Callable | None = None) -> "Head":
         src = ModelSource.open(s.model, s.revision, progress_events(on_event, "head"))
         architecture(src.config)  # refuse an unsupported model before fetching anything else
         tokenizer = load_tokenizer(src, s.revision)
@@ -52,7 +53,7 @@ class Head:
         if uses_draft(s):
             dsrc = ModelSource.open(s.draft, s.draft_revision, progress_events(on_event, "draft"))
             check_same_tokenizer(s, tokenizer, load_tokenizer(dsrc, s.draft_revision))
-        engine, info = open_engine(s, on_event, link, src, dsrc)
+        engine, info = open_engine(s, on_event, link, src, dsrc, redial)
         return cls(s, tokenizer, engine, eos_ids(src, tokenizer), info)
 
     def encode(self, messages: list[dict]) -> list[int]:
