@@ -1,7 +1,9 @@
 """Command-line entry point: argument parsing and dispatch.
 
 Modes: one-shot (``--prompt``; ``--json`` prints exactly one JSON object), the tail node
-(``--tail``), and otherwise the chat TUI. User mistakes become one ``sfchat: error: ...`` line
+(``--tail``), and otherwise the chat TUI. In relay mode the relay is checked first (``check_relay``:
+its URL, the token's presence, that it answers and takes the token), before anything is asked
+for or loaded. User mistakes become one ``sfchat: error: ...`` line
 on stderr and a non-zero exit (its text through ``sfchat.plaintext.plain``: it may quote a
 peer or the relay), never a traceback (set ``SFCHAT_DEBUG=1`` to see one for an
 unexpected failure). Torch is imported only by the modes that need it, after parsing.
@@ -131,6 +133,20 @@ def settings_from(args: argparse.Namespace) -> Settings:
     return merged(given, getattr(args, "config", None))
 
 
+def check_relay(s: Settings, tail: bool = False) -> None:
+    """Relay mode: what can be checked before anything is asked for or loaded (each failure one
+    line that says what to check)."""
+    if not s.relay:
+        return
+    from sfchat.link.probe import check_url, probe
+
+    check_url(s.relay)
+    if not s.token:
+        raise UserError(f"{'--tail' if tail else '--relay'} needs the relay token that sfchat-relay printed: "
+                        "SFCHAT_TOKEN (or --token T)")
+    probe(s.relay, s.token, s.session, "tail" if tail else "head")
+
+
 def ask_secret(s: Settings, tail: bool = False) -> Settings:
     """Relay mode, head: ask for the pairing code on a terminal when neither flag nor env gave one
     (without a terminal, the link refuses with a message saying how to set it). A tail without
@@ -151,7 +167,7 @@ def ask_secret(s: Settings, tail: bool = False) -> Settings:
 
 def one_shot(s: Settings, prompt: str, as_json: bool) -> int:
     from sfchat.events import LinkState, ReplyFinished, TokensCommitted
-    from sfchat.node.connect import connect_relay
+    from sfchat.node.connect import HeadDialer
     from sfchat.node.head import Head
     from sfchat.node.prompts import make_sampling
 
@@ -167,7 +183,8 @@ def one_shot(s: Settings, prompt: str, as_json: bool) -> int:
             return
         print(f"sfchat: link {ev.state}: {plain(ev.detail)}", file=sys.stderr, flush=True)
 
-    head = Head.open(s, report, connect_relay(s, report))
+    dial = HeadDialer(s, report)
+    head = Head.open(s, report, dial(), redial=dial)
     sampling = make_sampling(s.temperature, s.top_k, s.top_p, s.seed)
     final = None
     for ev in head.ask([{"role": "user", "content": prompt}], s.max_new_tokens, sampling):
@@ -215,6 +232,7 @@ def with_models(s: Settings) -> Settings:
 def run(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     s = settings_from(args)
+    check_relay(s, getattr(args, "tail", False))
     if getattr(args, "tail", False):
         from sfchat.node.tail import serve
 

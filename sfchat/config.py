@@ -31,7 +31,7 @@ from pathlib import Path
 import platformdirs
 
 from sfchat import UserError
-from sfchat.link.relay import SESSION_NAME
+from sfchat.link.probe import SESSION_NAME
 from sfchat.protocol.handshake import MAX_LAYERS
 from sfchat.protocol.wire import MAX_NODES as MAX_TREE_BUDGET
 

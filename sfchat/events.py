@@ -122,6 +122,14 @@ class ReplyFinished:
 
 
 @dataclass(frozen=True)
+class CodeWanted:
+    """Relay mode: the pairing code is missing or the tail did not take it; the runtime waits for
+    ``set_code`` (``reason`` says why, already plain text)."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
 class RuntimeFailed:
     """A fatal or per-request error, already phrased for the user."""
 
@@ -129,14 +137,10 @@ class RuntimeFailed:
     fatal: bool = False
 
 
-@dataclass(frozen=True)
-class CodeWanted:
-    reason: str
-
-
-Event = LoadProgress | RuntimeReady | LinkState | ReplyStarted | TokensCommitted | ReplyFinished | RuntimeFailed | CodeWanted
+Event = (LoadProgress | RuntimeReady | LinkState | ReplyStarted | TokensCommitted | ReplyFinished | CodeWanted
+         | RuntimeFailed)
 
 __all__ = [
     "LoadProgress", "RuntimeReady", "LinkState", "RoundStats", "ReplyStarted", "TokensCommitted",
-    "ReplyFinished", "RuntimeFailed", "CodeWanted", "Event",
+    "ReplyFinished", "CodeWanted", "RuntimeFailed", "Event",
 ]

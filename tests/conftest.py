@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import atexit
+import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -15,6 +19,12 @@ for folder in [Path(__file__).parent, *sorted(p for p in Path(__file__).parent.i
     sys.path.insert(0, str(folder))
 
 import tinymodels  # noqa: E402
+
+# tails started by tests (in this process or as children, whose environment is copied at import)
+# keep their resumption secrets here, not in the user's state directory
+STATE_DIR = tempfile.mkdtemp(prefix="sfchat-test-state-")
+os.environ["SFCHAT_STATE_DIR"] = STATE_DIR
+atexit.register(shutil.rmtree, STATE_DIR, True)
 
 # tiny models: thread start-up costs more than it saves, and 2-core CI boxes oversubscribe badly
 torch.set_num_threads(1)

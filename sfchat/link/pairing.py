@@ -1,43 +1,52 @@
-"""Pairing head and tail by a short code: SPAKE2, key confirmation, keys per pairing.
+"""Pairing head and tail: SPAKE2 over a short code or a resumption secret, key confirmation, keys per pairing.
 
 Contract
 --------
-Sans-I/O: these objects compute pairing messages and keys; ``sfchat.link.secure`` frames and
+Sans-I/O: these objects compute pairing messages and keys; ``sfchat.link.pairer`` frames and
 moves them. The head is SPAKE2's side A and opens every pairing; the tail is side B::
 
     head                                                       tail
-    HeadPairing(code, S):   nonce_H, A = SPAKE2_A(code).start()
+    HeadPairing(P, S, kind): nonce_H, A = SPAKE2_A(P).start()
                             ----------- nonce_H, A ----------->
-                                               TailPairing(code, S, nonce_H, A):
-                                               nonce_T, B = SPAKE2_B(code).start(); K = finish(A)
+                                               TailPairing(P, S, kind, nonce_H, A):
+                                               nonce_T, B = SPAKE2_B(P).start(); K = finish(A)
                             <------ nonce_T, B, confirm_T -----
     finish(nonce_T, B, confirm_T): K = finish(B);
     confirm_T checked (else WrongCode)
                             ----------- confirm_H ------------>
                                                finish(confirm_H): checked (else WrongCode)
 
-    th        = SHA-256("sfchat-e2e/2" | len(S) | S | nonce_H | A | nonce_T | B)
-    confirm_X = HKDF-SHA256(K, salt=th, info="sfchat-e2e/2 X confirm")       X = head, tail
-    key(dir)  = HKDF-SHA256(K, salt=th, info="sfchat-e2e/2 " + dir)         dir = head->tail, tail->head
+    L         = "sfchat-e2e/2" (kind "code")  or  "sfchat-e2e/2 resume" (kind "resume")
+    th        = SHA-256(L | len(S) | S | nonce_H | A | nonce_T | B)
+    confirm_X = HKDF-SHA256(K, salt=th, info=L + " X confirm")            X = head, tail
+    key(dir)  = HKDF-SHA256(K, salt=th, info=L + " " + dir)              dir = head->tail, tail->head
+    R         = HKDF-SHA256(K, salt=th, info=L + " resumption head|S tail|S")     (kind "code" only)
 
-``K`` is SPAKE2's shared key (python-spake2, Ed25519 group, identities ``sfchat-e2e/2 head|S``
-and ``sfchat-e2e/2 tail|S``). What this gives: a passive capture of a pairing holds nothing
-that tests a guessed code offline (SPAKE2 messages are uniformly random group elements; the
-confirmations are keyed by K, which an eavesdropper cannot compute from any guess); an active
-party that talks to one side tests exactly one guess per pairing it starts; keys are fresh for
-every pairing (both SPAKE2 scalars and both nonces are new) and bound to the session name and
-the whole transcript. ``WrongCode`` means the other side's confirmation did not verify: a wrong
-code, or a party in the middle. ``BadMessage`` means a message that is not a pairing message at
-all (wrong length, not a group element); no guess was tested.
+The password ``P`` is the normalised code (kind "code") or the 32-byte resumption secret ``R``
+that an earlier code pairing of the same two nodes left (kind "resume"); SPAKE2's identities
+are ``L head|S`` and ``L tail|S``, so a message of one kind, session or role never completes a
+pairing of another. ``K`` is SPAKE2's shared key (python-spake2, Ed25519 group).
 
-``Passcode`` is the tail's code and its attempt budget, so that guessing online is slow too:
-every failed attempt locks pairing for ``FAILURE_DELAY_S``; a generated code (``code=None``) is
-replaced after ``MAX_FAILURES`` failed attempts (``on_new_code`` is told) and pairing locks for
-``LOCKOUT_S``, doubling with every replacement; a code the operator gave cannot be replaced, so
-after ``MAX_FAILURES`` failures each further one locks pairing for ``LOCKOUT_S``, doubling per
-failure. Locks never exceed ``MAX_LOCKOUT_S``. Against a 27-bit code that leaves an attacker
-about three guesses an hour once the locks have grown. ``require_secret`` is relay
-mode's policy for the code (or ``--insecure``). Torch-free.
+What this gives: a passive capture of a pairing holds nothing that tests a guessed password
+offline (SPAKE2 messages are uniformly random group elements; the confirmations are keyed by K,
+which an eavesdropper cannot compute from any guess); an active party that talks to one side
+tests exactly one guess per pairing it starts; keys are fresh for every pairing, a resumed one
+too (both SPAKE2 scalars and both nonces are new) and bound to the session name and the whole
+transcript. ``R`` is a 256-bit secret that only the two parties of one code pairing can compute:
+a resumption attempt by anyone else tests one guess of it, which is worth nothing. ``WrongCode``
+means the other side's confirmation did not verify: a different password, or a party in the
+middle. ``BadMessage`` means a message that is not a pairing message at all (wrong length, not
+a group element); no guess was tested.
+
+``Passcode`` is the tail's code and its budget of code attempts, so that guessing the code
+online stays slow whoever asks: ``BURST`` answered attempts at once, then one per
+``ATTEMPT_INTERVAL_S`` (a token bucket; an attempt that pairs gives its turn back). That is at
+most 720 guesses an hour against 114,129,756 codes (2**26.8): one chance in 158,000 per hour of
+non-stop guessing, in 13,000 per 12 hours (a notebook's life), in 220 per 30 days; a tail left up
+for weeks wants a long secret of its own (``SFCHAT_CODE``) instead. Nothing fails for lack of a
+turn: an attempt waits for one (see ``pairer``), and no code is ever replaced, so no stranger
+can lock out, or rotate away, a code an honest head knows. ``require_secret`` is relay mode's
+policy for the code (or ``--insecure``). Torch-free.
 """
 
 from __future__ import annotations
@@ -56,11 +65,13 @@ from sfchat import UserError
 from sfchat.link import codes
 
 LABEL = b"sfchat-e2e/2"
+LABELS = {"code": LABEL, "resume": LABEL + b" resume"}
 NONCE_BYTES = 32
 SPAKE_BYTES = 33  # python-spake2: one side byte, then the 32-byte Ed25519 element
 CONFIRM_BYTES = 32
-MAX_FAILURES = 3
-FAILURE_DELAY_S, LOCKOUT_S, MAX_LOCKOUT_S = 1.0, 30.0, 3600.0
+SECRET_BYTES = 32  # a resumption secret
+BURST = 3  # code attempts a tail answers at once (a typo or two)
+ATTEMPT_INTERVAL_S = 5.0  # then one per this many seconds, whoever makes them
 MIN_SECRET_CHARS = 8
 
 
@@ -81,22 +92,34 @@ class Keys(NamedTuple):
     tail_to_head: bytes
 
 
-def _identities(session: str) -> dict:
-    s = session.encode()
-    return {"idA": LABEL + b" head|" + s, "idB": LABEL + b" tail|" + s}
-
-
-def _password(code: str) -> bytes:
+def password(code: str) -> bytes:
+    """What a typed code is as a SPAKE2 password (``codes.normalize``)."""
     return codes.normalize(code).encode()
 
 
-def _transcript(session: str, nonce_h: bytes, msg_a: bytes, nonce_t: bytes, msg_b: bytes) -> bytes:
+def _identities(label: bytes, session: str) -> dict:
     s = session.encode()
-    return hashlib.sha256(b"".join((LABEL, len(s).to_bytes(2, "big"), s, nonce_h, msg_a, nonce_t, msg_b))).digest()
+    return {"idA": label + b" head|" + s, "idB": label + b" tail|" + s}
 
 
-def _derive(key: bytes, th: bytes, purpose: bytes) -> bytes:
-    return HKDF(algorithm=hashes.SHA256(), length=32, salt=th, info=LABEL + b" " + purpose).derive(key)
+def _transcript(label: bytes, session: str, nonce_h: bytes, msg_a: bytes, nonce_t: bytes, msg_b: bytes) -> bytes:
+    s = session.encode()
+    return hashlib.sha256(b"".join((label, len(s).to_bytes(2, "big"), s, nonce_h, msg_a, nonce_t, msg_b))).digest()
+
+
+class _Derived:
+    """Everything one pairing's K and transcript give: confirmations, keys, the resumption secret."""
+
+    def __init__(self, kind: str, session: str, key: bytes, th: bytes):
+        label = LABELS[kind]
+
+        def derive(purpose: bytes) -> bytes:
+            return HKDF(algorithm=hashes.SHA256(), length=32, salt=th, info=label + b" " + purpose).derive(key)
+
+        s = session.encode()
+        self.tail_confirm, self.head_confirm = derive(b"tail confirm"), derive(b"head confirm")
+        self.keys = Keys(derive(b"head->tail"), derive(b"tail->head"))
+        self.resumption = derive(b"resumption head|" + s + b" tail|" + s) if kind == "code" else None
 
 
 def _finish(spake, message: bytes) -> bytes:
@@ -109,76 +132,84 @@ def _finish(spake, message: bytes) -> bytes:
 
 
 class HeadPairing:
-    """The head's side of one pairing attempt: ``nonce`` and ``message`` go out first."""
+    """The head's side of one attempt of ``kind`` ("code" or "resume") with password ``secret``:
+    ``nonce`` and ``message`` go out first."""
 
-    def __init__(self, code: str, session: str):
-        self._spake = SPAKE2_A(_password(code), **_identities(session))
-        self.session = session
+    def __init__(self, secret: bytes, session: str, kind: str = "code"):
+        self.kind, self.session = kind, session
+        self._spake = SPAKE2_A(secret, **_identities(LABELS[kind], session))
         self.nonce = os.urandom(NONCE_BYTES)
         self.message = self._spake.start()
 
-    def finish(self, nonce_t: bytes, msg_b: bytes, confirm_t: bytes) -> tuple[Keys, bytes]:
-        """(keys, the head's confirmation) once the tail's answer verifies; WrongCode or BadMessage."""
+    def finish(self, nonce_t: bytes, msg_b: bytes, confirm_t: bytes) -> tuple[Keys, bytes, bytes | None]:
+        """(keys, the head's confirmation, the resumption secret or None) once the tail's answer
+        verifies; WrongCode or BadMessage."""
         if len(nonce_t) != NONCE_BYTES or len(confirm_t) != CONFIRM_BYTES:
             raise BadMessage("a pairing answer of the wrong size")
         key = _finish(self._spake, msg_b)
-        th = _transcript(self.session, self.nonce, self.message, nonce_t, msg_b)
-        if not hmac.compare_digest(confirm_t, _derive(key, th, b"tail confirm")):
+        th = _transcript(LABELS[self.kind], self.session, self.nonce, self.message, nonce_t, msg_b)
+        derived = _Derived(self.kind, self.session, key, th)
+        if not hmac.compare_digest(confirm_t, derived.tail_confirm):
             raise WrongCode("the tail's key confirmation does not verify")
-        return Keys(_derive(key, th, b"head->tail"), _derive(key, th, b"tail->head")), _derive(key, th, b"head confirm")
+        return derived.keys, derived.head_confirm, derived.resumption
 
 
 class TailPairing:
-    """The tail's side of one attempt, made from the head's opening; its answer is
-    ``nonce``, ``message``, ``confirm``. Raises BadMessage for an opening that is none."""
+    """The tail's side of one attempt, made from the head's opening; its answer is ``nonce``,
+    ``message``, ``confirm``. Raises BadMessage for an opening that is none."""
 
-    def __init__(self, code: str, session: str, nonce_h: bytes, msg_a: bytes):
+    def __init__(self, secret: bytes, session: str, nonce_h: bytes, msg_a: bytes, kind: str = "code"):
         if len(nonce_h) != NONCE_BYTES:
             raise BadMessage("a pairing opening of the wrong size")
-        spake = SPAKE2_B(_password(code), **_identities(session))
+        self.kind = kind
+        spake = SPAKE2_B(secret, **_identities(LABELS[kind], session))
         self.nonce = os.urandom(NONCE_BYTES)
         self.message = spake.start()
         key = _finish(spake, msg_a)
-        th = _transcript(session, nonce_h, msg_a, self.nonce, self.message)
-        self.confirm = _derive(key, th, b"tail confirm")
-        self._head_confirm = _derive(key, th, b"head confirm")
-        self._keys = Keys(_derive(key, th, b"head->tail"), _derive(key, th, b"tail->head"))
+        self._derived = _Derived(kind, session, key, _transcript(LABELS[kind], session, nonce_h, msg_a,
+                                                                 self.nonce, self.message))
+        self.confirm = self._derived.tail_confirm
 
-    def finish(self, confirm_h: bytes) -> Keys:
-        if not hmac.compare_digest(confirm_h, self._head_confirm):
+    def finish(self, confirm_h: bytes) -> tuple[Keys, bytes | None]:
+        """(keys, the resumption secret or None) once the head's confirmation verifies; WrongCode."""
+        if not hmac.compare_digest(confirm_h, self._derived.head_confirm):
             raise WrongCode("the head's key confirmation does not verify")
-        return self._keys
+        return self._derived.keys, self._derived.resumption
 
 
 class Passcode:
-    """The tail's pairing code and its budget of failed attempts (see the module docstring)."""
+    """The tail's pairing code (made here when none is given) and its budget of code attempts
+    (see the module docstring); ``clock`` is for tests."""
 
-    def __init__(self, code: str | None = None, on_new_code: Callable[[str], None] = lambda code: None,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(self, code: str | None = None, clock: Callable[[], float] = time.monotonic):
         self.generated = code is None
         self.code = codes.new_code() if code is None else code
-        self.on_new_code, self.clock = on_new_code, clock
-        self.failures = self.replaced = 0
-        self._locked_until = 0.0
-        if self.generated:
-            on_new_code(self.code)
+        self.clock = clock
+        self.failures = 0  # attempts answered that never paired, for the log
+        self._turns, self._at = float(BURST), clock()
 
-    def locked_for(self) -> float:
-        """Seconds until the next attempt is allowed (0: now)."""
-        return max(self._locked_until - self.clock(), 0.0)
+    def _refill(self) -> None:
+        now = self.clock()
+        self._turns = min(BURST, self._turns + (now - self._at) / ATTEMPT_INTERVAL_S)
+        self._at = now
+
+    def wait(self) -> float:
+        """Seconds until a code attempt may be answered (0: now)."""
+        self._refill()
+        return max(1.0 - self._turns, 0.0) * ATTEMPT_INTERVAL_S
+
+    def spend(self) -> None:
+        """An attempt is answered now: it takes a turn."""
+        self._refill()
+        self._turns -= 1.0
+
+    def paired(self) -> None:
+        """The attempt paired: a right code is no guess to count, so its turn comes back."""
+        self._refill()
+        self._turns = min(BURST, self._turns + 1.0)
 
     def failed(self) -> None:
-        """One more failed attempt: a short lock; after MAX_FAILURES a new code, or a long lock."""
         self.failures += 1
-        lock = FAILURE_DELAY_S
-        if self.failures >= MAX_FAILURES and self.generated:
-            self.code, self.failures = codes.new_code(), 0
-            self.replaced += 1
-            lock = LOCKOUT_S * 2 ** (self.replaced - 1)
-            self.on_new_code(self.code)
-        elif self.failures >= MAX_FAILURES:
-            lock = LOCKOUT_S * 2 ** (self.failures - MAX_FAILURES)
-        self._locked_until = self.clock() + min(lock, MAX_LOCKOUT_S)
 
 
 def require_secret(secret: str | None, insecure: bool, role: str = "head") -> None:

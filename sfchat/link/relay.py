@@ -6,7 +6,9 @@ Contract
 ``Authorization: Bearer <token>`` (the handshake is documented in ``relay.server``) and
 returns once the relay has welcomed it, so ``peer_present`` is accurate from the start.
 Mistakes the user can fix (bad URL, unreachable host, wrong token, session slot taken)
-raise ``sfchat.UserError`` with a one-line message.
+raise ``sfchat.UserError`` with a one-line message that says what to check (``probe.HINT``);
+a slot already taken (HTTP 409, or close code 4409 when two clients raced for it) is the
+``SlotTaken`` kind, which a head may retry.
 
 * ``send(frame)`` hands one binary frame to the relay, from any thread; it returns once the
   frame is in the socket's buffer and raises ``LinkClosed`` when the link is gone.
@@ -41,19 +43,19 @@ import asyncio
 import json
 import logging
 import queue
-import re
 import threading
 import time
-from urllib.parse import urlsplit
 
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, InvalidURI
 
 from sfchat import UserError
 from sfchat.link import LinkClosed, PeerGone
+from sfchat.link.probe import HINT, check_session, check_url
+from sfchat.plaintext import plain
 
 ROLES = ("head", "tail")
-SESSION_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
+CLOSE_SLOT_TAKEN = 4409  # relay.server: the loser of a race for one slot
 MAX_FRAME_BYTES = 12 << 20  # relay.server.MAX_FRAME_BYTES: the largest sealed frame of the protocol
 INBOX_BYTES = 16 << 20  # about four Qwen2.5-7B prefill chunks waiting for the tail
 MAX_QUEUE = 2  # websockets' receive queue, in frames
@@ -62,6 +64,10 @@ PING_TIMEOUT = 60.0
 CLOSE_TIMEOUT = 5.0
 
 log = logging.getLogger(__name__)
+
+
+class SlotTaken(UserError):
+    """The session already has a node of this role."""
 
 
 class RelayLink:
@@ -73,11 +79,8 @@ class RelayLink:
                  max_frame_bytes: int = MAX_FRAME_BYTES, ssl_context=None):
         if role not in ROLES:
             raise UserError(f"role must be 'head' or 'tail', not {role!r}")
-        if not SESSION_NAME.fullmatch(session):
-            raise UserError(f"session name {session!r} must be 1..64 characters of [A-Za-z0-9._-]")
-        parts = urlsplit(url)
-        if parts.scheme not in ("ws", "wss") or not parts.hostname:
-            raise UserError(f"relay URL {url!r} must look like ws://HOST:PORT or wss://HOST:PORT")
+        check_session(session)
+        check_url(url)
         self.url = url
         self.role = role
         self.max_frame_bytes = max_frame_bytes
@@ -100,7 +103,8 @@ class RelayLink:
                 welcomed = self._state.wait_for(lambda: self._welcomed or self._closed, connect_timeout)
                 closed = self._closed
             if closed:
-                raise UserError(f"relay at {url} dropped the connection: {closed}")
+                kind = SlotTaken if self._ws.close_code == CLOSE_SLOT_TAKEN else UserError
+                raise kind(f"relay at {url} dropped the connection: {closed}")
             if not welcomed:
                 raise UserError(f"{url} accepted the connection but sent no welcome; is it an sfchat relay?")
         except BaseException:
@@ -119,9 +123,9 @@ class RelayLink:
         except InvalidURI as exc:
             raise UserError(f"bad relay URL {self.url!r}: {exc}") from None
         except TimeoutError:
-            raise UserError(f"relay at {self.url} did not answer within {timeout:g} s") from None
+            raise UserError(f"relay at {self.url} did not answer within {timeout:g} s; {HINT}") from None
         except OSError as exc:
-            raise UserError(f"cannot reach the relay at {self.url}: {exc.strerror or exc}") from None
+            raise UserError(f"cannot reach the relay at {self.url}: {plain(exc.strerror or exc)}; {HINT}") from None
         except InvalidHandshake as exc:
             raise UserError(f"{self.url} does not look like an sfchat relay: {exc}") from None
         # Frames are only read while the inbox has room, so a slow consumer pushes back.
@@ -168,7 +172,7 @@ class RelayLink:
                 role = event.get("role")
                 self._inbox.put(PeerGone(f"the {role if role in ROLES else 'other node'} left the session"))
             elif kind == "dropped":
-                log.warning("relay dropped frames: %s", _printable(str(event.get("reason", "no peer"))))
+                log.warning("relay dropped frames: %s", plain(str(event.get("reason", "no peer")))[:200])
             self._state.notify_all()
 
     def _mark_closed(self, reason: str) -> None:
@@ -261,22 +265,19 @@ class RelayLink:
 
 def _refusal(url: str, exc: InvalidStatus) -> UserError:
     status = exc.response.status_code
-    body = _printable(exc.response.body.decode("utf-8", "replace").strip()) if exc.response.body else ""
+    body = plain(exc.response.body.decode("utf-8", "replace").strip())[:200] if exc.response.body else ""
     if status == 401:
         return UserError(f"relay at {url} refused the token (HTTP 401): use the token it printed")
-    if status in (400, 409, 503):
+    if status == 409:
+        return SlotTaken(f"relay at {url} refused to join: {body or status}")
+    if status in (400, 503):
         return UserError(f"relay at {url} refused to join: {body or status}")
     return UserError(f"relay at {url} answered HTTP {status}{': ' + body if body else ''}; "
                      "is it an sfchat relay?")
-
-
-def _printable(text: str, limit: int = 200) -> str:
-    """Text from the relay, safe to show on a terminal: no control characters, bounded length."""
-    return "".join(c if c.isprintable() else "?" for c in text[:limit])
 
 
 def _describe_close(ws: ClientConnection) -> str:
     code, reason = ws.close_code, ws.close_reason
     if code is None or code == 1006:
         return "the connection to the relay was lost"
-    return f"link closed with code {code}" + (f": {_printable(reason)}" if reason else "")
+    return f"link closed with code {code}" + (f": {plain(reason)[:200]}" if reason else "")

@@ -2,51 +2,49 @@
 
 Contract
 --------
-``SecureLink(inner, code, session, role)`` wraps any frame link with RelayLink's surface
-(``send``, ``recv``, ``wait_peer``, ``peer_present``, ``close``), pairs the two nodes by a
-short code (``sfchat.link.pairing``: SPAKE2, then keys for this pairing only) and seals every frame
-with AES-256-GCM. ``recv`` returns only frames that the other node sealed for this pairing, in
-the order it sent them; anything else raises ``IntegrityError`` (altered, injected, reordered,
+``SecureLink(inner, code, session, role, log, resumption)`` wraps any frame link with RelayLink's
+surface (``send``, ``recv``, ``wait_peer``, ``peer_present``, ``close``), pairs the two nodes
+(``sfchat.link.pairer``: SPAKE2 over the short code, or over the resumption secret an earlier
+code pairing left in ``resumption``; keys for this pairing only) and seals every frame with
+AES-256-GCM. ``recv`` returns only frames that the other node sealed for this pairing, in the
+order it sent them; anything else raises ``IntegrityError`` (altered, injected, reordered,
 replayed or dropped frames). ``PeerGone``, ``LinkClosed`` and ``TimeoutError`` pass through as
 RelayLink raises them. ``handshake(timeout)`` pairs eagerly so that a wrong code shows before
 anything else is done. ``send`` and ``recv`` are meant for one thread (``send`` is also safe
 from others).
 
-The head opens every pairing and takes any failure as final: ``WrongCode`` (the codes differ,
-or someone in between guessed), ``PairingRefused`` (the tail is locked after too many wrong
-codes), ``PlaintextPeer`` (the tail does not encrypt), other ``IntegrityError``s. The tail serves
-one head after another on one relay connection: a failed or forged pairing attempt never raises
-there; it is counted against the code (a ``pairing.Passcode``), answered with a REFUSE and
-reported through ``log``. An integrity error of a paired tail ends that head's session;
-``restart()`` forgets the pairing (and the error) so that the same connection serves the next.
+The head opens every pairing (a resumption first when it holds a secret, then its code) and
+takes a failure of its code as final: ``WrongCode`` (the codes differ, or someone in between
+guessed), ``PairingRefused`` (a second attempt on one connection), ``PlaintextPeer`` (the tail
+does not encrypt), other ``IntegrityError``s. The tail (``code`` a ``pairing.Passcode``, shared
+by its links) serves one head after another on one relay connection: a failed or forged
+pairing attempt never raises there; it is answered within the code's budget (an opening that
+must wait for its turn is answered from inside ``recv`` or ``handshake`` once the turn comes),
+counted and reported through ``log``. An integrity error of a paired tail ends that head's
+session; ``restart()`` forgets the pairing (and the error) so that the same connection serves
+the next.
 
 What the relay still sees: that a session exists, its name, the nodes' addresses, that a
-pairing happened (and failed or not), the timing of every frame and its size rounded up by
-``sfchat.link.padding.padded_size``. Token ids, hidden states, the model name and all metadata are
-sealed; the pairing messages hold nothing to test a guessed code against.
+pairing happened (whether it was a resumption, and failed or not), the timing of every frame
+and its size rounded up by ``sfchat.link.padding.padded_size``. Token ids, hidden states, the
+model name and all metadata are sealed; the pairing messages hold nothing to test a guessed
+code (or resumption secret) against.
 
 Frames
 ------
-::
+The pairing frames are ``sfchat.link.pairer``'s; data travels in::
 
-    OPEN     "SFX2" 0x01 nonce_H(32) A(33)                head -> tail   SPAKE2 side A
-    ANSWER   "SFX2" 0x02 nonce_T(32) B(33) confirm_T(32)  tail -> head   SPAKE2 side B
-    CONFIRM  "SFX2" 0x03 confirm_H(32)                    head -> tail
-    REFUSE   "SFX2" 0x04 reason(1) seconds(4)             either         1: the confirmation did not
-                                                                         verify; 2: locked for seconds
     DATA     "SFX2" 0x05 counter(8, big-endian) ciphertext tag(16)
 
     nonce = direction prefix (4 bytes) + counter (8 bytes)     (96 bits; never reused per key)
     aad   = the 13 DATA header bytes + "sfchat-e2e/2" + S + direction
     plaintext = frame + 0x80 + zero bytes, to ``padded_size(len(frame) + 1)`` bytes
 
-Pairing frames travel in clear: they are random to anyone without the code, and a forged REFUSE
-can only make a pairing fail, as the relay could by dropping frames. Each direction has its own
-key (``pairing.Keys``), counters start at 0 at each pairing, frames of an earlier pairing never
-verify under the next one's keys. Frames sent before the pairing is keyed are held (at most
-``PENDING_FRAMES``); sealed frames arriving before it (for an earlier peer) are dropped.
-
-Padding (``sfchat.link.padding``) hides what frame lengths would otherwise tell the relay.
+A forged REFUSE can only make a pairing fail, as the relay could by dropping frames. Each
+direction has its own key (``pairing.Keys``), counters start at 0 at each pairing, frames of an
+earlier pairing never verify under the next one's keys. Frames sent before the pairing is keyed
+are held (at most ``PENDING_FRAMES``); sealed frames arriving before it (for an earlier peer)
+are dropped. Padding (``sfchat.link.padding``) hides what frame lengths would otherwise tell the relay.
 
 The receiver expects counters 0, 1, 2, ... exactly: a gap, a repeat or a reorder fails before
 decryption, a changed bit fails the tag. This module imports neither torch nor the wire codec.
@@ -66,19 +64,14 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from sfchat import UserError
 from sfchat.link import pairing
 from sfchat.link.padding import pad, unpad
-from sfchat.link.pairing import (
-    CONFIRM_BYTES, MAX_FAILURES, NONCE_BYTES, SPAKE_BYTES, BadMessage, HeadPairing, Passcode, TailPairing,
+from sfchat.link.pairer import (  # noqa: F401  (the pairing errors are this link's errors too)
+    DATA, HEAD_BYTES, INTEGRITY, MAGIC, SIZES, HeadPairer, IntegrityError, PairingRefused, PlaintextPeer,
+    SecretMismatch, TailPairer, WrongCode,
 )
+from sfchat.link.pairing import Passcode
+from sfchat.link.resume import Resumption
 from sfchat.link import LinkClosed, PeerGone
 
-MAGIC = b"SFX2"
-OPEN, ANSWER, CONFIRM, REFUSE, DATA = 1, 2, 3, 4, 5
-REFUSED_WRONG, REFUSED_LOCKED = 1, 2
-HEAD_BYTES = len(MAGIC) + 1
-SIZES = {OPEN: HEAD_BYTES + NONCE_BYTES + SPAKE_BYTES,
-         ANSWER: HEAD_BYTES + NONCE_BYTES + SPAKE_BYTES + CONFIRM_BYTES,
-         CONFIRM: HEAD_BYTES + CONFIRM_BYTES,
-         REFUSE: HEAD_BYTES + 5}
 TAG_BYTES = 16
 DATA_HEADER_BYTES = HEAD_BYTES + 8
 OVERHEAD = DATA_HEADER_BYTES + TAG_BYTES  # bytes a sealed frame adds to its padded plaintext
@@ -87,38 +80,18 @@ LABEL = pairing.LABEL
 DIRECTIONS = {"head": b"head->tail", "tail": b"tail->head"}  # keyed by the sender
 NONCE_PREFIX = {b"head->tail": b"\x00\x00\x00\x01", b"tail->head": b"\x00\x00\x00\x02"}
 WIRE_MAGIC = b"SFCH"  # an unencrypted sfchat frame (sfchat.protocol.wire.MAGIC)
-INTEGRITY = "integrity check failed: the relay or the network altered, reordered or replayed a frame"
 POLL_S = 0.1  # how often an unpaired head looks whether a tail has (re)joined
 
 _log = logging.getLogger(__name__)
 
 
-class IntegrityError(Exception):
-    """A frame failed authentication or arrived out of order: end the session (not retried)."""
-
-
-class SecretMismatch(IntegrityError):
-    """The two nodes could not pair: the codes differ, or the other node does not encrypt."""
-
-
-class WrongCode(SecretMismatch):
-    """The head's pairing code is not the tail's (or someone in between tried to guess it)."""
-
-
-class PairingRefused(SecretMismatch):
-    """The tail refuses pairings for a while after too many wrong codes."""
-
-
-class PlaintextPeer(SecretMismatch):
-    """The other node sends unencrypted frames (started with --insecure, or an older sfchat)."""
-
-
-def secure(inner, code: str, session: str, role: str, timeout: float = 60.0) -> "SecureLink":
+def secure(inner, code: str, session: str, role: str, timeout: float = 60.0,
+           resumption: Resumption | None = None) -> "SecureLink":
     """``inner`` wrapped and paired within ``timeout`` s (no answer: a UserError). A failed
     pairing raises its ``SecretMismatch``, which a reconnecting head does not retry.
     ``inner`` is closed when this fails."""
     try:
-        link = SecureLink(inner, code, session, role)
+        link = SecureLink(inner, code, session, role, resumption=resumption)
         link.handshake(timeout)
         return link
     except TimeoutError as exc:
@@ -135,15 +108,19 @@ class SecureLink:
     overlaps = True  # over a relay: the other node computes on its own machine
 
     def __init__(self, inner, code: "str | Passcode", session: str, role: str,
-                 log: Callable[[str], None] | None = None):
+                 log: Callable[[str], None] | None = None, resumption: Resumption | None = None):
         if role not in DIRECTIONS:
             raise ValueError(f"role must be 'head' or 'tail', not {role!r}")
         if not code:
             raise ValueError("a SecureLink needs a pairing code")
         self.inner, self.role, self.session = inner, role, session
         self.other = "tail" if role == "head" else "head"
-        self.passcode = code if isinstance(code, Passcode) else Passcode(code)
         self.log = log or (lambda message: _log.info("%s", message))
+        if role == "head":
+            self._pairer: HeadPairer | TailPairer = HeadPairer(code, session, resumption)
+        else:
+            passcode = code if isinstance(code, Passcode) else Passcode(code)
+            self._pairer = TailPairer(passcode, session, resumption, self.log)
         self._out_dir, self._in_dir = DIRECTIONS[role], DIRECTIONS[self.other]
         self._aad = {d: LABEL + session.encode() + d for d in DIRECTIONS.values()}
         self._lock = threading.RLock()  # pairing state, and seal + send as one step (counter order)
@@ -158,7 +135,6 @@ class SecureLink:
     # -- pairing state -------------------------------------------------------------------------
     def _new_pairing(self) -> None:
         with self._lock:
-            self._attempt: HeadPairing | TailPairing | None = None
             self._seal: AESGCM | None = None
             self._open: AESGCM | None = None
             self._sent = self._expected = 0
@@ -167,10 +143,12 @@ class SecureLink:
 
     def restart(self) -> None:
         """Tail: forget this pairing and any integrity error; wait for the next head's pairing.
-        An attempt still open counts as failed (its opener got an answer to test one guess)."""
+        An attempt still open counts as failed (its opener got an answer to test one guess);
+        the head connection keeps the attempts it has made."""
         with self._lock:
             self._failed = None
-            self._peer_gone()
+            self._pairer.reset()
+            self._new_pairing()
 
     @property
     def keyed(self) -> bool:
@@ -180,104 +158,41 @@ class SecureLink:
     def _key(self, keys: pairing.Keys) -> None:
         mine, theirs = (keys.head_to_tail, keys.tail_to_head) if self.role == "head" else \
             (keys.tail_to_head, keys.head_to_tail)
-        self._seal, self._open, self._attempt = AESGCM(mine), AESGCM(theirs), None
+        self._seal, self._open = AESGCM(mine), AESGCM(theirs)
 
-    def _send_control(self, kind: int, payload: bytes) -> None:
+    def _send_all(self, frames: list[bytes]) -> None:
         with self._lock:
-            self.inner.send(MAGIC + bytes([kind]) + payload)
+            for frame in frames:
+                self.inner.send(frame)
 
-    def _refuse(self, reason: int, seconds: float = 0.0) -> None:
-        try:
-            self._send_control(REFUSE, bytes([reason]) + min(int(seconds + 0.999), 2 ** 32 - 1).to_bytes(4, "big"))
-        except LinkClosed:
-            pass
-
-    # -- the head's side -----------------------------------------------------------------------
     def _open_pairing(self) -> None:
         with self._lock:
-            self._attempt = HeadPairing(self.passcode.code, self.session)
-            self._send_control(OPEN, self._attempt.nonce + self._attempt.message)
+            self._send_all([self._pairer.opening()])
 
-    def _head_control(self, kind: int, frame: bytes) -> None:
-        with self._lock:
-            attempt = self._attempt if isinstance(self._attempt, HeadPairing) else None
-            if kind == REFUSE and self._seal is None:
-                raise self._refusal(frame[HEAD_BYTES], int.from_bytes(frame[HEAD_BYTES + 1:], "big"))
-            if kind != ANSWER or attempt is None or self._seal is not None:
-                raise IntegrityError(f"{INTEGRITY} (an unexpected pairing message)")
-            body = frame[HEAD_BYTES:]
-            nonce_t, msg_b = body[:NONCE_BYTES], body[NONCE_BYTES:NONCE_BYTES + SPAKE_BYTES]
-            try:
-                keys, confirm = attempt.finish(nonce_t, msg_b, body[NONCE_BYTES + SPAKE_BYTES:])
-            except pairing.WrongCode:
-                self._attempt = None
-                self._refuse(REFUSED_WRONG)  # the tail counts it now, not when we leave
-                raise WrongCode(f"wrong pairing code: the tail of session {self.session!r} paired with another "
-                                f"code (use the one it printed; after {MAX_FAILURES} wrong codes a tail that "
-                                "made its own prints a new one)") from None
-            except BadMessage as exc:
-                raise IntegrityError(f"{INTEGRITY} (a pairing answer that is none: {exc})") from None
-            self._send_control(CONFIRM, confirm)  # before any data, which it keys on the tail
-            self._key(keys)
-            while self._pending:
-                self._send_sealed(self._pending.popleft())
-
-    def _refusal(self, reason: int, seconds: int) -> SecretMismatch:
-        if reason == REFUSED_LOCKED:
-            return PairingRefused(f"the tail of session {self.session!r} refuses pairings for {seconds} s after "
-                                  "wrong codes: try again then (check the code it printed last)")
-        return WrongCode(f"wrong pairing code: the tail of session {self.session!r} did not accept it")
-
-    # -- the tail's side -----------------------------------------------------------------------
-    def _tail_control(self, kind: int, frame: bytes) -> None:
+    def _control(self, kind: int, frame: bytes) -> None:
         with self._lock:
             if self._seal is not None:
                 raise IntegrityError(f"{INTEGRITY} (a pairing message inside a paired session)")
-            pending = self._attempt
-            if kind == OPEN:
-                if pending is not None:
-                    self._attempt_failed("the head started over without confirming")
-                self._answer(frame[HEAD_BYTES:HEAD_BYTES + NONCE_BYTES], frame[HEAD_BYTES + NONCE_BYTES:])
-            elif pending is None:
-                self._dropped_stale += 1  # a confirmation or refusal with no attempt open: forged or late
-            elif kind == CONFIRM:
-                try:
-                    keys = pending.finish(frame[HEAD_BYTES:])
-                except pairing.WrongCode:
-                    self._attempt_failed("the head's confirmation does not verify: a wrong code")
-                    self._refuse(REFUSED_WRONG)
-                    return
-                self._key(keys)
-                self.log(f"paired with a head on session {self.session!r}")
-            elif kind == REFUSE:
-                self._attempt_failed("the head did not accept this tail's confirmation: a wrong code")
-            else:
-                self._attempt_failed("the tail's own answer came back")
+            step = self._pairer.take(kind, frame[HEAD_BYTES:])
+            try:
+                self._send_all(step.send)  # a CONFIRM before any data, which it keys on the tail
+            except LinkClosed:
+                if step.keys is not None:
+                    raise
+            if step.error is not None:
+                raise step.error
+            if step.keys is not None:
+                self._key(step.keys)
+                while self._pending:
+                    self._send_sealed(self._pending.popleft())
 
-    def _answer(self, nonce_h: bytes, msg_a: bytes) -> None:
-        locked = self.passcode.locked_for()
-        if locked > 0:
-            self.log(f"refused a pairing attempt: locked for {locked:.0f} s more after repeated wrong codes")
-            self._refuse(REFUSED_LOCKED, locked)
-            return
-        try:
-            attempt = TailPairing(self.passcode.code, self.session, nonce_h, msg_a)
-        except BadMessage as exc:
-            self.log(f"ignored a pairing opening that is none ({exc})")
-            return
-        self._attempt = attempt
-        self._send_control(ANSWER, attempt.nonce + attempt.message + attempt.confirm)
-
-    def _attempt_failed(self, why: str) -> None:
-        """An attempt that got the tail's answer but never confirmed: one guess spent."""
-        self._attempt = None
-        code = self.passcode
-        code.failed()  # may replace a generated code (which its on_new_code shows) or lock a given one
-        left, locked = MAX_FAILURES - code.failures, code.locked_for()
-        note = f"a new code was made; pairing locked for {locked:.0f} s" if code.generated and not code.failures \
-            else f"{left} more before {'a new code' if code.generated else 'a long lock'}" if left > 0 \
-            else f"pairing locked for {locked:.0f} s"
-        self.log(f"a pairing attempt failed: {why} ({note})")
+    def _answer_held(self) -> None:
+        """Tail: a held opening whose turn has come is answered now."""
+        with self._lock:
+            try:
+                self._send_all(self._pairer.tick())
+            except LinkClosed:
+                pass  # the next recv says so
 
     def handshake(self, timeout: float) -> None:
         """Block until this pairing is keyed (a new peer may replace a departed one meanwhile)."""
@@ -285,25 +200,26 @@ class SecureLink:
         while not self.keyed:
             if self._failed is not None:
                 raise self._failed
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
+            if time.monotonic() >= deadline:
                 raise TimeoutError(f"the {self.other} did not answer the pairing within {timeout:g} s")
-            if self.role == "head" and self._attempt is None and self.inner.peer_present:
+            if self.role == "head" and self._pairer.attempt is None and self.inner.peer_present:
                 self._open_pairing()
             try:
-                frame = self.inner.recv(min(remaining, POLL_S) if self.role == "head" else remaining)
+                frame = self._next(min(deadline, time.monotonic() + POLL_S) if self.role == "head" else deadline)
             except PeerGone:
                 self._peer_gone()
                 continue
             except TimeoutError:
                 continue
-            if self._take(frame) is not None:  # cannot happen: data needs keys; keep it anyway
+            if frame is not None and self._take(frame) is not None:  # cannot happen: data needs keys
                 raise IntegrityError(f"{INTEGRITY} (data before the pairing)")
 
     def _peer_gone(self) -> None:
         with self._lock:
-            if isinstance(self._attempt, TailPairing):
-                self._attempt_failed("the head left before confirming")
+            if isinstance(self._pairer, TailPairer):
+                self._pairer.peer_gone()
+            else:
+                self._pairer.reset()
             self._new_pairing()
 
     # -- frames --------------------------------------------------------------------------------
@@ -332,19 +248,32 @@ class SecureLink:
         """When the frame last returned by ``recv`` arrived (the inner link's clock)."""
         return getattr(self.inner, "last_arrival", None)
 
+    def _next(self, deadline: float | None):
+        """The inner link's next frame by ``deadline`` (``time.monotonic``; None: no limit), or None
+        when a held pairing opening's turn came first (it is answered then)."""
+        due = self._pairer.due() if isinstance(self._pairer, TailPairer) else None
+        held_first = due is not None and (deadline is None or due < deadline)
+        until = due if held_first else deadline
+        try:
+            return self.inner.recv(None if until is None else max(until - time.monotonic(), 0.0))
+        except TimeoutError:
+            if not held_first:
+                raise
+        self._answer_held()
+        return None
+
     def recv(self, timeout: float | None = None) -> bytes:
         """Next frame the peer sealed for this pairing; IntegrityError for anything else."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             if self._failed is not None:
                 raise self._failed
-            remaining = None if deadline is None else max(deadline - time.monotonic(), 0.0)
             try:
-                frame = self.inner.recv(remaining)
+                frame = self._next(deadline)
             except PeerGone:
                 self._peer_gone()
                 raise
-            plain = self._take(frame)
+            plain = self._take(frame) if frame is not None else None
             if plain is not None:
                 return plain
 
@@ -371,7 +300,7 @@ class SecureLink:
         if kind in SIZES:
             if len(frame) != SIZES[kind]:
                 raise IntegrityError(f"{INTEGRITY} (a pairing message of {len(frame)} bytes)")
-            (self._head_control if self.role == "head" else self._tail_control)(kind, frame)
+            self._control(kind, frame)
             return None
         if kind != DATA or len(frame) < OVERHEAD:
             raise IntegrityError(f"{INTEGRITY} (a malformed sealed frame)")

@@ -2,13 +2,15 @@
 
 Contract
 --------
-``Head.open(settings, on_event, link=None, policy=None)`` refuses a device this machine lacks,
-then opens the target (refusing an unsupported model before fetching anything else), its
-tokenizer and the draft's (which must be the same; a refused default draft is named as the
-default, with ``--draft none`` as the way out), then the engine (``loading.open_engine``: draft,
-head slice, graphs, the tail's handshake). A relay link is dialled by the caller
-(``connect.connect_relay``) and handed in; without one the tail runs in this process; ``policy``
-replaces the one that picks frame sizes and frames in flight (``engine.policy.PipelinePolicy``).
+``Head.open(settings, on_event, link=None, policy=None, redial=None)`` refuses a device this
+machine lacks, then opens the target (refusing an unsupported model before fetching anything
+else), its tokenizer and the draft's (which must be the same; a refused default draft is named
+as the default, with ``--draft none`` as the way out), then the engine (``loading.open_engine``:
+draft, head slice, graphs, the tail's handshake). A relay link is dialled by the caller (a
+``connect.HeadDialer``, handed in as ``redial`` too, to reconnect with) and handed in; without
+one the tail runs in this process; ``policy`` replaces the one that picks frame sizes and frames
+in flight (``engine.policy.PipelinePolicy``). ``open`` reports ``LoadProgress``, ``LinkState``
+and ``RuntimeReady`` through ``on_event``.
 ``open`` reports ``LoadProgress``, ``LinkState`` and ``RuntimeReady`` through ``on_event``.
 
 * ``encode(messages)``: a conversation's prompt ids under the one system prompt rule
@@ -61,13 +63,14 @@ class Head:
         self.settings, self.tokenizer, self.engine, self.eos, self.info = settings, tokenizer, engine, eos, info
 
     @classmethod
-    def open(cls, s: Settings, on_event: Callable = lambda e: None, link=None, policy=None) -> "Head":
+    def open(cls, s: Settings, on_event: Callable = lambda e: None, link=None, policy=None,
+             redial: Callable | None = None) -> "Head":
         check_devices(s)
         src = ModelSource.open(s.model, s.revision, progress_events(on_event, "head"))
         architecture(src.config)  # refuse an unsupported model before fetching anything else
         tokenizer = load_tokenizer(src, s.revision)
         dsrc = open_draft(s, tokenizer, on_event) if uses_draft(s) else None
-        engine, info = open_engine(s, on_event, link, src, dsrc, policy)
+        engine, info = open_engine(s, on_event, link, src, dsrc, policy, redial)
         return cls(s, tokenizer, engine, eos_ids(src, tokenizer), info)
 
     def encode(self, messages: list[dict]) -> list[int]:

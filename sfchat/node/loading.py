@@ -2,10 +2,12 @@
 
 Contract
 --------
-``open_engine(settings, on_event, link, src, dsrc)`` resolves devices, dtype, split and the
-round shapes, checks the memory it needs, loads the draft and the head slice, captures their
+``open_engine(settings, on_event, link, src, dsrc, redial)`` resolves devices, dtype, split and
+the round shapes, checks the memory it needs, loads the draft and the head slice, captures their
 CUDA graphs, connects to the tail (in-process through ``MemoryLink`` unless a relay link is
-given) and returns ``(RoundDriver, RuntimeReady)``, reporting ``LoadProgress`` as it goes.
+given; a lost one is dialled again with ``redial``, by default a fresh ``connect.HeadDialer``:
+hand in the dialer that made ``link`` so that a restarted tail resumes its pairing) and returns
+``(RoundDriver, RuntimeReady)``, reporting ``LoadProgress`` as it goes.
 Token ids only: no tokenizer is needed (benchmarks use random-weight checkpoints).
 ``check_devices(settings)`` refuses a device this machine lacks, for a caller to run before it
 fetches anything. ``TailLoader`` is the tail's: a callable the ``Verifier`` is given, which loads the slice a
@@ -31,7 +33,7 @@ from sfchat.model.devices import DTYPE_NAMES, default_draft_device, pick_dtype, 
 from sfchat.model.memory import check_head, check_tail
 from sfchat.model.slices import ModelSlice, n_layers
 from sfchat.model.source import ModelSource
-from sfchat.node.connect import connect_relay
+from sfchat.node.connect import HeadDialer
 from sfchat.node.driver import RoundDriver
 from sfchat.node.local_link import MemoryLink
 from sfchat.protocol import wire
@@ -55,7 +57,8 @@ def check_devices(s: Settings) -> None:
 
 
 def open_engine(s: Settings, on_event: Callable = lambda e: None, link=None,
-                src: ModelSource | None = None, dsrc: ModelSource | None = None, policy=None):
+                src: ModelSource | None = None, dsrc: ModelSource | None = None, policy=None,
+                redial: Callable | None = None):
     """Load draft and head slice, capture graphs, connect to the tail: (RoundDriver, RuntimeReady).
 
     Token ids only: no tokenizer is needed (benchmarks use random-weight checkpoints)."""
@@ -92,7 +95,7 @@ def open_engine(s: Settings, on_event: Callable = lambda e: None, link=None,
     mode = "relay" if link is not None else "local"
     if link is None:
         link = MemoryLink(Verifier(TailLoader(device, devices)))
-    reconnect = (lambda timeout: connect_relay(s, on_event, timeout)) if s.relay else None
+    reconnect = (redial or HeadDialer(s, on_event)) if s.relay else None
     spec = Speculator(head, drafter, max_context=max_context, frame_sizes=[layout.size], steps=k,
                       head_pool=layout.head_pool)
     engine = RoundDriver(spec, link, policy=policy, on_event=on_event, reconnect=reconnect,

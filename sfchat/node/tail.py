@@ -7,11 +7,15 @@ same hello reuses it) and waits for the next head. A stats line is logged now an
 A lost relay connection is re-dialled with backoff, forever: the tail is meant to be left
 running in a notebook. Returns only on Ctrl+C (or, in tests, after one head with ``once``).
 
-Pairing (``sfchat.link.secure``, ``sfchat.link.pairing``): without a code of its own the tail makes
-one (``7-crossover-clockwork``), prints it and pairs with the head that types it; after
-``MAX_FAILURES`` failed attempts it prints a fresh one. Nothing a peer sends makes the tail
-give up its relay connection (which would free its slot for someone else): a failed or forged
-pairing is answered and counted, an integrity error of a paired session ends that head's
+Pairing (``sfchat.link.secure``, ``sfchat.link.pairer``): without a code of its own the tail
+makes one (``7-crossover-clockwork``), prints it and pairs with the head that types it; the code
+stays the same for the tail's whole life, whatever strangers try (code attempts wait for their
+turn in ``pairing.Passcode``'s budget instead). A code pairing leaves a resumption secret, kept
+in ``resume_path(settings)`` (``SFCHAT_STATE_DIR``, else the platform's user state directory;
+one file per session name, 0600): a restarted tail reads it back, prints a new code for new
+heads, and the head it served before pairs again without one. Nothing a peer sends makes the
+tail give up its relay connection (which would free its slot for someone else): a failed or
+forged pairing is answered and counted, an integrity error of a paired session ends that head's
 session only (the head is told), and the same connection waits for the next head. Local model
 directories are opened only inside ``--models-dir``.
 """
@@ -23,11 +27,14 @@ import sys
 import time
 from pathlib import Path
 
+import platformdirs
+
 from sfchat import UserError
 from sfchat.config import Settings
 from sfchat.link.pairing import Passcode, require_secret
 from sfchat.link import LinkClosed, PeerGone
 from sfchat.link.relay import RelayLink
+from sfchat.link.resume import ResumeFile
 from sfchat.model.devices import resolve_devices
 from sfchat.engine.verifier import TailError, Verifier
 from sfchat.node.loading import TailLoader
@@ -45,6 +52,12 @@ def show_code(code: str) -> None:
     log(f"pairing code: {code}   (on the head: type it when asked, or set SFCHAT_CODE)")
 
 
+def resume_path(s: Settings) -> Path:
+    """Where the tail of ``s.session`` keeps its resumption secret."""
+    state = os.environ.get("SFCHAT_STATE_DIR") or platformdirs.user_state_dir("sfchat")
+    return Path(state).expanduser() / f"tail-{s.session}.resume"
+
+
 def models_dirs(s: Settings) -> list[Path]:
     return [Path(p).expanduser() for p in (s.models_dir or "").split(os.pathsep) if p]
 
@@ -57,8 +70,14 @@ def serve(s: Settings, once: bool = False) -> int:
     require_secret(s.secret, s.insecure, role="tail")
     devices = resolve_devices(s.device)
     verifier = Verifier(TailLoader(devices[0], devices, models_dirs(s), log), log=log)
-    passcode = None if s.insecure else Passcode(s.secret, on_new_code=show_code)
-    link = _dial(s, passcode)  # a first failure is the user's to fix
+    passcode = resumption = None
+    if not s.insecure:
+        passcode, resumption = Passcode(s.secret), ResumeFile(resume_path(s), log)
+        if passcode.generated:
+            show_code(passcode.code)
+        if resumption.secret is not None:
+            log(f"the head this tail paired with last resumes without a code (its secret: {resumption.path})")
+    link = _dial(s, passcode, resumption)  # a first failure is the user's to fix
     try:
         while True:
             log(f"connected to {s.relay} as the tail of session {s.session!r}; waiting for a head")
@@ -75,14 +94,16 @@ def serve(s: Settings, once: bool = False) -> int:
             except LinkClosed as exc:
                 log(f"relay connection lost: {exc}; reconnecting")
                 link.close()
-                link = _reconnect(s, passcode)
+                link = _reconnect(s, passcode, resumption)
     finally:
         link.close()
 
 
-def _dial(s: Settings, passcode: Passcode | None):
+def _dial(s: Settings, passcode: Passcode | None, resumption: ResumeFile | None):
     link = RelayLink(s.relay, s.token, s.session, "tail")
-    return SecureLink(link, passcode, s.session, "tail", log=log) if passcode is not None else link
+    if passcode is None:
+        return link
+    return SecureLink(link, passcode, s.session, "tail", log=log, resumption=resumption)
 
 
 def _tell_head(link, exc: IntegrityError) -> None:
@@ -99,12 +120,12 @@ def _tell_head(link, exc: IntegrityError) -> None:
         pass
 
 
-def _reconnect(s: Settings, passcode: Passcode | None) -> "RelayLink | SecureLink":
+def _reconnect(s: Settings, passcode: Passcode | None, resumption: ResumeFile | None) -> "RelayLink | SecureLink":
     """Dial the relay again with backoff until it answers (a restarted relay, a WAN outage)."""
     delay = 0.5
     while True:
         try:
-            return _dial(s, passcode)
+            return _dial(s, passcode, resumption)
         except UserError as exc:
             log(f"relay not reachable ({exc}); retrying in {delay:.1f} s")
             time.sleep(delay)

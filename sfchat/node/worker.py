@@ -5,7 +5,8 @@ Contract
 ``CudaThread(settings, open_head)`` is the base of every front end that keeps a head alive (the
 chat UI's ``RuntimeWorker``, the server's ``GenerationThread``): ``start()`` starts a daemon
 thread that opens the head (``open_head(settings, on_event)``, by default ``open_head``: the
-relay link in relay mode, in-process otherwise) and then takes requests from a queue, one at a
+relay link in relay mode, dialled and redialled by one ``connect.HeadDialer``, in-process
+otherwise) and then takes requests from a queue, one at a
 time, calling ``serve(request)`` for each (a subclass's), until ``stop()`` queues the end; then
 it closes the link and reports ``LinkState("closed")``. CUDA graph state is thread-local and
 one generation at a time is what the GPU can do: nothing but this thread touches the head.
@@ -13,9 +14,19 @@ one generation at a time is what the GPU can do: nothing but this thread touches
 
 ``RuntimeWorker(settings)`` implements the runtime interface the chat UI drives.
 ``start(listener)`` starts the thread; every event (``LoadProgress``, ``LinkState``,
-``RuntimeReady``, ``ReplyStarted``, ``TokensCommitted``, ``ReplyFinished``, ``RuntimeFailed``) is
-delivered by calling ``listener`` from that thread. ``submit``, ``cancel``, ``new_chat`` and
-``close`` never block: they queue a request or set a flag. The worker knows nothing of widgets.
+``RuntimeReady``, ``ReplyStarted``, ``TokensCommitted``, ``ReplyFinished``, ``CodeWanted``,
+``RuntimeFailed``) is delivered by calling ``listener`` from that thread. ``submit``, ``cancel``,
+``new_chat``, ``set_code`` and ``close`` never block: they queue a request or set a flag. The
+worker knows nothing of widgets.
+
+Pairing codes (relay mode): the worker opens its head with ``open_head(settings, on_event,
+ask_code=...)``. When the code is missing, too short or not the tail's (at the first
+dial, or when a reconnect finds a tail that cannot resume and does not take the code), the
+thread reports ``CodeWanted(reason)`` and waits for ``set_code(code)``, then dials again with
+it, as often as it takes. ``close()`` ends the wait (and the thread); ``cancel()`` ends it during
+a reply, which then fails with a ``RuntimeFailed`` that is not fatal (the next message dials
+again, and asks again); while loading, only ``close()`` does. The wait depends on the person
+alone: nothing a peer sends makes it longer.
 
 Shutdown: after ``close`` the thread ends its reply at the next round, closes the link, drops
 the models and returns; ``join(timeout)`` waits for that. The process must not exit while the
@@ -32,17 +43,23 @@ from typing import Callable
 
 from sfchat import UserError
 from sfchat.config import Settings
-from sfchat.events import LinkState, RuntimeFailed
-from sfchat.node.connect import connect_relay
+from sfchat.events import CodeWanted, LinkState, RuntimeFailed
+from sfchat.node.connect import HeadDialer
 from sfchat.node.head import Head
 from sfchat.node.prompts import make_sampling
 
 STOP = object()  # the request that ends the thread
 
 
-def open_head(settings: Settings, on_event: Callable) -> Head:
-    """The default: what one-shot mode does (a relay link in relay mode, else in-process)."""
-    return Head.open(settings, on_event, connect_relay(settings, on_event))
+class CodeNotGiven(Exception):
+    """The wait for a pairing code ended without one: the reply was cancelled, or the runtime closed."""
+
+
+def open_head(settings: Settings, on_event: Callable, ask_code: Callable[[str], str] | None = None) -> Head:
+    """The default: what one-shot mode does (a relay link in relay mode, else in-process);
+    ``ask_code(reason)`` gives another pairing code when the one in use is missing or wrong."""
+    dial = HeadDialer(settings, on_event, ask_code)
+    return Head.open(settings, on_event, dial(), redial=dial)
 
 
 class CudaThread(ABC):
@@ -72,6 +89,10 @@ class CudaThread(ABC):
         return not self.thread.is_alive()
 
     # -- what a subclass does on the thread -------------------------------------------------------
+    def open(self) -> Head:
+        """The head, opened on the thread (a subclass may hand ``open_head`` more)."""
+        return self.open_head(self.settings, self.on_event)
+
     def on_event(self, event) -> None:
         """Every event of loading and of the link (from the thread)."""
 
@@ -82,7 +103,7 @@ class CudaThread(ABC):
     # -- the thread ------------------------------------------------------------------------------
     def _main(self) -> None:
         try:
-            self.head = self.open_head(self.settings, self.on_event)
+            self.head = self.open()
         except BaseException as exc:  # phrased for the user; raised in the caller of ``start`` where it waits
             self.load_error = exc if isinstance(exc, UserError) else \
                 UserError(f"loading failed: {type(exc).__name__}: {exc}")
@@ -105,6 +126,9 @@ class RuntimeWorker(CudaThread):
         super().__init__(settings, open_head)
         self.cancelled = threading.Event()
         self.listener: Callable = lambda event: None
+        self._code_given = threading.Condition()  # guards _code; notified by set_code, cancel and close
+        self._code: str | None = None
+        self._closing = self._replying = False
 
     # -- the interface the UI uses -------------------------------------------------------------
     def start(self, listener: Callable) -> None:  # type: ignore[override]
@@ -117,34 +141,73 @@ class RuntimeWorker(CudaThread):
 
     def cancel(self) -> None:
         self.cancelled.set()
+        self._wake()
 
     def new_chat(self) -> None:
         self.requests.put(("new_chat",))
 
+    def set_code(self, code: str) -> None:
+        """The pairing code the person typed, for a runtime that asked with ``CodeWanted``."""
+        with self._code_given:
+            self._code = code
+            self._code_given.notify_all()
+
     def close(self) -> None:
+        self._closing = True
         self.cancelled.set()
         self.stop()
+        self._wake()
+
+    def _wake(self) -> None:
+        with self._code_given:
+            self._code_given.notify_all()
 
     # -- on the thread ---------------------------------------------------------------------------
     def on_event(self, event) -> None:
         self.listener(event)
 
+    def open(self) -> Head:
+        return self.open_head(self.settings, self.on_event, ask_code=self._ask_code)
+
+    def _ask_code(self, reason: str) -> str:
+        """Report CodeWanted and wait for ``set_code``; CodeNotGiven once closed (or cancelled in a reply)."""
+        with self._code_given:
+            self._code = None  # a code typed before this question answers none
+        self.listener(CodeWanted(reason))
+        with self._code_given:
+            while self._code is None:
+                if self._closing:
+                    raise CodeNotGiven("the runtime was closed while waiting for the pairing code")
+                if self._replying and self.cancelled.is_set():
+                    raise CodeNotGiven("the reply was cancelled while waiting for the pairing code; the next "
+                                       "message asks for it again")
+                self._code_given.wait()
+            code, self._code = self._code, None
+        return code
+
     def _main(self) -> None:
         super()._main()
-        if self.load_error is not None:
+        if self.load_error is not None and not self._closing:
             self.listener(RuntimeFailed(str(self.load_error), fatal=True))
 
     def serve(self, request) -> bool:
         if request[0] == "new_chat":
             self.head.new_chat()
             return True
+        self._replying = True
         try:
             self._reply(request[1], request[2])
+        except CodeNotGiven as exc:
+            if self._closing:
+                return False
+            self.listener(RuntimeFailed(str(exc)))
         except UserError as exc:
             self.listener(RuntimeFailed(str(exc)))
         except Exception as exc:
             self.listener(RuntimeFailed(f"{type(exc).__name__}: {exc}", fatal=True))
             return False
+        finally:
+            self._replying = False
         return True
 
     def _reply(self, messages: list[dict], params: dict) -> None:

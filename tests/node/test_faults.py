@@ -2,12 +2,16 @@
 
 The heads speculate (an unrelated draft, K=3: rounds that accept nothing, some or all drafts),
 so a fault lands with drafts in flight, and a verdict of a round cut off by it must not be
-applied after the reconnect; the undisturbed run they are compared with has no draft at all."""
+applied after the reconnect; the undisturbed run they are compared with has no draft at all.
+A tail that makes its own code and restarts is resumed with no code typed again; one that lost
+its state is given the new code through the chat UI's runtime (CodeWanted, set_code)."""
 
 from __future__ import annotations
 
 import json
 import os
+import queue
+import re
 import signal
 import socket
 import subprocess
@@ -16,9 +20,11 @@ import time
 
 import pytest
 
+import relay_process
 from test_two_machines import ENV, PROMPT, SECRET, TOKEN, local_tokens, start_relay
 
 N_NEW = 40
+CODE = re.compile(r"pairing code: (\S+)")
 
 
 def free_port() -> int:
@@ -27,31 +33,32 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def tail_proc(url: str, session: str, models_dir):
-    return subprocess.Popen([sys.executable, "-m", "sfchat.cli", "--tail", "--relay", url, "--token", TOKEN,
-                             "--secret", SECRET, "--session", session, "--device", "cpu",
-                             "--models-dir", str(models_dir)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ENV)
+def tail_proc(url: str, session: str, models_dir, token: str = TOKEN, code: tuple = ("--secret", SECRET),
+              env: dict = ENV):
+    return subprocess.Popen([sys.executable, "-m", "sfchat.cli", "--tail", "--relay", url, "--token", token,
+                             *code, "--session", session, "--device", "cpu", "--models-dir", str(models_dir)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
 
 
 K = 3
 
 
-def head_proc(url: str, session: str, model, draft, *extra):
-    return subprocess.Popen([sys.executable, "-m", "sfchat.cli", "--relay", url, "--token", TOKEN, "--secret", SECRET,
+def head_proc(url: str, session: str, model, draft, *extra, token: str = TOKEN, code: tuple = ("--secret", SECRET),
+              env: dict = ENV):
+    return subprocess.Popen([sys.executable, "-m", "sfchat.cli", "--relay", url, "--token", token, *code,
                              "--session", session, "--model", str(model), "--draft", str(draft), "--k", str(K),
                              "--prompt", PROMPT,
                              "--max-new-tokens", str(N_NEW), "--device", "cpu", "--json",
                              "--reconnect-timeout", "90", *extra],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 
-def wait_for_line(stream, needle: str, timeout: float = 120) -> None:
+def wait_for_line(stream, needle: str, timeout: float = 120) -> str:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         line = stream.readline()
         if needle in line:
-            return
+            return line
         if not line:
             time.sleep(0.05)
     raise AssertionError(f"no line containing {needle!r}")
@@ -138,3 +145,79 @@ def test_stalled_link_is_waited_out(zoo, procs, undisturbed):
     out, err = finish(head)
     assert "stalled" in err and "reconnecting" not in err
     assert out["token_ids"] == undisturbed
+
+
+def coded_tail(url: str, session: str, zoo, state, procs) -> tuple[subprocess.Popen, str]:
+    """A tail that makes its own code (no --secret) and keeps its state in ``state``: (process, code)."""
+    tail = tail_proc(url, session, zoo["qwen3-untied"].parent, token=relay_process.TOKEN, code=(),
+                     env=dict(ENV, SFCHAT_STATE_DIR=str(state)))
+    procs.append(tail)
+    return tail, CODE.search(wait_for_line(tail.stderr, "pairing code:", 60)).group(1)
+
+
+def test_a_restarted_tail_resumes_the_pairing_and_nothing_is_typed_again(zoo, procs, undisturbed, tmp_path):
+    """Today's finding: the restarted tail printed a new code, the head dialled again with the one it
+    was given, got 'wrong pairing code' and the reply was lost. The restarted tail reads back the
+    resumption secret of the first pairing: the head pairs again with no code, the reply goes on."""
+    relay, port = relay_process.start_relay(subprocess.DEVNULL, "--emulate-rtt-ms", "150")
+    procs.append(relay)
+    url = f"ws://127.0.0.1:{port}"
+    first, code = coded_tail(url, "resume", zoo, tmp_path / "state", procs)
+    head = head_proc(url, "resume", zoo["qwen3-untied"], zoo["draft"], token=relay_process.TOKEN, code=(),
+                     env=dict(ENV, SFCHAT_CODE=code))  # the code as the tail printed it, given once
+    procs.append(head)
+    wait_for_line(first.stderr, "ready:")
+    time.sleep(2.0)
+    first.send_signal(signal.SIGKILL)
+    second, new_code = coded_tail(url, "resume", zoo, tmp_path / "state", procs)
+    assert new_code != code  # the head was never told this one
+    out, err = finish(head)
+    assert "reconnecting" in err
+    assert out["finish_reason"] == "length" and out["token_ids"] == undisturbed
+    wait_for_line(second.stderr, "a head resumed its pairing", 30)
+
+
+def test_a_tail_that_lost_its_state_is_given_its_new_code_through_the_runtime(zoo, procs, undisturbed, tmp_path):
+    """The chat UI's runtime mid-reply: the tail comes back without its state and with a new code,
+    so the head cannot resume and the code it has is wrong. It asks (CodeWanted) instead of dying;
+    a cancel ends that reply, the next message asks again, and set_code brings the tail back."""
+    from sfchat.config import Settings
+    from sfchat.events import CodeWanted, ReplyFinished, RuntimeFailed, RuntimeReady, TokensCommitted
+    from sfchat.node.worker import RuntimeWorker
+
+    relay, port = relay_process.start_relay(subprocess.DEVNULL, "--emulate-rtt-ms", "300")
+    procs.append(relay)
+    url = f"ws://127.0.0.1:{port}"
+    first, code = coded_tail(url, "lost", zoo, tmp_path / "first", procs)
+    events = queue.Queue()
+
+    def next_event(kind):
+        while True:
+            event = events.get(timeout=180)
+            if isinstance(event, kind):
+                return event
+            assert not isinstance(event, RuntimeFailed), event
+
+    worker = RuntimeWorker(Settings(relay=url, token=relay_process.TOKEN, session="lost", secret=code,
+                                    model=str(zoo["qwen3-untied"]), draft=str(zoo["draft"]), k=K, device="cpu",
+                                    reconnect_timeout=90.0))
+    worker.start(events.put)
+    try:
+        next_event(RuntimeReady)
+        ask = [{"role": "user", "content": PROMPT}]
+        worker.submit(ask, {"max_new_tokens": N_NEW})
+        next_event(TokensCommitted)
+        first.send_signal(signal.SIGKILL)
+        second, new_code = coded_tail(url, "lost", zoo, tmp_path / "second", procs)  # no secret to resume
+        assert "wrong pairing code" in next_event(CodeWanted).reason
+        worker.cancel()  # the person dismisses the question: this reply ends, the runtime lives
+        failed = next_event(RuntimeFailed)
+        assert not failed.fatal and "cancelled while waiting for the pairing code" in failed.message
+        worker.submit(ask, {"max_new_tokens": N_NEW})
+        assert "wrong pairing code" in next_event(CodeWanted).reason
+        worker.set_code(new_code)
+        done = next_event(ReplyFinished)
+    finally:
+        worker.close()
+        assert worker.join(60)
+    assert done.finish_reason == "length" and list(done.token_ids) == undisturbed
