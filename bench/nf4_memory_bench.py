@@ -27,7 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gpu_bench import QWEN25_05B, QWEN25_7B, write_checkpoint  # noqa: E402
 from sfchat.engine.draft import Drafter  # noqa: E402
-from sfchat.model.memory import GIB, slice_need  # noqa: E402
+from sfchat.model.footprint import GIB, slice_need  # noqa: E402
+from sfchat.model.graphs import GraphTable  # noqa: E402
+from sfchat.model.memory import DraftPlan, draft_need  # noqa: E402
 from sfchat.model.slices import ModelSlice  # noqa: E402
 from sfchat.model.source import ModelSource  # noqa: E402
 from sfchat.protocol.wire import Sampling  # noqa: E402
@@ -49,10 +51,14 @@ def ms(fn, n=20) -> float:
 def measure(name, src, lo, hi, embed, head, quant, dtype, k, ctx):
     gc.collect()
     torch.cuda.empty_cache()
-    base = torch.cuda.memory_allocated()
+    base, base_reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
     torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
-    est = slice_need(src.config, lo, hi, embed=embed, head=head, dtype=dtype, quant=quant, max_len=ctx, k=k)
+    if embed and head:  # the draft, with the graphs of its K-step round and its guess step
+        est = draft_need(DraftPlan(src.config, DEV, dtype, quant, depths=(k,)), ctx)
+    else:
+        est = slice_need(src.config, lo, hi, embed=embed, head=head, dtype=dtype, quant=quant, max_len=ctx,
+                         verifies=[(k + 1, False)])
     sl = ModelSlice.load(src, lo, hi, embed=embed, head=head, dtype=dtype, device=DEV, max_len=ctx, quant=quant)
     load_s = time.perf_counter() - t0
     loaded = torch.cuda.memory_allocated() - base
@@ -67,7 +73,7 @@ def measure(name, src, lo, hi, embed, head, quant, dtype, k, ctx):
     if embed and head:  # the draft: its K-step round, captured before any context as the engine does
         drafter = Drafter(sl, k)
         row["graphed"] = drafter.capture(log=logs.append)
-        graphs, drafter.graphs = drafter.graphs, {}
+        graphs, drafter.graphs = drafter.graphs, GraphTable()
         tokens = list(range(100, 100 + n + 1))
         drafter.propose(tokens[:-1], Sampling(), None)  # the prefill
         eager = drafter.propose(tokens, Sampling(), None)[0]
@@ -86,6 +92,8 @@ def measure(name, src, lo, hi, embed, head, quant, dtype, k, ctx):
     torch.cuda.synchronize()
     row["est total GiB"] = est.total / GIB
     row["peak GiB"] = (torch.cuda.max_memory_allocated() - base) / GIB
+    # a graph pool's free blocks are reserved, not allocated: this is what the GPU really gives up
+    row["peak reserved GiB"] = (torch.cuda.max_memory_reserved() - base_reserved) / GIB
     row["note"] = "; ".join(m[:90] for m in logs)
     return row  # the slice goes with this frame: the next measurement starts from empty
 
@@ -112,7 +120,8 @@ def main() -> None:
         rows.append(measure("0.5B draft", draft, 0, 24, True, True, quant, dtype, args.k, ctx))
         for r in rows[-3:]:
             print(r, flush=True)
-    keys = ["slice", "quant", "est weights+kv GiB", "loaded GiB", "est total GiB", "peak GiB", "graphed",
+    keys = ["slice", "quant", "est weights+kv GiB", "loaded GiB", "est total GiB", "peak GiB", "peak reserved GiB",
+            "graphed",
             "bit-identical", "ms", "load s"]
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, {args.dtype}, K={args.k}, "
           f"context {ctx} slots\n")

@@ -1,5 +1,7 @@
-"""CUDA-only checks (skipped without a GPU): graphed forwards are bit-identical to eager ones,
-and the graphed engine keeps greedy parity with transformers' generate()."""
+"""CUDA-only checks (skipped without a GPU): graphed forwards are bit-identical to eager ones (one
+segment or several, on one GPU or two), graphs of one device sharing its memory pool do not
+disturb each other's results, and the graphed engine keeps greedy parity with transformers'
+generate()."""
 
 from __future__ import annotations
 
@@ -113,7 +115,7 @@ def test_each_attention_window_has_its_graph_and_matches_eager(zoo, monkeypatch)
     dev = torch.device("cuda")
     tail = ModelSlice.load(src, 2, 4, embed=False, head=True, dtype=torch.bfloat16, device=dev, max_len=64)
     k = 4
-    assert tail.capture(k + 1, k + 1) and tail.graphs.windows((k + 1, k + 1, False)) == [16, 32, 64]
+    assert tail.capture(k + 1, k + 1) and tail.graphs.windows((k + 1, k + 1, False, 0)) == [16, 32, 64]
     hidden = torch.randn(60, 64, device=dev).to(torch.bfloat16)
     tail.forward(hidden[:55], torch.arange(55, device=dev), 1)
     for first in (3, 20, 40, 55):  # windows 16, 32, 64, 64
@@ -170,3 +172,89 @@ def test_graphed_tree_forward_is_bit_identical_to_eager(zoo):
     pos = torch.arange(20, 29, device=dev)
     assert torch.equal(tail.forward(hidden, pos, 9, tail.kv.max_len, mask).clone(),
                        tail.run(hidden, pos, 9, tree=mask).clone())
+
+
+def segment_cases():
+    cases = [[torch.device("cuda")] * 2, [torch.device("cuda")] * 3]
+    if torch.cuda.is_available() and torch.cuda.device_count() >= 2:
+        cases.append([torch.device("cuda:0"), torch.device("cuda:1")])
+    return cases
+
+
+@pytest.mark.parametrize("devices", segment_cases(), ids=lambda d: ",".join(map(str, d)))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_segment_graphs_replay_bit_identically_to_eager(zoo, devices, dtype):
+    """A slice cut into segments (on one GPU, or on two when there are two) captures one graph per
+    segment, window and shape; replayed, chain and tree forwards equal the segmented slice's eager
+    forward and the unsegmented slice's graphed one, bit for bit."""
+    from sfchat.engine import tree as trees
+
+    src = ModelSource.open(str(zoo["qwen2-untied"]))
+    dev = devices[0]
+    for lo, hi, embed, head in [(0, 4, True, False), (0, 4, False, True)]:
+        one = ModelSlice.load(src, lo, hi, embed=embed, head=head, dtype=dtype, device=dev, max_len=64)
+        cut = ModelSlice.load(src, lo, hi, embed=embed, head=head, dtype=dtype, device=dev, max_len=64,
+                              devices=devices)
+        assert len(cut.groups) == len(devices) and [d for d, _, _ in cut.groups] == devices
+        rows = 9 if head else 0
+        for sl in (one, cut):
+            assert sl.capture(9, rows) and sl.capture(9, rows, tree=True) and sl.captured(9, rows)
+        assert len(cut.graphs) == len(devices) * len(one.graphs)
+        gen = torch.Generator(device=dev).manual_seed(lo)
+        x = (torch.randint(0, 300, (29,), device=dev, generator=gen) if embed
+             else torch.randn(29, 64, device=dev, generator=gen).to(dtype))
+        for sl in (one, cut):
+            sl.forward(x[:20], torch.arange(20, device=dev), rows)
+        pos = torch.arange(20, 29, device=dev)
+        mask = trees.mask([0, 0, 1, 1, 2, 5, 6, 6], 20, dev)
+        for tree in (None, mask):
+            eager = cut.forward(x[20:], pos, rows, cut.kv.window_for(29), tree).clone()
+            graphed = cut.run(x[20:], pos, rows, end=29, tree=tree).clone()
+            assert torch.equal(eager, graphed)
+            assert torch.equal(graphed, one.run(x[20:], pos, rows, end=29, tree=tree))
+
+
+def test_graphs_sharing_a_pool_leave_each_others_results_alone(zoo):
+    """Every graph of a device is captured into one memory pool, so one graph's temporaries may lie
+    where another's outputs are: a replay hands back copies, which later replays of other graphs
+    (another slice, another window, another shape) leave as they were."""
+    src = ModelSource.open(str(zoo["qwen2-untied"]))
+    dev = torch.device("cuda")
+    head = ModelSlice.load(src, 0, 2, embed=True, head=False, dtype=torch.float32, device=dev, max_len=64)
+    tail = ModelSlice.load(src, 2, 4, embed=False, head=True, dtype=torch.float32, device=dev, max_len=64)
+    for n in (3, 9):
+        assert head.capture(n) and tail.capture(n, n)
+    ids = torch.randint(0, 300, (9,), device=dev)
+    pos = torch.arange(9, device=dev)
+    h = head.run(ids, pos, end=9)
+    kept_h = h.clone()
+    logits = tail.run(h, pos, 9, end=9)
+    kept_logits = logits.clone()
+    for _ in range(3):  # the other shapes' graphs of both slices, replayed meanwhile
+        tail.run(torch.randn(3, 64, device=dev), pos[:3], 3, end=3)
+        head.run(ids[:3], pos[:3], end=3)
+    torch.cuda.synchronize()
+    assert torch.equal(h, kept_h) and torch.equal(logits, kept_logits)
+
+
+def test_graphed_engine_with_segmented_halves_keeps_greedy_parity(zoo, monkeypatch):
+    """``--device`` naming the GPU twice: head and tail halves as two segments each, every segment
+    graphed, and the reply is generate()'s (fp32)."""
+    from transformers import AutoModelForCausalLM
+
+    import sfchat.node.loading as loading
+
+    real = loading.resolve_devices
+    monkeypatch.setattr(loading, "resolve_devices",
+                        lambda name: [torch.device("cuda")] * 2 if name == "twice" else real(name))
+    path = zoo["qwen2-tied"]
+    session = Head.open(Settings(model=str(path), draft=str(zoo["draft"]), k=4, tree_budget="auto", device="twice",
+                                 dtype="float32", compile_draft=False))
+    head, tail = session.engine.head, session.engine.link.verifier.model
+    assert len(head.groups) == len(tail.groups) == 2
+    assert head.captured(5) and head.captured(65, tree=True) and tail.captured(5, 5) and tail.captured(65, 65, True)
+    ids = session.encode([{"role": "user", "content": "hello world"}])
+    fin = [e for e in session.reply(ids, 32, Sampling()) if isinstance(e, ReplyFinished)][0]
+    model = AutoModelForCausalLM.from_pretrained(path).cuda().eval()
+    ref = model.generate(torch.tensor([ids], device="cuda"), max_new_tokens=32, do_sample=False, pad_token_id=0)
+    assert list(fin.token_ids) == ref[0, len(ids):].tolist()

@@ -2,11 +2,20 @@
 
 Contract
 --------
-``Graphed(fn, example_inputs)`` warms ``fn`` up on a side stream, captures one call into a
-``torch.cuda.CUDAGraph`` and afterwards runs it by copying new inputs into the captured input
-buffers and replaying: the same kernels on the same shapes, so the results are bit-identical
-to eager execution, without Python launch overhead. The returned outputs are the graph's own
-static buffers: read (or copy) them before the next replay.
+``Graphed(fn, example_inputs)`` warms ``fn`` up, captures one call into a ``torch.cuda.CUDAGraph``
+and afterwards runs it by copying new inputs into the captured input buffers and replaying: the
+same kernels on the same shapes, so the results are bit-identical to eager execution, without
+Python launch overhead. A call returns copies of the graph's outputs (fresh tensors, safe to keep).
+
+Memory: every graph of one device is warmed up and captured on that device's one capture stream
+(``capture_stream``) into that device's one memory pool (``memory_pool``). A graph's temporaries
+are dead once it has run, so the next graph captured there reuses them: a device's graphs need
+the largest graph's temporaries once, plus each graph's outputs (``memory.py`` counts them so).
+That is why a call copies the outputs: another graph of the pool may reuse their memory for its
+temporaries, so a graph's own buffers are only valid until the next replay of any graph on that
+device. One stream per device also means one cuBLAS workspace per device for all captures (a
+new stream per graph would hold one each) and that a graph of ``cuda:1`` is captured on a stream
+of ``cuda:1`` (torch's default capture stream belongs to the device current when it was made).
 
 Warm-up and capture really execute ``fn``: callers capture before any conversation, while
 the KV slots those calls write are not yet part of any context (they are overwritten later).
@@ -18,11 +27,11 @@ the graph of the smallest captured window that holds a forward's positions.
 
 ``GraphTable`` is the one place where the choice between a graph and the plain code is made,
 for the slices and the draft alike: ``capture(key, what, fn, inputs, windows)`` captures
-``fn(*inputs, window)`` once per window under ``key`` (a shape: a slice's tokens and logits, the
-draft's depth and whether it samples); ``run(key, fn, inputs, window)`` replays the graph that
-fits and otherwise calls ``fn(*inputs, window)`` itself: the CPU, and any shape not captured, run
-exactly the code a graph replays. Keys are the owner's own; nothing else reads them
-(``key in table`` tells whether one was captured).
+``fn(*inputs, window)`` once per window under ``key`` (a shape: a slice's tokens, logits and
+segment, the draft's depth and whether it samples); ``run(key, fn, inputs, window)`` replays the
+graph that fits and otherwise calls ``fn(*inputs, window)`` itself: the CPU, and any shape not
+captured, run exactly the code a graph replays. Keys are the owner's own; nothing else reads them
+(``key in table`` tells whether one was captured, ``keys()`` lists them).
 """
 
 from __future__ import annotations
@@ -32,24 +41,55 @@ import warnings
 import torch
 
 
+_streams: dict[torch.device, "torch.cuda.Stream"] = {}
+_pools: dict[torch.device, tuple] = {}
+
+
+def _indexed(device: torch.device) -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
+
+
+def capture_stream(device: torch.device) -> "torch.cuda.Stream":
+    """The side stream on which every graph of ``device`` is warmed up and captured."""
+    device = _indexed(device)
+    if device not in _streams:
+        _streams[device] = torch.cuda.Stream(device)
+    return _streams[device]
+
+
+def memory_pool(device: torch.device) -> tuple:
+    """The memory pool that every graph of ``device`` is captured into."""
+    device = _indexed(device)
+    if device not in _pools:
+        with torch.cuda.device(device):
+            _pools[device] = torch.cuda.graph_pool_handle()
+    return _pools[device]
+
+
+def _copies(outputs):
+    return outputs.clone() if isinstance(outputs, torch.Tensor) else type(outputs)(x.clone() for x in outputs)
+
+
 class Graphed:
     def __init__(self, fn, example_inputs: tuple[torch.Tensor, ...], warmup: int = 2):
         self.inputs = tuple(x.clone() for x in example_inputs)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
+        self.device = device = self.inputs[0].device
+        stream = capture_stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream), torch.no_grad():
             for _ in range(warmup):  # lets cuBLAS/SDPA pick and cache their kernels before capture
                 fn(*self.inputs)
-        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.current_stream(device).wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph), torch.no_grad():
+        with torch.cuda.graph(self.graph, pool=memory_pool(device), stream=stream), torch.no_grad():
             self.outputs = fn(*self.inputs)
 
     def __call__(self, *inputs: torch.Tensor):
-        for buf, x in zip(self.inputs, inputs):
-            buf.copy_(x, non_blocking=True)
-        self.graph.replay()
-        return self.outputs
+        with torch.cuda.device(self.device):  # inputs, replay and copies on the graph's device's stream
+            for buf, x in zip(self.inputs, inputs):
+                buf.copy_(x, non_blocking=True)
+            self.graph.replay()
+            return _copies(self.outputs)
 
 
 def try_capture(what: str, fn, example_inputs, log=None):
@@ -102,6 +142,9 @@ class GraphTable:
 
     def __contains__(self, key) -> bool:
         return key in self._graphs
+
+    def keys(self) -> list:
+        return list(self._graphs)
 
     def windows(self, key) -> list[int]:
         """The attention windows captured under ``key``, ascending."""

@@ -1,113 +1,59 @@
-"""Will it fit? Each node's GPU memory need, estimated from the config before anything is loaded.
+"""Will it fit? Each GPU's memory need against what is free there, before anything is loaded.
 
 Contract
 --------
-``slice_need(config, lo, hi, embed=..., head=..., dtype=..., quant=..., max_len=..., k=...)``
-estimates, in bytes, what ``ModelSlice.load`` of layers ``[lo, hi)`` will hold: the weights
-(dense in ``dtype``, or NF4 for the decoder layers' linear weights), the static KV cache of
-``max_len`` positions, and a workspace for the forwards (a 512-token prefill chunk, the K+1
-verify or the token tree, whose rows of logits grow with the budget (``k`` is then the budget),
-allocator slack, and the memory pools of the CUDA graphs: one per attention window of the KV
-cache, ``GRAPH_POOL_BYTES`` each, from 232 MiB measured for the six windows of a Qwen2.5-7B
-half's 9-token verify on an H200, bf16, 8201 slots). Parameter counts are exact: one decoder
-layer is built on the meta device and counted (biases and q/k norms included). The workspace is
-a deliberately generous estimate, checked against torch's peak allocation on an H200
-(``bench/nf4_memory_bench.py``, fp16, 4105 slots: 4-5 % above the peak for a Qwen2.5-7B half,
-15 % with NF4, 33-56 % for the 0.5B draft; the bf16 peaks were lower still).
+The needs come from ``footprint.py`` (per segment of a slice, per CUDA graph). ``check_fits(plan,
+hints)`` adds them up per CUDA device (``plan``: ``(what, device, Need)``, added by
+``footprint.device_bytes``: one workspace and one graph pool per device), compares each sum
+with what is free there (``torch.cuda.mem_get_info`` plus what torch's allocator holds unused) and
+raises a ``UserError`` naming the device, the figures and ``hints`` (the fixes that apply to the
+caller: 4-bit, a shorter context, fewer round shapes, another split, another device). CPU devices
+are not checked. ``SFCHAT_NO_MEMORY_CHECK=1`` skips every check (the estimate may be wrong for a
+new GPU or driver).
 
-``check_fits(plan, hints)`` adds up the needs per CUDA device (``plan``: ``(what, devices,
-Need)``, a need spread evenly over ``devices``), compares each sum with what is free there
-(``torch.cuda.mem_get_info`` plus what torch's allocator holds unused) and raises a
-``UserError`` naming the device, the figures and ``hints`` (the fixes that apply to the caller:
-4-bit, a shorter context, another split, another device). CPU devices are not checked.
-``SFCHAT_NO_MEMORY_CHECK=1`` skips the check (the estimate may be wrong for a new GPU or driver).
-This module loads nothing and knows nothing about the wire.
+``check_head`` is the head's check (its slice over ``devices``, the draft and its graphs, and in
+local mode the tail's slice on the same devices), ``check_tail`` the tail's (its slice for the
+verify shapes a HELLO announces), both before loading; ``head_plan`` / ``tail_plan`` are the needs
+they check, per segment and device (``bench/layouts.py`` prints them). ``check_graphs(model,
+verifies)`` is for a slice already loaded: the graphs that capturing those verify shapes would
+add (shapes it holds already are not counted again), against the memory free now; a tail calls
+it before capturing what a HELLO asks for (``graphs_to_capture`` lists them).
+
+Placement over a node's GPUs: a slice's layers are cut so that every GPU keeps about the same
+headroom (``slices.segment_runs`` with ``reserved``: ``unequal_free`` for GPUs with less free
+memory, and on the head ``head_reserve`` adds what the draft holds on its GPU); ``place_draft``
+picks the draft's GPU when the head's layers use every GPU (see there for why that one). The
+plans use the same cut as the slices are loaded with. This module loads nothing and knows
+nothing about the wire.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
-from torch import nn
 
 from sfchat import UserError
-from sfchat.model.kv import PREFILL_CHUNK, windows_for
-from sfchat.model.quant import NF4_BYTES_PER_WEIGHT
-from sfchat.model.slices import architecture
+from sfchat.model.footprint import (GIB, GRAPH_BYTES, Need, device_bytes, draft_graphs, gib, kv_bytes_per_position,
+                                   slice_needs)
 
-FIXED_SLACK = 256 << 20  # cuBLAS workspaces, allocator rounding
-GRAPH_POOL_BYTES = 40 << 20  # one captured forward's private memory pool (allocator segments)
-GIB = 1 << 30
+Plan = list[tuple[str, torch.device, Need]]
 
 
 @dataclass(frozen=True)
-class Need:
-    weights: int
-    kv: int
-    work: int
+class DraftPlan:
+    """The draft as the head will load and capture it (``Drafter``'s step: ``rows`` nodes, their
+    ``children`` continuations each, ``pool`` scratch slots)."""
 
-    @property
-    def total(self) -> int:
-        return self.weights + self.kv + self.work
-
-    def describe(self) -> str:
-        return f"{gib(self.total)} (weights {gib(self.weights)}, KV cache {gib(self.kv)}, workspace {gib(self.work)})"
-
-
-def gib(n: float) -> str:
-    return f"{n / GIB:.1f} GiB"
-
-
-_layer_counts: dict[tuple, tuple[int, int]] = {}
-
-
-def layer_counts(config) -> tuple[int, int]:
-    """(weights of the linear layers, all other parameters) of one decoder layer."""
-    key = (config.model_type, config.hidden_size, config.intermediate_size, config.num_attention_heads,
-           config.num_key_value_heads, getattr(config, "head_dim", None), getattr(config, "attention_bias", None))
-    if key not in _layer_counts:
-        layer_cls, _, _ = architecture(config)
-        with torch.device("meta"):
-            layer = layer_cls(config, 0)
-        linear = sum(m.weight.numel() for m in layer.modules() if isinstance(m, nn.Linear))
-        _layer_counts[key] = (linear, sum(p.numel() for p in layer.parameters()) - linear)
-    return _layer_counts[key]
-
-
-def head_dim(config) -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-
-
-def kv_bytes_per_position(config, n_layers: int, dtype: torch.dtype) -> int:
-    return 2 * n_layers * config.num_key_value_heads * head_dim(config) * dtype.itemsize
-
-
-def slice_need(config, lo: int, hi: int, *, embed: bool, head: bool, dtype: torch.dtype, quant: str,
-               max_len: int, k: int) -> Need:
-    b = dtype.itemsize
-    n = hi - lo
-    H, V, inter = config.hidden_size, config.vocab_size, config.intermediate_size
-    linear, other = layer_counts(config)
-    per_linear = NF4_BYTES_PER_WEIGHT if quant == "nf4" else b
-    tied = getattr(config, "tie_word_embeddings", False)
-    ends = V * H * ((1 if embed else 0) + (1 if head and not (tied and embed) else 0)) + (H if head else 0)
-    weights = int(n * (linear * per_linear + other * b) + ends * b)
-    kv = kv_bytes_per_position(config, n, dtype) * max_len
-    # one layer's forward of a prefill chunk: hidden states, q/k/v, the MLP, the additive mask, the
-    # keys/values repeated per head, and the attention scores in fp32 (scores, masked, softmax)
-    # should SDPA fall back to its math kernel, as it did in fp16 on an H200 (bench/RESULTS.md)
-    heads, kv_heads, hd = config.num_attention_heads, config.num_key_value_heads, head_dim(config)
-    chunk = min(PREFILL_CHUNK, max_len)
-    act = chunk * (4 * H + (heads + 2 * kv_heads) * hd + 3 * inter) * b
-    attn = chunk * max_len * (b + 3 * 4 * heads) + 2 * heads * max_len * hd * b if n else 0
-    logits = (k + 1) * V * (4 * 3 + b) if head else 0  # float logits, softmax and sampling copies
-    loading = linear * b if quant == "nf4" and n else 0  # one layer dense before it is quantised
-    # a whole model (the draft) captures its round and its one-token guess step per window
-    graphs = GRAPH_POOL_BYTES * len(windows_for(max_len)) * (2 if embed and head else 1)
-    work = act + attn + logits + loading + graphs + FIXED_SLACK + weights // 20  # + 5%: rounding, fragments
-    return Need(weights, kv, int(work))
+    config: object
+    device: torch.device
+    dtype: torch.dtype
+    quant: str
+    rows: int = 2
+    children: int = 1
+    pool: int = 2
+    compiled: bool = False
 
 
 def _cuda_key(device: torch.device) -> torch.device:
@@ -120,18 +66,20 @@ def free_bytes(device: torch.device) -> int:
     return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
 
 
-def check_fits(plan: list[tuple[str, list[torch.device], Need]], hints: list[str]) -> None:
+def per_device(plan: Plan) -> dict[torch.device, tuple[int, list[tuple[str, Need]]]]:
+    """The plan's CUDA devices: (bytes needed, the items there)."""
+    items: dict[torch.device, list[tuple[str, Need]]] = {}
+    for what, device, need in plan:
+        if device.type == "cuda":
+            items.setdefault(_cuda_key(device), []).append((what, need))
+    return {device: (device_bytes(n for _, n in parts), parts) for device, parts in items.items()}
+
+
+def check_fits(plan: Plan, hints: list[str]) -> None:
     """Raise a UserError when the needs of ``plan`` exceed the free memory of a CUDA device."""
     if os.environ.get("SFCHAT_NO_MEMORY_CHECK", "") not in ("", "0"):
         return
-    per_device: dict[torch.device, list[tuple[str, Need]]] = {}
-    for what, devices, need in plan:
-        cuda = [d for d in devices if d.type == "cuda"]
-        for d in cuda:
-            share = Need(need.weights // len(cuda), need.kv // len(cuda), need.work)
-            per_device.setdefault(_cuda_key(d), []).append((what if len(cuda) == 1 else f"{what} (share)", share))
-    for device, items in per_device.items():
-        total = sum(need.total for _, need in items)
+    for device, (total, items) in per_device(plan).items():
         free = free_bytes(device)
         if total <= free:
             continue
@@ -142,17 +90,27 @@ def check_fits(plan: list[tuple[str, list[torch.device], Need]], hints: list[str
                         "skips this check.)")
 
 
+def _segments(what: str, needs: list[tuple[torch.device, Need]]) -> Plan:
+    return [(what if len(needs) == 1 else f"{what} (part {i + 1} of {len(needs)})", d, n)
+            for i, (d, n) in enumerate(needs)]
+
+
+def _tree(verifies) -> int:
+    return max((p - 1 for p, tree in verifies if tree), default=0)
+
+
 def hints(role: str, *, quant: str, max_len: int, kv_per_position: int, gpus: int, spread: bool,
           draft: str | None = None, tree_budget: int = 0) -> list[str]:
     """The fixes that apply to ``role`` ("head", "tail" or "local"), most effective first."""
+    on_head = " on the head" if role == "tail" else ""
     out = []
     if tree_budget:
-        out.append(f"a smaller --tree-budget{' on the head' if role == 'tail' else ''} (now {tree_budget}: "
-                   "each node adds a row of logits and a KV slot)")
+        out.append(f"a smaller --tree-budget{on_head} (now {tree_budget}: each node adds a row of logits and a KV "
+                   "slot)")
     if quant != "nf4":
         out.append("--load-in-4bit (NF4: the layers take about a quarter of their 16-bit size)" if role != "tail"
                    else "--load-in-4bit on the head (the tail follows it)")
-    out.append(f"a shorter --max-context{' on the head' if role == 'tail' else ''} (now {max_len} positions, "
+    out.append(f"a shorter --max-context{on_head} (now {max_len} positions, "
                f"{kv_per_position * 1024 / GIB:.2f} GiB of KV cache per 1024 positions)")
     if role == "head":
         out.append("a smaller --split (moves layers to the tail)")
@@ -166,42 +124,138 @@ def hints(role: str, *, quant: str, max_len: int, kv_per_position: int, gpus: in
     return out
 
 
-def check_head(config, split: int, *, devices: list[torch.device], dtype: torch.dtype, quant: str, max_len: int,
-               k: int, draft=None, local: bool = False, tree_budget: int = 0) -> None:
-    """The head's check: its slice, the draft (``(config, device, dtype, quant)``) and, in local
-    mode, the tail's slice in the same process on the same devices; ``max_len`` counts the
-    tree's scratch slots."""
+def draft_need(draft: DraftPlan, max_len: int, graphs: bool = True) -> Need:
+    """The draft's weights, KV cache, workspace and graphs on its device."""
+    [(_, need)] = slice_needs(draft.config, 0, int(draft.config.num_hidden_layers), embed=True, head=True,
+                              dtype=draft.dtype, quant=draft.quant, max_len=max_len, devices=[draft.device],
+                              graphs=False)
+    captured = draft_graphs(draft.config, draft.dtype, draft.quant, max_len, rows=draft.rows, children=draft.children,
+                            pool=draft.pool, compiled=draft.compiled) if graphs and draft.device.type == "cuda" else ()
+    return Need(need.weights, need.kv, need.work, captured)
+
+
+def unequal_free(devices: list[torch.device]) -> list[int]:
+    """Per entry of ``devices``: how much less is free there than on the roomiest of them (0 for
+    the CPU): reserved in a slice's ``segment_runs``, so that its layers leave every GPU the same
+    headroom (in local mode the tail then balances around what the head took)."""
+    free = {d: free_bytes(_cuda_key(d)) for d in dict.fromkeys(devices) if d.type == "cuda"}
+    most = max(free.values(), default=0)
+    return [most - free[d] if d in free else 0 for d in devices]
+
+
+def head_reserve(draft: DraftPlan | None, devices: list[torch.device], max_len: int, graphs: bool = True
+                 ) -> list[int]:
+    """``reserved`` for the head's slice over ``devices``: ``unequal_free``, and on the last entry
+    naming the draft's GPU what the draft adds there (its weights, K/V and graph outputs: its
+    workspace and graph temporaries fit in the head's), so that the layers balance around it."""
+    out = unequal_free(devices)
+    if draft is not None and draft.device in devices:
+        need = draft_need(draft, max_len, graphs)
+        adds = need.weights + need.weights // 20 + need.kv + sum(g.outputs + GRAPH_BYTES for g in need.graphs)
+        out[len(devices) - 1 - devices[::-1].index(draft.device)] += adds
+    return out
+
+
+def head_plan(config, split: int, *, devices: list[torch.device], dtype: torch.dtype, quant: str, max_len: int,
+              verifies, draft: DraftPlan | None = None, local: bool = False, graphs: bool = True) -> Plan:
+    """The head's needs: its slice over ``devices`` (graphs for ``verifies``, the (positions, tree)
+    of every round shape; its layers balanced by ``head_reserve``), the draft and, in local mode,
+    the tail's slice on the same devices (balanced around the head's, as ``TailLoader`` balances
+    it around the memory free once the head is loaded)."""
     L = int(config.num_hidden_layers)
-    k = max(k, tree_budget)
-    plan = [("head layers", devices, slice_need(config, 0, split, embed=True, head=False, dtype=dtype, quant=quant,
-                                                max_len=max_len, k=k))]
-    if local:
-        plan.append(("tail layers", devices, slice_need(config, split, L, embed=False, head=True, dtype=dtype,
-                                                        quant=quant, max_len=max_len, k=k)))
+    common = dict(dtype=dtype, quant=quant, max_len=max_len, devices=devices, graphs=graphs)
+    reserved = head_reserve(draft, devices, max_len, graphs)
+    plan = _segments("head layers", slice_needs(config, 0, split, embed=True, head=False, verifies=verifies,
+                                                reserved=reserved, **common))
+    if draft is not None:
+        plan.append(("draft", draft.device, draft_need(draft, max_len, graphs)))
+    if local:  # the tail's slice loads next, balanced around what the head holds by then
+        held = per_device(plan)
+        taken = [u + (held.get(_cuda_key(d), (0, []))[0] if d.type == "cuda" else 0)
+                 for u, d in zip(unequal_free(devices), devices)]
+        plan += _segments("tail layers", slice_needs(config, split, L, embed=False, head=True, verifies=verifies,
+                                                     reserved=taken, **common))
+    return plan
+
+
+def check_head(config, split: int, *, devices: list[torch.device], dtype: torch.dtype, quant: str, max_len: int,
+               verifies, draft: DraftPlan | None = None, local: bool = False, graphs: bool = True) -> None:
+    """The head's check (``head_plan``); ``max_len`` counts the tree's scratch slots."""
+    L = int(config.num_hidden_layers)
+    plan = head_plan(config, split, devices=devices, dtype=dtype, quant=quant, max_len=max_len, verifies=verifies,
+                     draft=draft, local=local, graphs=graphs)
     draft_hint = None
     if draft is not None:
-        dconfig, ddevice, ddtype, dquant = draft
-        dn = int(dconfig.num_hidden_layers)
-        plan.append(("draft", [ddevice], slice_need(dconfig, 0, dn, embed=True, head=True, dtype=ddtype,
-                                                    quant=dquant, max_len=max_len, k=0)))
-        fixes = [] if dquant == "nf4" else ["--draft-load-in-4bit"]
-        if ddevice in devices and _gpus() >= 2:
+        fixes = [] if draft.quant == "nf4" else ["--draft-load-in-4bit"]
+        if draft.device in devices and _gpus() >= 2:
             fixes.append("--draft-device on the other GPU")
         draft_hint = ", ".join(fixes + ["--draft none"]) + " (the draft)"
     check_fits(plan, hints("local" if local else "head", quant=quant, max_len=max_len,
                            kv_per_position=kv_bytes_per_position(config, L if local else split, dtype),
-                           gpus=_gpus(), spread=len(devices) > 1, draft=draft_hint, tree_budget=tree_budget))
+                           gpus=_gpus(), spread=len(devices) > 1, draft=draft_hint, tree_budget=_tree(verifies)))
+
+
+def tail_plan(config, split: int, *, devices: list[torch.device], dtype: torch.dtype, quant: str, max_len: int,
+              verifies, graphs: bool = True) -> Plan:
+    """The tail's needs: its slice over ``devices``, balanced by ``unequal_free`` (as ``TailLoader``
+    loads it), with graphs for ``verifies``."""
+    L = int(config.num_hidden_layers)
+    return _segments("tail layers", slice_needs(config, split, L, embed=False, head=True, dtype=dtype, quant=quant,
+                                                max_len=max_len, devices=devices, verifies=verifies, graphs=graphs,
+                                                reserved=unequal_free(devices)))
+
+
+def _tail_hints(config, split: int, quant: str, max_len: int, dtype, verifies, spread: bool) -> list[str]:
+    return hints("tail", quant=quant, max_len=max_len, spread=spread, gpus=_gpus(), tree_budget=_tree(verifies),
+                 kv_per_position=kv_bytes_per_position(config, int(config.num_hidden_layers) - split, dtype),
+                 chains=sum(1 for _, tree in verifies if not tree))
 
 
 def check_tail(config, split: int, *, devices: list[torch.device], dtype: torch.dtype, quant: str,
-               max_len: int, k: int, tree_budget: int = 0) -> None:
-    L = int(config.num_hidden_layers)
-    k = max(k, tree_budget)
-    need = slice_need(config, split, L, embed=False, head=True, dtype=dtype, quant=quant, max_len=max_len, k=k)
-    per_position = kv_bytes_per_position(config, L - split, dtype)
-    check_fits([("tail layers", devices, need)],
-               hints("tail", quant=quant, max_len=max_len, kv_per_position=per_position, gpus=_gpus(),
-                     spread=len(devices) > 1, tree_budget=tree_budget))
+               max_len: int, verifies, graphs: bool = True) -> None:
+    """The tail's check before loading: its slice, with graphs for the HELLO's ``verifies``."""
+    check_fits(tail_plan(config, split, devices=devices, dtype=dtype, quant=quant, max_len=max_len,
+                         verifies=verifies, graphs=graphs),
+               _tail_hints(config, split, quant, max_len, dtype, verifies, len(devices) > 1))
+
+
+def graphs_to_capture(model, verifies) -> Plan:
+    """Per segment of a loaded ``ModelSlice``, the graphs that capturing ``verifies`` (each with as
+    many rows of logits as positions in a slice with the head) adds to what it holds."""
+    new = [(p, tree) for p, tree in verifies if not model.captured(p, p, tree)]
+    needs = slice_needs(model.config, model.lo, model.hi, embed=model.embed_tokens is not None,
+                        head=model.lm_head is not None, dtype=model.dtype, quant=model.quant,
+                        max_len=model.kv.max_len, devices=[dev for dev, _, _ in model.groups], verifies=new)
+    return [(f"CUDA graphs of layers [{lo}, {hi})", dev, Need(0, 0, 0, need.graphs))
+            for (lo, hi), (dev, need) in zip(model.ranges, needs) if need.graphs]
+
+
+def check_graphs(model, verifies) -> None:
+    """Raise a UserError when the graphs for ``verifies`` that ``model`` has not captured yet would
+    not fit in the memory free now (a second HELLO asking for new shapes, a tail's first)."""
+    check_fits(graphs_to_capture(model, verifies),
+               _tail_hints(model.config, model.lo, model.quant, model.kv.max_len, model.dtype, verifies,
+                           len(model.groups) > 1))
+
+
+def place_draft(config, split: int, draft: DraftPlan, **target) -> DraftPlan:
+    """``draft`` on the GPU of the head's ``devices`` that leaves the node the most memory (the
+    least free after its needs, over all its GPUs, as large as it can be), the head's layers
+    balanced around it (``head_plan(config, split, draft=..., **target)``); a tie goes to the
+    last GPU. Compute does not decide it: one thread runs the draft and then the head's segments
+    one after the other, on whichever GPUs they are, and the draft's tokens come back to the host
+    every round either way. Memory does, but little: the layers rebalance around the draft
+    wherever it goes (and around a GPU that something else uses too), so both choices end within
+    about a layer of each other, and the estimate picks the better one."""
+    gpus = list(dict.fromkeys(d for d in target["devices"] if d.type == "cuda"))
+    if len(gpus) < 2:
+        return draft
+
+    def headroom(device):
+        needs = per_device(head_plan(config, split, draft=replace(draft, device=device), **target))
+        return min(free_bytes(d) - needs.get(_cuda_key(d), (0, []))[0] for d in gpus)
+
+    return replace(draft, device=max(reversed(gpus), key=headroom))
 
 
 def _gpus() -> int:

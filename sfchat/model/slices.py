@@ -23,10 +23,24 @@ slots from ``start`` on, in every KV cache of the slice, and records them. The d
 the wire.
 
 ``quant="nf4"`` loads the decoder layers' linear weights as 4-bit NF4 (``quant.py``), one layer
-at a time. ``devices`` (two GPUs of one node) spreads the layers evenly over them: each layer
-and its KV cache live on one device, the hidden states move at the boundary, the embedding sits
-on the first device and norm + lm_head on the last; inputs and outputs stay on the first device
-(``self.device``). Such a slice runs eagerly: a CUDA graph belongs to one device.
+at a time.
+
+Segments. ``devices`` (two GPUs of one node) spreads the layers over them: each entry is one
+*segment*, a contiguous run of layers (``segment_runs``: as even in bytes as whole layers allow,
+the embedding counted in the first, norm + lm_head in the last, and ``reserved`` bytes per entry
+that others hold on that device: the draft), with its own KV cache
+(``groups``: device, ``StaticKV``, layers), the embedding in the first and norm + lm_head in the
+last; inputs and outputs stay on the first device (``self.device``). A device may appear more
+than once (``[cpu, cpu]``, ``[cuda:0, cuda:0]``): then one device runs several segments, which is
+how the CPU tests and a one-GPU benchmark run exactly the code of a slice over two GPUs. Each
+segment's forward is a plain function of tensors and the window (``_segment``): the hidden state
+``(n, H)`` (token ids for the first segment of a slice with the embedding), the slots, and a
+tree's tensors; ``forward`` calls them one after the other, moving the hidden state and the
+inputs to the next segment's device between them, and ``run`` replays a CUDA graph per segment
+(``capture`` captures one per shape, window and segment, each on its segment's device). Segments
+compute exactly what one segment computes (the rotary embedding and the mask are recomputed per
+segment from the same inputs), so a segmented slice's outputs equal the unsegmented slice's bit
+for bit, graphed or not.
 """
 
 from __future__ import annotations
@@ -40,7 +54,7 @@ from torch import nn
 from sfchat import UserError
 from sfchat.model.graphs import GraphTable
 from sfchat.model.kv import StaticKV, TreeMask
-from sfchat.model.quant import check_mode, quantize_linears
+from sfchat.model.quant import NF4_BYTES_PER_WEIGHT, check_mode, quantize_linears
 from sfchat.model.source import ModelSource, Progress, _no_progress
 
 # model_type -> (module, decoder layer, rms norm, rotary embedding)
@@ -64,15 +78,62 @@ def n_layers(config) -> int:
     return int(config.num_hidden_layers)
 
 
-def spread(n: int, devices: list[torch.device]) -> list[torch.device]:
-    """The device of each of ``n`` consecutive layers: contiguous, as even as possible."""
-    return [devices[i * len(devices) // n] for i in range(n)] if n else []
+_layer_counts: dict[tuple, tuple[int, int, int]] = {}
+
+
+def layer_counts(config) -> tuple[int, int, int]:
+    """(weights of the linear layers, all other parameters, the largest linear's weights) of one
+    decoder layer, counted on one built on the meta device."""
+    key = (config.model_type, config.hidden_size, config.intermediate_size, config.num_attention_heads,
+           config.num_key_value_heads, getattr(config, "head_dim", None), getattr(config, "attention_bias", None))
+    if key not in _layer_counts:
+        layer_cls, _, _ = architecture(config)
+        with torch.device("meta"):
+            layer = layer_cls(config, 0)
+        sizes = [m.weight.numel() for m in layer.modules() if isinstance(m, nn.Linear)]
+        _layer_counts[key] = (sum(sizes), sum(p.numel() for p in layer.parameters()) - sum(sizes), max(sizes))
+    return _layer_counts[key]
+
+
+def layer_bytes(config, dtype: torch.dtype, quant: str) -> int:
+    """The weights of one decoder layer: dense in ``dtype``, or its linear weights in NF4."""
+    linear, other, _ = layer_counts(config)
+    return int(linear * (NF4_BYTES_PER_WEIGHT if quant == "nf4" else dtype.itemsize) + other * dtype.itemsize)
+
+
+def spread(n: int, layer: float, loads) -> list[tuple[int, int]]:
+    """The local layer ranges ``[start, stop)`` of ``n`` consecutive layers of ``layer`` bytes each,
+    cut into ``len(loads)`` contiguous runs, run ``j`` also holding ``loads[j]`` bytes besides its
+    layers (the embedding, norm + lm_head, a draft on that GPU): each layer goes, in turn, where the
+    load stays least (ties to the earlier run), which makes the heaviest run as light as whole
+    layers allow. Every run holds a layer (fewer runs when there are fewer layers); a slice of no
+    layers keeps one empty run."""
+    if n == 0:
+        return [(0, 0)]
+    loads = list(loads)[:n] or [0.0]
+    counts = [1] * len(loads)
+    for _ in range(n - len(loads)):
+        j = min(range(len(loads)), key=lambda j: (loads[j] + (counts[j] + 1) * layer, j))
+        counts[j] += 1
+    bounds = [sum(counts[:j]) for j in range(len(loads) + 1)]
+    return list(zip(bounds, bounds[1:]))
+
+
+def segment_runs(config, lo: int, hi: int, *, embed: bool, head: bool, dtype: torch.dtype, quant: str,
+                 segments: int, reserved=()) -> list[tuple[int, int]]:
+    """``spread`` of the slice's layers over ``segments`` by their weights: the embedding counted
+    in the first, norm + lm_head in the last, and ``reserved[j]`` bytes (others' on that device)."""
+    ends = config.vocab_size * config.hidden_size * dtype.itemsize
+    loads = [float(reserved[j]) if j < len(reserved) else 0.0 for j in range(max(1, segments))]
+    loads[0] += ends if embed else 0
+    loads[-1] += ends if head else 0
+    return spread(hi - lo, layer_bytes(config, dtype, quant), loads)
 
 
 class ModelSlice(nn.Module):
     def __init__(self, config, lo: int, hi: int, *, embed: bool, head: bool,
                  dtype: torch.dtype, device: torch.device, max_len: int,
-                 devices: list[torch.device] | None = None):
+                 devices: list[torch.device] | None = None, quant: str = "none", reserved=()):
         super().__init__()
         layer_cls, norm_cls, rotary_cls = architecture(config)
         types = getattr(config, "layer_types", None) or []
@@ -81,29 +142,36 @@ class ModelSlice(nn.Module):
         config._attn_implementation = "sdpa"
         self.config, self.lo, self.hi = config, lo, hi
         self.dtype, self.device = dtype, device
-        self.layer_devices = spread(hi - lo, list(devices or [device]))
-        self.last_device = self.layer_devices[-1] if self.layer_devices else device
+        self.quant = quant  # how ``load`` stores the layers' linear weights
+        devices = list(devices or [device])
+        runs = segment_runs(config, lo, hi, embed=embed, head=head, dtype=dtype, quant=quant, segments=len(devices),
+                            reserved=reserved)
+        self.last_device = devices[len(runs) - 1] if hi > lo else device
         with torch.device("meta"):
             self.layers = nn.ModuleList(layer_cls(config, i) for i in range(lo, hi))
             self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size) if embed else None
             self.norm = norm_cls(config.hidden_size, eps=config.rms_norm_eps) if head else None
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False) if head else None
-        # inv_freq is a non-persistent buffer: build the rotary embedding on the real device
-        self.rotary = rotary_cls(config=config).to(device)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        # one KV cache per device, indexed by the layer's slot on that device; ``self.kv`` (the
+        # one KV cache per segment, indexed by the layer's slot in the segment; ``self.kv`` (the
         # first) also keeps the slice's bookkeeping of which tokens its slots hold
         self.groups: list[tuple[torch.device, StaticKV, list[nn.Module]]] = []
-        for dev in dict.fromkeys(self.layer_devices or [device]):
-            layers = [layer for layer, d in zip(self.layers, self.layer_devices) if d == dev]
+        self.ranges: list[tuple[int, int]] = []  # each segment's layers, as global layer indices
+        for (start, stop), dev in zip(runs, devices if hi > lo else [device]):
+            layers = list(self.layers[start:stop])
             for local, layer in enumerate(layers):
                 layer.self_attn.layer_idx = local
             self.groups.append((dev, StaticKV(len(layers), config.num_key_value_heads, head_dim, max_len,
                                               dtype, dev), layers))
+            self.ranges.append((lo + start, lo + stop))
         self.kv = self.groups[0][1]
+        # inv_freq is a non-persistent buffer: build the rotary embedding on each real device
+        self.rotary = rotary_cls(config=config).to(device)
+        self.rotaries = {dev: self.rotary if dev == device else rotary_cls(config=config).to(dev)
+                         for dev, _, _ in self.groups}
         params = inspect.signature(layer_cls.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
-        self.graphs = GraphTable()  # keys: (tokens, logits, tree)
+        self.graphs = GraphTable()  # keys: (tokens, logits, tree, segment)
 
     # -- loading -------------------------------------------------------------------------------
     def tensor_names(self) -> dict[str, tuple[nn.Module, str]]:
@@ -119,8 +187,8 @@ class ModelSlice(nn.Module):
         return names
 
     def device_of(self, module: nn.Module) -> torch.device:
-        for layer, dev in zip(self.layers, self.layer_devices):
-            if module is layer:
+        for dev, _, layers in self.groups:
+            if any(module is layer for layer in layers):
                 return dev
         return self.last_device if module is self.norm or module is self.lm_head else self.device
 
@@ -128,10 +196,10 @@ class ModelSlice(nn.Module):
     def load(cls, source: ModelSource, lo: int, hi: int, *, embed: bool, head: bool,
              dtype: torch.dtype, device: torch.device, max_len: int,
              progress: Progress = _no_progress, quant: str = "none",
-             devices: list[torch.device] | None = None) -> "ModelSlice":
+             devices: list[torch.device] | None = None, reserved=()) -> "ModelSlice":
         check_mode(quant)
         sl = cls(source.config, lo, hi, embed=embed, head=head, dtype=dtype, device=device, max_len=max_len,
-                 devices=devices)
+                 devices=devices, quant=quant, reserved=reserved)
         wanted = sl.tensor_names()
         head_name = None
         if head:
@@ -143,7 +211,7 @@ class ModelSlice(nn.Module):
         for module, _ in wanted.values():
             expected[module] = expected.get(module, 0) + 1
         layers = set(sl.layers)
-        single = len(sl.groups) == 1
+        single = len({d for d, _, _ in sl.groups} | {device}) == 1  # read straight onto the one device
         dev = str(device) if device.type != "cuda" else f"cuda:{device.index or 0}"
         for name, tensor in source.read(names, dev if single else "cpu", progress):
             if name in wanted:
@@ -154,8 +222,10 @@ class ModelSlice(nn.Module):
                     module.load_state_dict(state.pop(module), strict=True, assign=True)
                     if quant == "nf4" and module in layers:
                         quantize_linears(module, dtype)
-            if name == head_name:  # a tied head shares the embedding's tensor when on the same device
-                sl.lm_head.weight = nn.Parameter(tensor.to(sl.last_device).to(dtype), requires_grad=False)
+            if name == head_name:  # a tied head shares the embedding's weight when on the same device
+                shared = name in wanted and sl.embed_tokens is not None and sl.last_device == sl.device
+                sl.lm_head.weight = sl.embed_tokens.weight if shared else nn.Parameter(
+                    tensor.to(sl.last_device).to(dtype), requires_grad=False)
         for module, sd in state.items():  # incomplete modules: strict loading names what is missing
             module.load_state_dict(sd, strict=True, assign=True)
         for p in sl.parameters():
@@ -167,51 +237,85 @@ class ModelSlice(nn.Module):
 
     # -- compute -------------------------------------------------------------------------------
     def capture(self, n_tokens: int, n_logits: int = 0, log=None, tree: bool = False) -> bool:
-        """Capture the ``n_tokens`` forward (a tree forward with ``tree``) as CUDA graphs, one
-        per attention window that can hold it (before any conversation); False when none could
-        be captured."""
-        if len(self.groups) > 1:
-            if log is not None:
-                log(f"layers [{self.lo}, {self.hi}) span {len(self.groups)} GPUs: their forward runs eagerly "
-                    "(a CUDA graph belongs to one device)")
-            return False
-        if self.embed_tokens is not None:
-            x = torch.zeros(n_tokens, dtype=torch.long, device=self.device)
-        else:
-            x = torch.zeros(n_tokens, self.config.hidden_size, dtype=self.dtype, device=self.device)
-        positions = torch.arange(n_tokens, device=self.device)
+        """Capture the ``n_tokens`` forward (a tree forward with ``tree``) as CUDA graphs, one per
+        attention window that can hold it and per segment, each on its segment's device (before
+        any conversation); True when every segment has its graphs."""
         key = self._key(n_tokens, n_logits, tree)
-        inputs = (x, positions)
-        if tree:  # a chain as example: rope = slots, base 0, each token sees its predecessors
-            inputs += (positions.clone(), positions[:1].clone(),
-                       torch.ones(n_tokens, n_tokens, dtype=torch.bool, device=self.device).tril())
-        what = f"{n_tokens}-token {'tree ' if tree else ''}forward of layers [{self.lo}, {self.hi})"
-        return self.graphs.capture(key, what, self._plain(n_logits, tree), inputs,
-                                   [w for w in self.kv.windows if w >= n_tokens], log)
+        windows = [w for w in self.kv.windows if w >= n_tokens]
+        done = []
+        for i, (dev, _, _) in enumerate(self.groups):
+            if i == 0 and self.embed_tokens is not None:
+                x = torch.zeros(n_tokens, dtype=torch.long, device=dev)
+            else:
+                x = torch.zeros(n_tokens, self.config.hidden_size, dtype=self.dtype, device=dev)
+            positions = torch.arange(n_tokens, device=dev)
+            inputs = (x, positions)
+            if tree:  # a chain as example: rope = slots, base 0, each token sees its predecessors
+                inputs += (positions.clone(), positions[:1].clone(),
+                           torch.ones(n_tokens, n_tokens, dtype=torch.bool, device=dev).tril())
+            lo, hi = self.ranges[i]
+            what = f"{n_tokens}-token {'tree ' if tree else ''}forward of layers [{lo}, {hi})"
+            done.append(self.graphs.capture(key + (i,), what, self._segment(i, n_logits, tree), inputs, windows,
+                                            log))
+        return all(done)
 
     def _key(self, n_tokens: int, n_logits: int, tree: bool) -> tuple[int, int, bool]:
         return n_tokens, n_logits if self.lm_head is not None else 0, tree
 
-    def _plain(self, n_logits: int, tree: bool):
-        """``forward`` as a function of tensors and the window: what ``capture`` captures and
-        ``run`` calls where nothing was captured."""
-        def fn(x, positions, *args):  # (x, positions, [rope, base, visible,] window)
-            *tensors, window = args
-            return self.forward(x, positions, n_logits, window, TreeMask(*tensors) if tree else None)
-        return fn
-
     def captured(self, n_tokens: int, n_logits: int = 0, tree: bool = False) -> bool:
-        """Whether that forward replays from a graph."""
-        return self._key(n_tokens, n_logits, tree) in self.graphs
+        """Whether that forward replays from graphs (one per segment)."""
+        key = self._key(n_tokens, n_logits, tree)
+        return all(key + (i,) in self.graphs for i in range(len(self.groups)))
 
+    @torch.no_grad()
     def run(self, x: torch.Tensor, positions: torch.Tensor, n_logits: int = 0, *, end: int | None = None,
             tree: TreeMask | None = None) -> torch.Tensor:
         """``forward`` over the smallest window holding positions below ``end`` (all slots when
-        None), replayed from a captured graph when one fits the shape."""
+        None), each segment replayed from its captured graph when one fits the shape."""
         window = self.kv.window_for(end) if end is not None else self.kv.max_len
+        return self._through(x, positions, n_logits, window, tree, self._key(x.shape[0], n_logits, tree is not None))
+
+    @torch.no_grad()
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, n_logits: int = 0,
+                window: int | None = None, tree: TreeMask | None = None) -> torch.Tensor:
+        return self._through(x, positions, n_logits, window, tree, None)
+
+    def _through(self, x, positions, n_logits, window, tree, key) -> torch.Tensor:
+        """The segments one after the other, each on its device: the plain functions, or (with
+        ``key``) the table's graph of each that fits."""
         inputs = (x, positions, *(tree.tensors() if tree is not None else ()))
-        return self.graphs.run(self._key(x.shape[0], n_logits, tree is not None), self._plain(n_logits, tree is not None),
-                               inputs, window)
+        for i, (dev, _, _) in enumerate(self.groups):
+            inputs = tuple(t.to(dev) for t in inputs)  # the hidden state moves to the next segment's device
+            fn = self._segment(i, n_logits, tree is not None)
+            out = fn(*inputs, window) if key is None else self.graphs.run(key + (i,), fn, inputs, window)
+            inputs = (out,) + inputs[1:]
+        return out.to(self.device)
+
+    def _segment(self, i: int, n_logits: int, tree: bool):
+        """Segment ``i``'s forward as a plain function of tensors and the window: what ``capture``
+        captures and ``run`` calls where nothing was captured."""
+        def fn(h, positions, *args):  # (h, positions, [rope, base, visible,] window)
+            *tensors, window = args
+            return self._layers(i, h, positions, n_logits, window, TreeMask(*tensors) if tree else None)
+        return fn
+
+    def _layers(self, i: int, h: torch.Tensor, positions: torch.Tensor, n_logits: int, window: int | None,
+                tree: TreeMask | None) -> torch.Tensor:
+        dev, kv, layers = self.groups[i]
+        if i == 0:
+            h = self.embed_tokens(h) if self.embed_tokens is not None else h.to(self.dtype)
+        h = h[None]
+        pos = (tree.rope if tree is not None else positions)[None]
+        rope = self.rotaries[dev](h, pos)
+        mask = kv.begin(positions, window, tree)
+        kw = {self._cache_kw: kv}
+        for layer in layers:
+            h = layer(h, attention_mask=mask, position_ids=pos, position_embeddings=rope, **kw)
+            if isinstance(h, tuple):  # older transformers return (hidden,)
+                h = h[0]
+        if i + 1 < len(self.groups) or self.lm_head is None:
+            return h[0]
+        return self.lm_head(self.norm(h[0, -n_logits:])).float()
 
     def keep(self, src: list[int], start: int, tokens: list[int]) -> None:
         """After a tree verdict: the K/V of the accepted nodes, written at slots ``src``, move to
@@ -228,28 +332,3 @@ class ModelSlice(nn.Module):
     def restore(self, saved: list) -> None:
         for (_, kv, _), part in zip(self.groups, saved):
             kv.load(part)
-
-    @torch.no_grad()
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, n_logits: int = 0,
-                window: int | None = None, tree: TreeMask | None = None) -> torch.Tensor:
-        h = self.embed_tokens(x) if self.embed_tokens is not None else x.to(self.dtype)
-        h = h[None]
-        pos = (tree.rope if tree is not None else positions)[None]
-        slots = positions
-        rope = self.rotary(h, pos)
-        for dev, kv, layers in self.groups:
-            if len(self.groups) > 1 and h.device != dev:  # the next layers live on the node's other GPU
-                h, pos, rope = h.to(dev), pos.to(dev), tuple(r.to(dev) for r in rope)
-                slots = slots.to(dev)
-                if tree is not None:
-                    tree = TreeMask(*(t.to(dev) for t in tree.tensors()))
-            mask = kv.begin(slots, window, tree)
-            kw = {self._cache_kw: kv}
-            for layer in layers:
-                h = layer(h, attention_mask=mask, position_ids=pos, position_embeddings=rope, **kw)
-                if isinstance(h, tuple):  # older transformers return (hidden,)
-                    h = h[0]
-        if self.lm_head is None:
-            return h[0].to(self.device)
-        h = self.norm(h[0, -n_logits:])
-        return self.lm_head(h).float().to(self.device)

@@ -2,12 +2,16 @@
 
 Contract
 --------
-``open_engine(settings, on_event, link, src, dsrc, redial)`` resolves devices, dtype, split and
-the round shapes, checks the memory it needs, loads the draft and the head slice, captures their
-CUDA graphs, connects to the tail (in-process through ``MemoryLink`` unless a relay link is
-given; a lost one is dialled again with ``redial``, by default a fresh ``connect.HeadDialer``:
-hand in the dialer that made ``link`` so that a restarted tail resumes its pairing) and returns
-``(RoundDriver, RuntimeReady)``, reporting ``LoadProgress`` as it goes.
+``open_engine(settings, on_event, link, src, dsrc, policy, redial)`` resolves devices, dtype,
+split and the frame layout, places the draft (``--draft-device``; else a GPU the head's layers do
+not use; else, with the layers spread over every GPU, ``memory.place_draft``'s choice, the head's
+layers then balanced around it), checks the memory every GPU needs (``memory.check_head``:
+weights, KV cache, workspace and every graph the head will capture, the tail's too in local mode),
+loads the draft and the head slice, captures their CUDA graphs, connects to the tail (in-process
+through ``MemoryLink`` unless a relay link is given; a lost one is dialled again with ``redial``,
+by default a fresh ``connect.HeadDialer``: hand in the dialer that made ``link`` so that a
+restarted tail resumes its pairing) and returns ``(RoundDriver, RuntimeReady)``, reporting
+``LoadProgress`` as it goes; ``policy`` replaces the pipeline policy.
 Token ids only: no tokenizer is needed (benchmarks use random-weight checkpoints).
 ``check_devices(settings)`` refuses a device this machine lacks, for a caller to run before it
 fetches anything. ``TailLoader`` is the tail's: a callable the ``Verifier`` is given, which loads the slice a
@@ -30,7 +34,7 @@ from sfchat.engine.speculator import Speculator
 from sfchat.engine.verifier import Verifier
 from sfchat.events import LoadProgress, RuntimeReady
 from sfchat.model.devices import DTYPE_NAMES, default_draft_device, pick_dtype, resolve_device, resolve_devices, runnable_dtype
-from sfchat.model.memory import check_head, check_tail
+from sfchat.model.memory import DraftPlan, check_head, check_tail, head_reserve, place_draft, unequal_free
 from sfchat.model.slices import ModelSlice, n_layers
 from sfchat.model.source import ModelSource
 from sfchat.node.connect import HeadDialer
@@ -64,7 +68,6 @@ def open_engine(s: Settings, on_event: Callable = lambda e: None, link=None,
     Token ids only: no tokenizer is needed (benchmarks use random-weight checkpoints)."""
     devices = resolve_devices(s.device)
     device = devices[0]
-    draft_device = resolve_device(s.draft_device) if s.draft_device else default_draft_device(devices)
     quant, dquant = ("nf4" if s.load_in_4bit else "none"), ("nf4" if s.draft_load_in_4bit else "none")
     src = src or ModelSource.open(s.model, s.revision, progress_events(on_event, "head"))
     L = n_layers(src.config)
@@ -80,17 +83,31 @@ def open_engine(s: Settings, on_event: Callable = lambda e: None, link=None,
         dsrc = dsrc or ModelSource.open(s.draft, s.draft_revision, progress_events(on_event, "draft"))
     layout = frame_layout(s, k, device.type == "cuda")
     kv_len = max_context + layout.scratch  # the live nodes' scratch after the context
-    draft_dtype = pick_dtype(draft_device, s.dtype)
-    check_head(src.config, split, devices=devices, dtype=dtype, quant=quant, max_len=kv_len, k=layout.size,
-               draft=(dsrc.config, draft_device, draft_dtype, dquant) if k else None, local=link is None)
+    hello = Hello(model=s.model, revision=s.revision, split=split, dtype=DTYPE_NAMES[dtype], max_len=kv_len,
+                  n_layers=L, hidden_size=src.config.hidden_size, frames=(layout.size,), graphs=s.cuda_graphs,
+                  quant=quant)
+    local = link is None
+    target = dict(devices=devices, dtype=dtype, quant=quant, max_len=kv_len, verifies=hello.shapes(), local=local,
+                  graphs=s.cuda_graphs)
+    draft = None
+    if k:
+        draft_device = resolve_device(s.draft_device) if s.draft_device else default_draft_device(devices)
+        draft = DraftPlan(dsrc.config, draft_device, pick_dtype(draft_device, s.dtype), dquant,
+                          rows=layout.width + 1, children=layout.children, pool=layout.draft_pool,
+                          compiled=s.compile_draft)
+        if not s.draft_device and draft_device in devices:  # no spare GPU: where the estimate leaves most room
+            draft = place_draft(src.config, split, draft, **target)
+    check_head(src.config, split, draft=draft, **target)
+    reserved = head_reserve(draft, devices, kv_len, s.cuda_graphs)  # before the draft takes its share
     if k:
         dmodel = ModelSlice.load(dsrc, 0, n_layers(dsrc.config), embed=True, head=True,
-                                 dtype=draft_dtype, device=draft_device, max_len=kv_len,
+                                 dtype=draft.dtype, device=draft.device, max_len=kv_len,
                                  progress=progress_events(on_event, "draft"), quant=dquant)
         drafter = Drafter(dmodel, width=layout.width, children=layout.children, pool=layout.draft_pool)
     head = ModelSlice.load(src, 0, split, embed=True, head=False, dtype=dtype, device=device,
-                           max_len=kv_len, progress=progress_events(on_event, "head"), quant=quant, devices=devices)
-    if s.cuda_graphs and (device.type == "cuda" or draft_device.type == "cuda"):
+                           max_len=kv_len, progress=progress_events(on_event, "head"), quant=quant, devices=devices,
+                           reserved=reserved)
+    if s.cuda_graphs and (device.type == "cuda" or (draft is not None and draft.device.type == "cuda")):
         capture_graphs(head, drafter, layout, s.compile_draft, progress_events(on_event, "head"))
     mode = "relay" if link is not None else "local"
     if link is None:
@@ -101,9 +118,6 @@ def open_engine(s: Settings, on_event: Callable = lambda e: None, link=None,
     engine = RoundDriver(spec, link, policy=policy, on_event=on_event, reconnect=reconnect,
                          round_timeout=s.round_timeout, reconnect_timeout=s.reconnect_timeout,
                          max_in_flight=s.max_in_flight)
-    hello = Hello(model=s.model, revision=s.revision, split=split, dtype=DTYPE_NAMES[dtype], max_len=kv_len,
-                  n_layers=L, hidden_size=src.config.hidden_size, frames=(layout.size,), graphs=s.cuda_graphs,
-                  quant=quant)
     ready = engine.connect(hello, lambda *fields: on_event(LoadProgress("tail", *fields)))
     info = RuntimeReady(model=s.model, draft=s.draft if k else "none", split=split, n_layers=L,
                         dtype=DTYPE_NAMES[dtype], k=k, device=",".join(map(str, devices)), mode=mode,
@@ -172,7 +186,8 @@ class TailLoader:
     """The tail's slice loader, handed to its ``Verifier``: opens the model a HELLO names (hub ids,
     and local directories inside ``models_dirs`` only; anywhere when None, as in local mode,
     whose names the user typed), checks the memory it needs, loads layers [split, L) with the
-    norm and lm_head on ``device`` (spread over ``devices``)."""
+    norm and lm_head on ``device`` (spread over ``devices``, balanced so that every GPU is left the
+    same headroom: ``memory.unequal_free``)."""
 
     def __init__(self, device: torch.device, devices: list[torch.device] | None = None,
                  models_dirs: list[Path] | None = None, log: Callable[[str], None] | None = None):
@@ -209,8 +224,9 @@ class TailLoader:
         quant = hello.quant
         where = ",".join(map(str, self.devices))
         check_tail(src.config, split, devices=self.devices, dtype=dtype, quant=quant, max_len=hello.max_len,
-                   k=max(hello.frames))
+                   verifies=hello.shapes(), graphs=hello.graphs)
         self.log(f"loading {hello.model} layers [{split}, {L}) as {DTYPE_NAMES[dtype]}"
                  f"{' with NF4 weights' if quant == 'nf4' else ''} on {where}")
         return ModelSlice.load(src, split, L, embed=False, head=True, dtype=dtype, device=self.device,
-                               max_len=hello.max_len, progress=report, quant=quant, devices=self.devices)
+                               max_len=hello.max_len, progress=report, quant=quant, devices=self.devices,
+                               reserved=unequal_free(self.devices))

@@ -1,0 +1,175 @@
+"""What a slice, the draft and their CUDA graphs hold on each device, estimated from the config.
+
+Contract
+--------
+Every figure is in bytes and computed from the config alone, before anything is loaded.
+
+``slice_needs(config, lo, hi, embed=..., head=..., dtype=..., quant=..., max_len=..., devices=...,
+verifies=..., graphs=...)`` is, per segment of ``ModelSlice`` (the same ``slices.segment_runs``
+of the layers over ``devices``), what that segment holds on its device (``Need``): the weights of its
+layers (dense in ``dtype``, or NF4 for the decoder layers' linear weights; the embedding in the
+first segment, norm + lm_head in the last), its KV cache of ``max_len`` slots (a tree's scratch
+slots included by the caller), an eager workspace, and one ``Graph`` per CUDA graph it captures:
+for each verify shape ``(positions, tree)`` (``handshake.Hello.shapes()``), one per attention
+window holding it (``kv.windows_for``), each with ``positions`` rows of logits in a slice with
+the head. ``draft_graphs(...)`` are the draft's graphs, as ``Drafter.capture`` takes them: its
+expansion step, greedy and sampled, per window (one window for a compiled draft).
+
+The workspace: one layer's forward of a 512-token prefill chunk over all slots (hidden states,
+q/k/v, the MLP, the additive mask, the keys/values repeated per head, attention scores in fp32
+should SDPA fall back to its math kernel, as it did in fp16 on an H200, and with NF4 one linear
+weight dequantised), or, if larger, one dense layer in flight while loading quantises it (loading
+comes before any forward, and the allocator reuses its blocks); plus the rows of logits of the
+largest verify with their softmax and sampling copies. ``device_bytes`` adds up what one device
+holds: workspaces are needed once per device (forwards run one at a time), ``FIXED_SLACK`` once,
+5 % of the weights for rounding and fragments. Checked against torch's peaks on an H200
+(``bench/nf4_memory_bench.py``; ``bench/bigmodel_bench.py`` for 32B and 72B, pending a GPU).
+
+Graphs (``graphs.py``): all graphs of a device share one memory pool, so a device's graphs hold
+``pool_bytes``: ``POOL_BASE`` once (the capture stream's cuBLAS workspace and the pool's first
+segments), the largest graph's temporaries once (each is dead once its graph has run), and every
+graph's outputs plus ``GRAPH_BYTES`` for its executable, inputs and rounding. Parameter counts
+are exact: one decoder layer is built on the meta device and counted. Loads nothing; knows
+nothing about free memory (``memory.py`` compares these needs with it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from sfchat.model.kv import PREFILL_CHUNK, windows_for
+from sfchat.model.slices import layer_bytes, layer_counts, segment_runs
+
+MIB, GIB = 1 << 20, 1 << 30
+FIXED_SLACK = 256 * MIB  # per device: the cuBLAS workspace of eager forwards, allocator rounding
+POOL_BASE = 64 * MIB  # per device with graphs: the capture stream's cuBLAS workspace (32 MiB on Hopper), first segments
+GRAPH_BYTES = 2 * MIB  # per graph: its executable's device memory, its input buffers, rounding of its outputs
+
+
+@dataclass(frozen=True)
+class Graph:
+    temporaries: int  # alive only while the graph runs: the device's pool reuses them for every graph
+    outputs: int  # held in the pool for as long as the graph lives
+
+
+def pool_bytes(graphs) -> int:
+    """What a device's graphs hold in its shared pool."""
+    graphs = list(graphs)
+    if not graphs:
+        return 0
+    return POOL_BASE + max(g.temporaries for g in graphs) + sum(g.outputs + GRAPH_BYTES for g in graphs)
+
+
+@dataclass(frozen=True)
+class Need:
+    """What one slice segment (or the draft) holds on its device: ``work`` is the temporaries of
+    its largest eager forward (or of loading), reused by every other forward on that device."""
+
+    weights: int
+    kv: int
+    work: int
+    graphs: tuple[Graph, ...] = ()
+
+    @property
+    def total(self) -> int:
+        return device_bytes([self])
+
+    def describe(self) -> str:
+        graphs = f", {len(self.graphs)} CUDA graphs {gib(pool_bytes(self.graphs))}" if self.graphs else ""
+        return (f"{gib(self.total)} (weights {gib(self.weights)}, KV cache {gib(self.kv)}, "
+                f"workspace {gib(self.work + FIXED_SLACK + self.weights // 20)}{graphs})")
+
+
+def device_bytes(needs) -> int:
+    """What ``needs`` on one device hold together: their weights (+ 5 % for rounding and
+    fragments) and KV caches, the largest workspace once (forwards run one at a time, and the
+    allocator hands one's freed blocks to the next), ``FIXED_SLACK`` once, and the graph pool."""
+    needs = list(needs)
+    if not needs:
+        return 0
+    return (sum(n.weights + n.weights // 20 + n.kv for n in needs) + max(n.work for n in needs) + FIXED_SLACK
+            + pool_bytes(g for n in needs for g in n.graphs))
+
+
+def gib(n: float) -> str:
+    return f"{n / GIB:.1f} GiB"
+
+
+def head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def kv_bytes_per_position(config, n_layers: int, dtype: torch.dtype) -> int:
+    return 2 * n_layers * config.num_key_value_heads * head_dim(config) * dtype.itemsize
+
+
+def forward_bytes(config, tokens: int, window: int, dtype: torch.dtype, quant: str, rows: int = 0) -> int:
+    """The temporaries of a forward of ``tokens`` over ``window`` slots (one layer's worth: each
+    layer's are freed before the next runs) with ``rows`` rows of logits."""
+    b = dtype.itemsize
+    H, inter, V = config.hidden_size, config.intermediate_size, config.vocab_size
+    heads, kv_heads, hd = config.num_attention_heads, config.num_key_value_heads, head_dim(config)
+    layer = tokens * (6 * H + 3 * heads * hd + 4 * kv_heads * hd + 4 * inter) * b + tokens * H * 4 * 2
+    attn = tokens * window * 12 * heads  # fp32 scores, masked, softmax: SDPA's math kernel
+    if tokens > 1 and heads != kv_heads:  # transformers repeats K/V per head under a mask (one query packs)
+        attn += 2 * heads * window * hd * b
+    mask = tokens * window * (b + 2) + window * 16 + tokens * hd * 16  # and the rotary tables
+    dequant = layer_counts(config)[2] * b if quant == "nf4" and tokens > 1 else 0  # bnb's dequantised weight
+    logits = rows * (H * 4 + V * (b + 4))
+    return layer + attn + mask + dequant + logits
+
+
+def slice_needs(config, lo: int, hi: int, *, embed: bool, head: bool, dtype: torch.dtype, quant: str,
+                max_len: int, devices: list[torch.device], verifies=(), graphs: bool = True, reserved=()
+                ) -> list[tuple[torch.device, Need]]:
+    """Per segment: its device and what it holds there (see the module docstring)."""
+    b = dtype.itemsize
+    H, V = config.hidden_size, config.vocab_size
+    linear = layer_counts(config)[0]
+    tied = getattr(config, "tie_word_embeddings", False)
+    runs = segment_runs(config, lo, hi, embed=embed, head=head, dtype=dtype, quant=quant, segments=len(devices),
+                        reserved=reserved)
+    windows = windows_for(max_len)
+    rows = max((p for p, _ in verifies), default=1) if head else 0
+    out = []
+    for i, ((start, stop), device) in enumerate(zip(runs, devices)):
+        n = stop - start
+        first, last = i == 0, i == len(runs) - 1
+        shared = tied and embed and device == devices[0]  # a tied lm_head on the embedding's device shares it
+        ends = V * H * ((1 if embed and first else 0) + (1 if head and last and not shared else 0))
+        weights = n * layer_bytes(config, dtype, quant) + ends * b + (H * b if head and last else 0)
+        kv = kv_bytes_per_position(config, n, dtype) * max_len
+        chunk = min(PREFILL_CHUNK, max_len)
+        loading = linear * b if quant == "nf4" and n else 0
+        forward = forward_bytes(config, chunk, max_len, dtype, quant) if n else 0
+        logits = rows * V * (4 * 3 + b) if head and last else 0  # float logits, softmax and sampling copies
+        work = max(loading, forward) + logits
+        seg_rows = rows if head and last else 0
+        seg_graphs = tuple(
+            Graph(forward_bytes(config, p, w, dtype, quant, p if seg_rows else 0),
+                  p * V * 4 if seg_rows else p * H * b)
+            for p, _ in verifies for w in windows if w >= p) if graphs and device.type == "cuda" else ()
+        out.append((device, Need(weights, kv, int(work), seg_graphs)))
+    return out
+
+
+def slice_need(config, lo: int, hi: int, *, embed: bool, head: bool, dtype: torch.dtype, quant: str,
+               max_len: int, verifies=(), device: torch.device = torch.device("cuda")) -> Need:
+    """The need of the slice in one segment on ``device``."""
+    return slice_needs(config, lo, hi, embed=embed, head=head, dtype=dtype, quant=quant, max_len=max_len,
+                       devices=[device], verifies=verifies)[0][1]
+
+
+def draft_graphs(config, dtype: torch.dtype, quant: str, max_len: int, *, rows: int, children: int, pool: int,
+                 compiled: bool = False) -> tuple[Graph, ...]:
+    """The graphs ``Drafter.capture`` takes: its expansion step of ``rows`` nodes, keeping
+    ``children`` continuations of each, greedy and sampled, per window that holds its ``pool``
+    scratch slots, or over all slots when ``compiled``."""
+    V = config.vocab_size
+    windows = [max_len] if compiled else [w for w in windows_for(max_len) if w >= pool + 1]
+    sampling = V * 48  # warped probabilities, their top-k and sort copies, for one row
+    temporaries = {w: forward_bytes(config, rows, w, dtype, quant, rows) + rows * (V * 4 * 3 + sampling)
+                   for w in windows}
+    return tuple(Graph(temporaries[w], rows * children * 16) for w in windows for _ in ("greedy", "sampled"))
