@@ -5,8 +5,9 @@ halves both spread over the two GPUs, the draft where ``memory.place_draft`` put
 such notebooks (relay mode, each node spreading its half over its two T4s), per model, prints the
 memory each GPU needs at a 4096-token context and the longest context (a multiple of 256) that
 fits every GPU. Default settings throughout: split at half the layers, the 0.5B draft in fp16
-(compiled and graphed; one row with ``--draft-load-in-4bit``), ``--k auto`` and ``--tree-budget
-auto`` (chains of 0, 2, 4, 8 and a 64-node tree, each a CUDA graph per attention window). A T4
+(compiled and graphed; one row with ``--draft-load-in-4bit``), the default frame of a GPU (64
+drafts per frame, ``--max-in-flight 4``: ``node.loading.frame_layout``, whose frame is verified at
+one shape, a CUDA graph per attention window, and whose live nodes take scratch slots). A T4
 is taken to have ``T4_FREE`` free (15 GB cards with the CUDA context up). Every figure is an
 estimate: nothing here was measured.
 
@@ -24,14 +25,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from transformers import Qwen2Config  # noqa: E402
 
-from sfchat.engine.draft import scratch_slots, tree_shape  # noqa: E402
+from sfchat.config import Settings  # noqa: E402
 from sfchat.model import memory  # noqa: E402
 from sfchat.model.footprint import GIB  # noqa: E402
 from sfchat.model.memory import DraftPlan, head_plan, per_device, place_draft, tail_plan  # noqa: E402
+from sfchat.node.loading import frame_layout  # noqa: E402
 
 T4_FREE = int(14.5 * GIB)
-K, TREE = 8, 64
-VERIFIES = [(1, False), (3, False), (5, False), (9, False), (TREE + 1, True)]  # Hello.shapes() of the defaults
+K = 8
+LAYOUT = frame_layout(Settings(), K, cuda=True)
+VERIFIES = [(LAYOUT.size, True)]  # Hello.shapes() of the defaults
 CONTEXT = 4096
 MAX_CONTEXT = 32768  # Qwen2.5's max_position_embeddings
 GPUS = [torch.device("cuda:0"), torch.device("cuda:1")]
@@ -63,10 +66,9 @@ def draft_config() -> Qwen2Config:
 def plans(size: str, quant: str, context: int, draft_quant: str = "none") -> dict[str, list]:
     """The estimator's plans of both layouts at ``context``: {"local": ..., "head": ..., "tail": ...}."""
     cfg, dcfg = config(size), draft_config()
-    max_len = context + scratch_slots(K, TREE, dcfg.vocab_size)
-    width, _, nodes = tree_shape(TREE, K, dcfg.vocab_size)
-    draft = DraftPlan(dcfg, GPUS[1], torch.float16, draft_quant, depths=(2, 4, 8), tree_width=width, tree_depth=K,
-                      tree_nodes=nodes, compiled=True)
+    max_len = context + LAYOUT.scratch
+    draft = DraftPlan(dcfg, GPUS[1], torch.float16, draft_quant, rows=LAYOUT.width + 1, children=LAYOUT.children,
+                      pool=LAYOUT.draft_pool, compiled=True)
     split = cfg.num_hidden_layers // 2
     target = dict(devices=GPUS, dtype=torch.float16, quant=quant, max_len=max_len, verifies=VERIFIES)
     out = {}

@@ -207,8 +207,7 @@ def tail_plan(config, split: int, *, devices: list[torch.device], dtype: torch.d
 
 def _tail_hints(config, split: int, quant: str, max_len: int, dtype, verifies, spread: bool) -> list[str]:
     return hints("tail", quant=quant, max_len=max_len, spread=spread, gpus=_gpus(), tree_budget=_tree(verifies),
-                 kv_per_position=kv_bytes_per_position(config, int(config.num_hidden_layers) - split, dtype),
-                 chains=sum(1 for _, tree in verifies if not tree))
+                 kv_per_position=kv_bytes_per_position(config, int(config.num_hidden_layers) - split, dtype))
 
 
 def check_tail(config, split: int, *, devices: list[torch.device], dtype: torch.dtype, quant: str,

@@ -14,13 +14,13 @@ import torch
 
 from sfchat.config import Settings
 from sfchat.engine.lookup import lookup
-from sfchat.model.kv import TreeMask
 from sfchat.node.head import Head
 from sfchat.model.slices import ModelSlice
 from sfchat.model.source import ModelSource
 from sfchat.protocol.wire import Sampling
 
 from conftest import FAMILIES
+from tree_masks import tree_mask
 from test_engine import PROMPT, reference, run
 
 TARGETS = [f"{f}-{'tied' if t else 'untied'}" for f, t in FAMILIES]
@@ -73,17 +73,6 @@ def test_tree_frames_carry_the_budget_and_their_hidden_states(zoo):
     assert max(r.stats.tree_nodes for r in rounds) == 9  # the root and the budget's 8 drafts
     hidden = session.engine.head.config.hidden_size * 4  # fp32 on the CPU
     assert all(r.stats.forward_bytes > r.stats.tree_nodes * hidden for r in rounds)
-
-
-def tree_mask(parents, t0_pos: int) -> TreeMask:
-    """Node i (0: t0) of a frame written from slot ``t0_pos`` on sees its ancestors and itself."""
-    m = len(parents) + 1
-    visible = torch.eye(m, dtype=torch.bool)
-    depth = [0]
-    for i, p in enumerate(parents, start=1):
-        visible[i] |= visible[p]
-        depth.append(depth[p] + 1)
-    return TreeMask(torch.tensor(depth) + t0_pos, torch.tensor([t0_pos]), visible)
 
 
 # -- the mechanisms ----------------------------------------------------------------------------------

@@ -34,11 +34,11 @@ def test_the_estimate_counts_every_graph_the_code_captures(zoo, monkeypatch):
     """Every graph the head (``capture_graphs``), the draft (``Drafter.capture``, compiled or not)
     and the tail (the verifier's capture of a HELLO's shapes) would capture, recorded on the CPU,
     is one graph of the estimate: same shapes, same windows, per segment."""
-    from sfchat.engine.draft import Drafter, tree_shape
-    from sfchat.engine.policy import chain_depths, menu
+    from sfchat.config import Settings
+    from sfchat.engine.draft import Drafter
     from sfchat.model import kv as kv_module
     from sfchat.model.graphs import GraphTable
-    from sfchat.node.loading import capture_graphs
+    from sfchat.node.loading import capture_graphs, frame_layout
 
     monkeypatch.setattr(kv_module, "MIN_WINDOW", 16)
     taken = []
@@ -50,15 +50,15 @@ def test_the_estimate_counts_every_graph_the_code_captures(zoo, monkeypatch):
     monkeypatch.setattr(GraphTable, "capture", record)
     target, draft = ModelSource.open(str(zoo["qwen2-untied"])), ModelSource.open(str(zoo["draft"]))
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    k, budget, max_len = 4, 12, 100
-    shapes = menu(k, budget, auto_depth=True, auto_tree=True)
+    k, max_len = 4, 100
+    layout = frame_layout(Settings(k=k, tree_budget=12, max_in_flight=2), k, cuda=True)
     hello = Hello(model="m", revision=None, split=2, dtype="float32", max_len=max_len, n_layers=4, hidden_size=64,
-                  k=k, tree_budget=budget, depths=chain_depths(shapes))
+                  frames=(layout.size,))
     for segments in (1, 2):
         taken.clear()
         head = ModelSlice.load(target, 0, 2, embed=True, head=False, dtype=torch.float32, device=cpu,
                                max_len=max_len, devices=[cpu] * segments)
-        capture_graphs(head, None, shapes, False, lambda *a: None)
+        capture_graphs(head, None, layout, False, lambda *a: None)
         tail = ModelSlice.load(target, 2, 4, embed=False, head=True, dtype=torch.float32, device=cpu,
                                max_len=max_len, devices=[cpu] * segments)
         for m, is_tree in hello.shapes():
@@ -67,16 +67,15 @@ def test_the_estimate_counts_every_graph_the_code_captures(zoo, monkeypatch):
                    for _, n in slice_needs(target.config, lo, hi, embed=not head_, head=head_, dtype=torch.float32,
                                            quant="none", max_len=max_len, devices=[cuda] * segments,
                                            verifies=hello.shapes())]
-        # chains of 0, 2, 4 and the 12-node tree, windows 16, 32, 64 and 100, for head and tail
-        assert sum(len(w) for _, w in taken) == sum(counted) == 2 * segments * 4 * 4
+        # the 13-node frame, windows 16, 32, 64 and 100, for head and tail
+        assert sum(len(w) for _, w in taken) == sum(counted) == 2 * segments * 4
     dmodel = ModelSlice.load(draft, 0, 2, embed=True, head=True, dtype=torch.float32, device=cpu, max_len=max_len)
-    width, _, nodes = tree_shape(budget, k, draft.config.vocab_size)
     for compiled in (False, True):
         taken.clear()
-        Drafter(dmodel, k, tree_budget=nodes, depths=chain_depths(shapes)).capture(compile=compiled)
-        counted = draft_graphs(draft.config, torch.float32, "none", max_len, depths=(2, 4), tree_width=width,
-                               tree_depth=k, tree_nodes=nodes, compiled=compiled)
-        assert sum(len(w) for _, w in taken) == len(counted)
+        Drafter(dmodel, width=layout.width, children=layout.children, pool=30).capture(compile=compiled)
+        counted = draft_graphs(draft.config, torch.float32, "none", max_len, rows=layout.width + 1,
+                               children=layout.children, pool=30, compiled=compiled)
+        assert sum(len(w) for _, w in taken) == len(counted) > 0
 
 
 def test_graphs_a_hello_adds_to_a_loaded_tail_are_counted_and_checked(gpus):

@@ -41,12 +41,10 @@ def test_the_longest_context_of_two_notebooks_is_where_the_checks_start_to_refus
 
     def check(context):  # what the head's open_engine and the tail's loader check, with those settings
         [draft] = [d for what, d, _ in layouts.plans("32B", "nf4", context)["head"] if what == "draft"]
-        vocab = layouts.draft_config().vocab_size
-        width, _, nodes = layouts.tree_shape(layouts.TREE, layouts.K, vocab)
         target = dict(devices=layouts.GPUS, dtype=torch.float16, quant="nf4", verifies=layouts.VERIFIES,
-                      max_len=context + layouts.scratch_slots(layouts.K, layouts.TREE, vocab))
-        plan = memory.DraftPlan(layouts.draft_config(), draft, torch.float16, "none", depths=(2, 4, 8),
-                                tree_width=width, tree_depth=layouts.K, tree_nodes=nodes, compiled=True)
+                      max_len=context + layouts.LAYOUT.scratch)
+        plan = memory.DraftPlan(layouts.draft_config(), draft, torch.float16, "none", rows=layouts.LAYOUT.width + 1,
+                                children=layouts.LAYOUT.children, pool=layouts.LAYOUT.draft_pool, compiled=True)
         memory.check_head(cfg, 32, draft=plan, **target)
         memory.check_tail(cfg, 32, **target)
 

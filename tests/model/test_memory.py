@@ -66,12 +66,12 @@ def gpus(monkeypatch):
     return free
 
 
-AUTO = [(1, False), (3, False), (5, False), (9, False), (65, True)]  # --k auto, --tree-budget auto (a GPU)
+AUTO = [(65, True)]  # --tree-budget auto on a GPU: one frame of 64 drafts
 T4S = [torch.device("cuda:0"), torch.device("cuda:1")]
 
 
 def draft_plan(device, quant="none", **kw):
-    shape = dict(depths=(2, 4, 8), tree_width=8, tree_depth=8, tree_nodes=64, compiled=True)
+    shape = dict(rows=9, children=8, pool=321, compiled=True)
     return DraftPlan(qwen05b(), torch.device(device), torch.float16, quant, **(shape | kw))
 
 
@@ -147,8 +147,8 @@ def test_2_plus_2_t4s_each_gpu_with_its_share(gpus):
     totals = {d: total for d, (total, _) in memory.per_device(plan).items()}
     assert abs(totals[T4S[0]] - totals[T4S[1]]) < 1.5 * layer  # balanced to within a layer or so
     assert plan[0][2].weights - 152064 * 5120 * 2 < plan[1][2].weights  # fewer layers beside the embedding
-    # 25 graphs per segment: chains of 0, 2, 4, 8 and the 64-node tree, per window; the draft's 13
-    assert [len(n.graphs) for _, _, n in plan] == [25, 25, 13]
+    # 5 graphs per segment: the 65-node frame, per window; the draft's 2: its step, greedy and sampled, compiled
+    assert [len(n.graphs) for _, _, n in plan] == [5, 5, 2]
     check_head(qwen32b(), 32, devices=T4S, dtype=torch.float16, quant="nf4", max_len=CTX, verifies=AUTO,
                draft=draft_plan("cuda:1"))
     tail = tail_plan(qwen32b(), 32, devices=T4S, dtype=torch.float16, quant="nf4", max_len=CTX, verifies=AUTO)
@@ -199,11 +199,11 @@ def test_the_refusal_names_the_figures_and_the_fixes(gpus):
     gpus[0] = 6 * GIB
     with pytest.raises(UserError) as err:
         check_head(qwen7b(), 14, devices=[torch.device("cuda")], dtype=torch.float16, quant="none", max_len=CTX,
-                   verifies=[(9, False)], draft=draft_plan("cuda", depths=(8,), tree_nodes=0, compiled=False))
+                   verifies=[(9, False)], draft=draft_plan("cuda", rows=2, children=1, pool=46, compiled=False))
     msg = str(err.value)
     assert msg.startswith("not enough GPU memory on cuda:0: loading needs about ")
     assert "head layers 8.8 GiB (weights 7.1 GiB" in msg and "5 CUDA graphs" in msg and "only 6.0 GiB is free" in msg
-    assert "draft 1.8 GiB (weights 0.9 GiB" in msg and "15 CUDA graphs" in msg  # chain greedy+sampled, guess
+    assert "draft 1.8 GiB (weights 0.9 GiB" in msg and "10 CUDA graphs" in msg  # its step, greedy and sampled, per window
     for fix in ("--load-in-4bit", "a shorter --max-context (now 4105 positions, 0.03 GiB of KV cache per 1024 "
                 "positions)",
                 "a smaller --split (moves layers to the tail)", "--device cuda:0,cuda:1",
@@ -299,10 +299,11 @@ def test_a_tree_budget_that_does_not_fit_is_refused_with_its_figures(gpus):
     """The tail's logits grow with the tree: a 7B tail half on a T4 fits the chain of 8 and a
     64-node tree, and is refused a 256-node tree (rows of logits, and the graphs that keep them),
     naming the budget as a fix."""
-    from sfchat.engine.draft import scratch_slots
+    def scratch_slots(k, budget, vocab):  # the head's pool of four frames in flight, and the trash slot
+        return 5 * (budget + 1) + 1
 
     def verifies(budget):
-        return [(9, False)] + ([(budget + 1, True)] if budget else [])
+        return [(budget + 1, True)] if budget else [(9, True)]
 
     def need(budget):
         return device_bytes(n for _, _, n in tail_plan(qwen7b(), 14, devices=[torch.device("cuda:0")],

@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from sfchat.config import Settings
-from sfchat.engine.tree import mask as tree_mask
+from tree_masks import tree_mask
 from sfchat.events import ReplyFinished
 from sfchat.model import kv as kv_module
 from sfchat.model.slices import ModelSlice, layer_bytes, segment_runs, spread
