@@ -111,7 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--serve", action="store_true", help="serve the model over HTTP (OpenAI chat completions API)")
     g.add_argument("--host", help="--serve: address to listen on (default 127.0.0.1)")
     g.add_argument("--port", type=int, help="--serve: port to listen on (default 8000)")
-    g.add_argument("--api-key", help="--serve: require Authorization: Bearer KEY (or SFCHAT_API_KEY)")
+    g.add_argument("--api-key", help="--serve: require Authorization: Bearer KEY; prefer SFCHAT_API_KEY: a command "
+                                      "line is visible to every user of the machine (ps)")
     g.add_argument("--max-queue", type=int, help="--serve: requests that may wait for the model; more get 429 "
                                                  "(default 16)")
     g = p.add_argument_group("files")

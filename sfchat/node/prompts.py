@@ -7,20 +7,47 @@ Contract
   own; a conversation that brings one (an API client's) keeps its own. ``with_system`` applies it.
 * ``encode(tokenizer, messages, chat_template)`` is a conversation's prompt ids: through the
   model's chat template (with the generation prompt) when it has one and ``chat_template`` is
-  on, else the contents joined.
+  on, else the contents joined. Text a person or a client wrote never becomes a control token:
+  the text of a special token inside a message (``<|im_end|>``, ``<|im_start|>``...) is tokenized
+  as the plain text it is (``split_special_tokens``), while the special tokens the template
+  writes stay control tokens. A conversation without such text gives exactly the ids of the
+  rendered template tokenized as a whole.
+* Rendering is bounded: a template that runs past ``RENDER_SECONDS`` or makes more than
+  ``RENDER_CHARS`` characters (in its output or in any one value) is stopped with a
+  ``TemplateError`` (a ``UserError``) that says so. The bound is checked at every step of
+  Python code the rendering runs on the calling thread; a single operation in C (one huge string
+  repetition) is not interrupted.
 * ``load_tokenizer`` / ``eos_ids`` read a model's tokenizer and end-of-sequence ids;
   ``TextStream`` decodes a reply incrementally without ever emitting half a character;
-  ``make_sampling`` fixes one reply's sampling settings (a fresh random seed unless one is set).
+  ``make_sampling`` fixes one reply's sampling settings (a fresh random seed unless one is set;
+  a temperature below ``GREEDY_BELOW`` is served as greedy, the limit sampling tends to there).
 Knows nothing of models or links.
 """
 
 from __future__ import annotations
 
+import inspect
+import re
 import secrets
+import sys
+import time
 
 from sfchat import UserError
 from sfchat.model.source import ModelSource
 from sfchat.protocol.wire import Sampling
+
+RENDER_SECONDS = 5.0  # a chat template renders in milliseconds; one that runs for seconds loops
+RENDER_CHARS = 1 << 23  # 8 Mi characters: far past any conversation that fits a context window
+GREEDY_BELOW = 1e-5  # float32 logits divided by a smaller temperature can overflow to inf
+
+
+class TemplateError(UserError):
+    """The chat template ran too long or made too much text."""
+
+
+class _Overrun(BaseException):
+    """Raised inside the rendering by the bound; a BaseException, so that no ``except Exception``
+    in the template engine swallows it."""
 
 
 def with_system(messages: list[dict], system: str | None) -> list[dict]:
@@ -32,10 +59,83 @@ def with_system(messages: list[dict], system: str | None) -> list[dict]:
 
 def encode(tokenizer, messages: list[dict], chat_template: bool = True) -> list[int]:
     """Token ids of a conversation (through the chat template when the tokenizer has one)."""
-    if chat_template and getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    if not (chat_template and getattr(tokenizer, "chat_template", None)):
+        return tokenizer("".join(m["content"] for m in messages), split_special_tokens=True)["input_ids"]
+    specials = _specials(tokenizer)
+    marker = f"\ue000{secrets.randbelow(10 ** 12):012d}:"  # fresh each time: no message can hold it
+    typed: list[str] = []  # special tokens' text found in the messages, by marker number
+
+    def mark(match: re.Match) -> str:
+        typed.append(match.group())
+        return f"{marker}{len(typed) - 1}\ue001"
+
+    marked = [{**m, "content": specials.sub(mark, m["content"])} if specials and isinstance(m.get("content"), str)
+              else m for m in messages]
+    text = render(tokenizer, marked)
+    if not typed:
         return tokenizer(text, add_special_tokens=False)["input_ids"]
-    return tokenizer("".join(m["content"] for m in messages))["input_ids"]
+    ids: list[int] = []
+    for i, piece in enumerate(re.split(re.escape(marker) + "([0-9]+)\ue001", text)):
+        if i % 2:  # a special token's text that a message held: plain text
+            ids += tokenizer(typed[int(piece)], add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        elif piece:  # the template's text (its special tokens are control tokens) and plain message text
+            ids += tokenizer(piece, add_special_tokens=False)["input_ids"]
+    return ids
+
+
+def _specials(tokenizer) -> re.Pattern | None:
+    """A pattern matching the text of every special token (the longest first), or None."""
+    texts = {str(t) for t in getattr(tokenizer, "added_tokens_decoder", {}).values() if getattr(t, "special", False)}
+    texts |= set(getattr(tokenizer, "all_special_tokens", ()))
+    texts.discard("")
+    return re.compile("|".join(map(re.escape, sorted(texts, key=len, reverse=True)))) if texts else None
+
+
+def render(tokenizer, messages: list[dict]) -> str:
+    """The chat template applied to ``messages`` (with the generation prompt), under the bound."""
+    bound = _Bound(RENDER_SECONDS, RENDER_CHARS)
+    previous = sys.gettrace()
+    sys.settrace(bound)
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    except _Overrun as exc:
+        raise TemplateError(f"the chat template {exc}: a template that loops or grows without end cannot "
+                            f"render this conversation") from None
+    finally:
+        sys.settrace(previous)
+    if len(text) > RENDER_CHARS:
+        raise TemplateError(f"the chat template made {len(text)} characters; at most {RENDER_CHARS} are accepted")
+    return text
+
+
+class _Bound:
+    """The trace function of one rendering: the deadline and the size limits, checked at every
+    call, line and return of Python code on this thread until ``sys.settrace`` is restored."""
+
+    def __init__(self, seconds: float, chars: int):
+        self.seconds, self.chars = seconds, chars
+        self.deadline = time.monotonic() + seconds
+        self.steps = self.output = 0
+
+    def __call__(self, frame, event: str, arg):
+        self.steps += 1
+        if not self.steps & 63 and time.monotonic() > self.deadline:
+            raise _Overrun(f"ran for more than {self.seconds:g} s")
+        template = frame.f_code.co_filename == "<template>"
+        if event == "return" and isinstance(arg, str):  # values returned, and the text a template yields
+            self._check(arg)
+            if template and frame.f_code.co_flags & inspect.CO_GENERATOR:
+                self.output += len(arg)
+                if self.output > self.chars:
+                    raise _Overrun(f"made more than {self.chars} characters")
+        elif event == "line" and template:  # values made in C and kept in a template variable
+            for value in frame.f_locals.values():
+                self._check(value)
+        return self
+
+    def _check(self, value) -> None:
+        if isinstance(value, (str, list, tuple, dict)) and len(value) > self.chars:
+            raise _Overrun(f"made a value of more than {self.chars} items")
 
 
 def load_tokenizer(src: ModelSource, revision: str | None):
@@ -81,6 +181,9 @@ class TextStream:
 
 
 def make_sampling(temperature: float, top_k: int, top_p: float, seed: int | None) -> Sampling:
-    """Sampling settings of one reply; without a seed every reply draws fresh randomness."""
-    return Sampling(float(temperature), int(top_k), float(top_p),
+    """Sampling settings of one reply; without a seed every reply draws fresh randomness. A
+    temperature below ``GREEDY_BELOW`` is greedy: sampling there is the argmax but for near ties, and
+    float32 logits divided by it may overflow."""
+    t = float(temperature)
+    return Sampling(0.0 if t < GREEDY_BELOW else t, int(top_k), float(top_p),
                     secrets.randbits(63) if seed is None else int(seed) & (2 ** 64 - 1))

@@ -10,16 +10,27 @@ event loop's thread. Routes:
   one ``chat.completion`` with ``usage``; ``stream: true``: server-sent events, one
   ``chat.completion.chunk`` per round's text, a last chunk with the finish reason and sfchat's
   figures, a usage chunk when ``stream_options.include_usage``, then ``data: [DONE]``.
-* ``GET /v1/models`` (and ``/v1/models/{id}``) — the one served model.
+* ``GET /v1/models`` (and ``/v1/models/{id}``) — the one served model, under its name: a hub id
+  as it is, a local directory by its own name (never its path). A request may name it so, by
+  the name's last part, in any case, or by a path ending in it (``protocol.same_model``).
 * ``GET /metrics`` — Prometheus text format.
 
-Every failure is an OpenAI error object, never a traceback: 400 malformed JSON or fields and a
-prompt past the context window (naming both sizes), 401 a wrong or missing key (when
-``options.api_key`` is set, every route requires ``Authorization: Bearer KEY``), 404 an
-unknown model or route, 413 a body over the limit, 429 a full queue, 500/503 a failure while
-generating. A client that disconnects (mid-stream, or while a non-streaming reply is being
-made or waits in the queue) cancels its generation. The app never touches the models: it
-hands jobs to the generation thread, which calls back with ``loop.call_soon_threadsafe``.
+``Guard`` checks, in this order, the API key (when ``options.api_key`` is set, every route
+requires ``Authorization: Bearer KEY``) and the requests in progress: at most
+``max_requests_per_client`` from one client address (429) and ``max_requests`` in all (503);
+idle connections count nowhere (``gate``). A request's body must arrive within
+``body_timeout`` seconds of its headers (408). Refusals count in ``sfchat_http_refused_total``.
+
+Every failure is an OpenAI error object, never a traceback: 400 malformed JSON or fields, a
+prompt past the context window (naming both sizes) and a chat template that fails or runs past
+its bound, 401 a wrong or missing key, 404 an unknown model or route, 408 a body too slow, 413 a
+body over the limit, 429 a full queue or a client's requests at its limit, 500/503 a failure
+while generating. Messages that carry text from elsewhere (the tail, the model's template) are
+``plaintext.plain``. A client that disconnects (mid-stream, or while a non-streaming reply is
+being made or waits in the queue) cancels its generation. The KV cache of one client's
+conversation is reused only by the same client (``generator``): ``cached_tokens`` never tells a
+client about another's prompt. The app never touches the models: it hands jobs to the
+generation thread, which calls back with ``loop.call_soon_threadsafe``.
 """
 
 from __future__ import annotations
@@ -38,8 +49,10 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.concurrency import run_in_threadpool
 
+from sfchat import UserError
+from sfchat.plaintext import plain
 from sfchat.serve import protocol
-from sfchat.serve.generator import GenerationThread, Job, QueueFull
+from sfchat.serve.generator import GenerationThread, Job, QueueFull, TokenizerBusy
 from sfchat.serve.metrics import CONTENT_TYPE, ServerMetrics
 from sfchat.serve.protocol import ApiError, Limits
 
@@ -54,19 +67,36 @@ class ServeOptions:
     max_queue: int = 16  # requests that may wait while one is generated; more get 429
     max_body_bytes: int = 1 << 20
     max_messages: int = 256
+    header_timeout: float = 10.0  # seconds a connection has to send its request's headers (gate)
+    body_timeout: float = 30.0  # seconds a request has to send its body, from its headers
+    max_waiting: int = 512  # connections waiting for their request, in all (gate)
+    max_waiting_per_client: int = 64  # the same, from one client address
+    max_requests: int | None = None  # requests in progress at once; None: max_queue + 64
+    max_requests_per_client: int | None = None  # the same, from one address; None: half of max_requests
+
+    def request_limits(self) -> tuple[int, int]:
+        """(requests in progress in all, from one client address)."""
+        total = self.max_requests or self.max_queue + 64
+        return total, self.max_requests_per_client or max(1, total // 2)
 
 
 def error_response(exc: ApiError) -> JSONResponse:
-    headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
+    headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else {}
+    if exc.close:  # the request's body may be unread: end the connection with the answer
+        headers["Connection"] = "close"
     return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
 
 class Guard:
-    """ASGI middleware: the API key check, and one request count per answer (route, status)."""
+    """ASGI middleware: the API key check, then the limits on requests in progress, and one
+    request count per answer (route, status)."""
 
-    def __init__(self, app, api_key: str | None, metrics: ServerMetrics):
+    def __init__(self, app, options: ServeOptions, metrics: ServerMetrics):
         self.app, self.metrics = app, metrics
-        self.key = f"Bearer {api_key}".encode() if api_key else None
+        self.key = f"Bearer {options.api_key}".encode() if options.api_key else None
+        self.limit, self.client_limit = options.request_limits()
+        self.per_client: dict[str, int] = {}  # requests in progress per client address
+        self.total = 0
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -88,14 +118,39 @@ class Guard:
                         "no API key was given: send the header Authorization: Bearer KEY"
                     resp = error_response(ApiError(401, message, code="invalid_api_key"))
                     return await resp(scope, receive, counting_send)
-            await self.app(scope, receive, counting_send)
+            client = (scope.get("client") or ("",))[0]
+            if refusal := self.refusal(client):
+                return await error_response(refusal)(scope, receive, counting_send)
+            self.total += 1
+            self.per_client[client] = self.per_client.get(client, 0) + 1
+            self.metrics.in_progress.set(self.total)
+            try:
+                await self.app(scope, receive, counting_send)
+            finally:
+                self.total -= 1
+                self.metrics.in_progress.set(self.total)
+                self.per_client[client] -= 1
+                if not self.per_client[client]:
+                    del self.per_client[client]
         finally:
             self.metrics.request(route, status[0] if status else 499)  # 499: the client left first
+
+    def refusal(self, client: str) -> ApiError | None:
+        mine = self.per_client.get(client, 0)
+        if mine >= self.client_limit:
+            self.metrics.refused("client_requests")
+            return ApiError(429, f"your address has {mine} requests in progress, the most one client may have; "
+                                 f"retry when one has ended", code="too_many_requests", close=True)
+        if self.total >= self.limit:
+            self.metrics.refused("requests")
+            return ApiError(503, f"the server has {self.total} requests in progress, its limit; retry later",
+                            code="server_busy", close=True)
+        return None
 
 
 def build_app(generator: GenerationThread, metrics: ServerMetrics, options: ServeOptions = ServeOptions()):
     info = generator.info
-    model_id = info.model
+    model_id = protocol.served_name(info.model)
     created = int(time.time())
     limits = Limits(options.max_body_bytes, options.max_messages, info.max_context)
     s = generator.settings
@@ -103,26 +158,40 @@ def build_app(generator: GenerationThread, metrics: ServerMetrics, options: Serv
     async def read_body(request: Request) -> bytes:
         size = request.headers.get("content-length", "")
         if size.isdigit() and int(size) > limits.max_body_bytes:
-            raise ApiError(413, f"the request body has {size} bytes; at most {limits.max_body_bytes} are accepted")
+            raise ApiError(413, f"the request body has {size} bytes; at most {limits.max_body_bytes} are accepted",
+                           close=True)
         parts, total = [], 0
-        async for piece in request.stream():
-            total += len(piece)
-            if total > limits.max_body_bytes:
-                raise ApiError(413, f"the request body exceeds {limits.max_body_bytes} bytes")
-            parts.append(piece)
+        try:
+            async with asyncio.timeout(options.body_timeout):
+                async for piece in request.stream():
+                    total += len(piece)
+                    if total > limits.max_body_bytes:
+                        raise ApiError(413, f"the request body exceeds {limits.max_body_bytes} bytes", close=True)
+                    parts.append(piece)
+        except TimeoutError:
+            metrics.refused("body_timeout")
+            raise ApiError(408, f"the request body did not arrive within {options.body_timeout:g} s of its headers",
+                           close=True) from None
         return b"".join(parts)
 
     def encode(messages) -> list[int]:
         try:
             return generator.encode(list(messages))
+        except TokenizerBusy as exc:
+            raise ApiError(503, str(exc), code="server_busy") from None
+        except UserError as exc:  # the template ran past its bound
+            raise ApiError(400, plain(exc), "messages") from None
         except Exception as exc:  # a chat template may refuse an order of roles
-            raise ApiError(400, f"the chat template refused these messages: {exc}", "messages") from None
+            raise ApiError(400, f"the chat template refused these messages: {plain(exc)}", "messages") from None
+
+    def unknown(asked: str) -> ApiError:
+        return ApiError(404, f"the model {asked[:100]!r} is not served here: this server serves {model_id!r}",
+                        "model", "model_not_found")
 
     async def chat_completions(request: Request) -> Response:
         req = protocol.parse_chat_request(await read_body(request), limits)
-        if req.model is not None and req.model != model_id:
-            raise ApiError(404, f"the model {req.model!r} does not exist: this server serves {model_id!r}",
-                           "model", "model_not_found")
+        if req.model is not None and not protocol.same_model(model_id, req.model):
+            raise unknown(req.model)
         ids = await run_in_threadpool(encode, req.messages)
         if len(ids) >= info.max_context:
             raise ApiError(400, f"the prompt has {len(ids)} tokens but the context window is {info.max_context} "
@@ -139,7 +208,8 @@ def build_app(generator: GenerationThread, metrics: ServerMetrics, options: Serv
         job = Job(ids, req.max_tokens or min(s.max_new_tokens, info.max_context),
                   s.temperature if req.temperature is None else req.temperature,
                   s.top_k if req.top_k is None else req.top_k, s.top_p if req.top_p is None else req.top_p,
-                  s.seed if req.seed is None else req.seed, req.stop, deliver)
+                  s.seed if req.seed is None else req.seed, req.stop, deliver,
+                  client=request.client.host if request.client else "")
         try:
             generator.submit(job)
         except QueueFull:
@@ -195,9 +265,8 @@ def build_app(generator: GenerationThread, metrics: ServerMetrics, options: Serv
         return JSONResponse(protocol.model_list(model_id, created))
 
     async def model(request: Request) -> Response:
-        if request.path_params["name"] != model_id:
-            raise ApiError(404, f"the model {request.path_params['name']!r} does not exist", "model",
-                           "model_not_found")
+        if not protocol.same_model(model_id, request.path_params["name"]):
+            raise unknown(request.path_params["name"])
         return JSONResponse(protocol.model_card(model_id, created))
 
     async def prometheus(request: Request) -> Response:
@@ -219,7 +288,7 @@ def build_app(generator: GenerationThread, metrics: ServerMetrics, options: Serv
         Route("/v1/models/{name:path}", model, methods=["GET"]),
         Route("/metrics", prometheus, methods=["GET"]),
     ], exception_handlers={ApiError: api_error, HTTPException: http_error, Exception: internal_error})
-    return Guard(app, options.api_key, metrics)
+    return Guard(app, options, metrics)
 
 
 async def cancel_on_disconnect(request: Request, job: Job) -> None:

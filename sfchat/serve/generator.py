@@ -20,9 +20,13 @@ calling ``job.deliver(item)`` from the generation thread, with items
 job cancelled while it waits is dropped when its turn comes. ``encode(messages)`` turns a
 conversation into prompt ids on the caller's thread (tokenizer only, under a lock: encoding
 never changes the fast tokenizer's padding or truncation state, so the generation thread's
-decoding may run beside it). A follow-up
-whose prompt extends the previous conversation reuses the KV cache through the engine: nothing
-is reset between requests. ``close()`` ends the thread after the current round.
+decoding may run beside it); a caller that cannot have the lock within ``ENCODE_WAIT_S`` gets
+``TokenizerBusy``. A follow-up from the same client (``job.client``, its address) whose prompt
+extends the previous conversation reuses the KV cache through the engine; a job from another
+client starts from a fresh cache, so that nothing of one client's conversation (a secret
+system prompt) shows in another's ``cached_tokens``, figures or timing. Failure messages that
+carry text from the tail are ``plaintext.plain``. ``close()`` ends the thread after the current
+round.
 """
 
 from __future__ import annotations
@@ -38,11 +42,19 @@ from sfchat.config import Settings
 from sfchat.events import LinkState, ReplyFinished, ReplyStarted, TokensCommitted
 from sfchat.node.prompts import make_sampling
 from sfchat.node.worker import STOP, CudaThread, open_head
+from sfchat.plaintext import plain
 from sfchat.serve.metrics import ServerMetrics
 from sfchat.serve.stops import StopMatcher
 
 
+ENCODE_WAIT_S = 30.0  # the longest a request waits for the tokenizer (each holder is bounded: prompts.render)
+
+
 class QueueFull(Exception):
+    pass
+
+
+class TokenizerBusy(Exception):
     pass
 
 
@@ -56,6 +68,7 @@ class Job:
     seed: int | None
     stops: tuple[str, ...]
     deliver: Callable[[tuple], None]
+    client: str = ""  # who asks (an address): only its own conversation's KV cache is reused
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.perf_counter)
 
@@ -83,6 +96,7 @@ class GenerationThread(CudaThread):
         self.info = None
         self.tokenizer_lock = threading.Lock()
         self.current: Job | None = None
+        self.cache_client: str | None = None  # whose conversation the KV cache holds
 
     # -- the caller's side ----------------------------------------------------------------------
     def start(self, timeout: float | None = None):  # type: ignore[override]
@@ -95,8 +109,12 @@ class GenerationThread(CudaThread):
         return self.info
 
     def encode(self, messages: list[dict]) -> list[int]:
-        with self.tokenizer_lock:
+        if not self.tokenizer_lock.acquire(timeout=ENCODE_WAIT_S):
+            raise TokenizerBusy(f"the tokenizer was busy with other requests for {ENCODE_WAIT_S:g} s; retry later")
+        try:
             return self.head.encode(list(messages))
+        finally:
+            self.tokenizer_lock.release()
 
     def submit(self, job: Job) -> None:
         try:
@@ -147,10 +165,10 @@ class GenerationThread(CudaThread):
             outcome = self._reply(job)
         except UserError as exc:
             self.metrics.reply("failed")
-            job.deliver(("failed", 400, str(exc)))
+            job.deliver(("failed", 400, plain(exc)))
         except Exception as exc:  # the link died for good, or a bug: this request fails, the server stays
             self.metrics.reply("failed")
-            job.deliver(("failed", 503, f"generation failed: {type(exc).__name__}: {exc}"))
+            job.deliver(("failed", 503, f"generation failed: {type(exc).__name__}: {plain(exc)}"))
             try:
                 self.head.new_chat()  # a half-done round leaves nothing trustworthy cached
             except Exception:
@@ -162,6 +180,9 @@ class GenerationThread(CudaThread):
 
     def _reply(self, job: Job) -> Outcome:
         session = self.head
+        if job.client != self.cache_client:  # another client's conversation: nothing of it is reused
+            session.new_chat()
+            self.cache_client = job.client
         queued_s = time.perf_counter() - job.submitted
         stops = StopMatcher(job.stops)
         sampling = make_sampling(job.temperature, job.top_k, job.top_p, job.seed)

@@ -9,7 +9,11 @@ as lines on stderr, as in one-shot mode), prints the URL, and serves until inter
 ``Server(settings, options, open_head=...)`` is the same as an object: ``start()`` returns once it
 accepts connections (``url`` then names it; port 0 picks a free one), ``close()`` stops it.
 The tests and ``bench/serve_load.py`` run it in-process that way. ``api_key_from(flag)``: the
-flag, else ``SFCHAT_API_KEY``.
+flag (with a warning on stderr: a command line is visible to every user of the machine), else
+``SFCHAT_API_KEY``. uvicorn runs with its h11 protocol behind the ``gate`` (no socket-counting
+``limit_concurrency``, no proxy headers: a client is its socket's address), and a shutdown
+waits at most ``SHUTDOWN_S`` for requests in progress. ``report(event)`` writes loading and
+link events on stderr, every string in them ``plaintext.plain``.
 """
 
 from __future__ import annotations
@@ -23,14 +27,31 @@ import time
 
 from sfchat import UserError
 from sfchat.config import Settings
-from sfchat.serve.app import ServeOptions, build_app
+from sfchat.console import show_download
+from sfchat.events import LinkState
 from sfchat.node.worker import open_head
+from sfchat.plaintext import plain
+from sfchat.serve.app import ServeOptions, build_app
+from sfchat.serve.gate import ConnectionGate, GateLimits
 from sfchat.serve.generator import GenerationThread
 from sfchat.serve.metrics import ServerMetrics
+from sfchat.serve.protocol import served_name
+
+SHUTDOWN_S = 10  # how long Ctrl+C or SIGTERM waits for requests in progress
 
 
 def api_key_from(flag: str | None) -> str | None:
+    if flag:
+        print("sfchat: warning: --api-key on the command line is visible to every user of this machine (ps, "
+              "/proc/*/cmdline) and stays in your shell history; prefer SFCHAT_API_KEY", file=sys.stderr, flush=True)
     return flag or os.environ.get("SFCHAT_API_KEY") or None
+
+
+def report(ev) -> None:
+    """A loading or link event as a line on stderr (``--serve`` has no screen)."""
+    show_download(ev)
+    if isinstance(ev, LinkState) and ev.state != "local":
+        print(f"sfchat: link {plain(ev.state)}: {plain(ev.detail)}", file=sys.stderr, flush=True)
 
 
 def is_loopback(host: str) -> bool:
@@ -45,7 +66,7 @@ def is_loopback(host: str) -> bool:
 def exposure_warning(options: ServeOptions) -> str | None:
     if is_loopback(options.host) or options.api_key:
         return None
-    return (f"sfchat: warning: serving on {options.host} without --api-key: anyone who can reach this "
+    return (f"sfchat: warning: serving on {plain(options.host)} without --api-key: anyone who can reach this "
             f"address can use the model; set --api-key or SFCHAT_API_KEY, or bind to 127.0.0.1")
 
 
@@ -90,11 +111,13 @@ class Server:
     def config(self):
         import uvicorn
 
-        app = build_app(self.generator, self.metrics, self.options)
-        # connections beyond the queue, the running request and some headroom are refused with 503
-        return uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
-                              limit_concurrency=self.options.max_queue + 64, timeout_keep_alive=30,
-                              h11_max_incomplete_event_size=64 * 1024)
+        o = self.options
+        app = build_app(self.generator, self.metrics, o)
+        gate = ConnectionGate(GateLimits(o.header_timeout, o.max_waiting, o.max_waiting_per_client), self.metrics)
+        # the gate closes idle keep-alive connections (and counts them) before uvicorn's own timer would
+        return uvicorn.Config(app, http=gate.protocol(), ws="none", proxy_headers=False, log_level="warning",
+                              access_log=False, lifespan="off", timeout_keep_alive=o.header_timeout + 5,
+                              timeout_graceful_shutdown=SHUTDOWN_S, h11_max_incomplete_event_size=64 * 1024)
 
     def start(self, timeout: float = 60.0) -> "Server":
         """Bind, load and serve on a background thread (the tests' and the benchmark's way)."""
@@ -126,23 +149,15 @@ class Server:
 def serve(settings: Settings, options: ServeOptions) -> int:
     import uvicorn
 
-    from sfchat.console import show_download
-    from sfchat.events import LinkState
-
-    def report(ev):
-        show_download(ev)
-        if isinstance(ev, LinkState) and ev.state != "local":
-            print(f"sfchat: link {ev.state}: {ev.detail}", file=sys.stderr, flush=True)
-
     if warning := exposure_warning(options):
         print(warning, file=sys.stderr, flush=True)
     server = Server(settings, options, on_event=report)
     server.bind()
-    print(f"sfchat: loading {settings.model} ...", file=sys.stderr, flush=True)
+    print(f"sfchat: loading {plain(settings.model)} ...", file=sys.stderr, flush=True)
     info = server.load()
     try:
-        print(f"sfchat: serving {info.model} (OpenAI-compatible, {info.mode} mode) at {server.url}/v1 "
-              f"- metrics at {server.url}/metrics{'; API key required' if options.api_key else ''}",
+        print(f"sfchat: serving {plain(served_name(info.model))} (OpenAI-compatible, {info.mode} mode) at "
+              f"{server.url}/v1 - metrics at {server.url}/metrics{'; API key required' if options.api_key else ''}",
               file=sys.stderr, flush=True)
         uvicorn.Server(server.config()).run(sockets=[server.sock])
     finally:

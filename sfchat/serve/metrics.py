@@ -3,21 +3,26 @@
 Contract
 --------
 ``ServerMetrics(k)`` holds every series the server exports; the HTTP layer counts requests
-(``request(route, code)``), the generation thread reports each round, each finished reply and
-each ``LinkState`` (``round``, ``reply``, ``link``), and ``render()`` gives the Prometheus text
+(``request(route, code)``), the connection gate and the app's limits what they refuse
+(``refused(reason)``), the generation thread reports each round, each finished reply and each
+``LinkState`` (``round``, ``reply``, ``link``), and ``render()`` gives the Prometheus text
 exposition format. Each instance has its own ``CollectorRegistry``, so that two servers in one
 process (the tests) never share figures. prometheus_client is thread-safe: any thread may call.
 
 Series (counters carry the ``_total`` suffix in the output):
 
 * ``sfchat_http_requests_total{route, code}``: every HTTP answer, 429 and 4xx included;
+* ``sfchat_http_refused_total{reason}``: connections closed and requests refused by a limit:
+  ``idle_timeout``, ``header_timeout``, ``client_connections``, ``connections`` (``gate``),
+  ``body_timeout``, ``client_requests``, ``requests`` (``app``);
 * ``sfchat_generations_total{finish_reason}``: replies by stop / length / cancelled / failed;
 * ``sfchat_prompt_tokens_total``, ``sfchat_prompt_cached_tokens_total`` (KV reused),
   ``sfchat_completion_tokens_total``;
 * histograms ``sfchat_reply_tokens_per_second``, ``sfchat_time_to_first_token_seconds`` (per
   reply, from the start of its generation), ``sfchat_tokens_per_round`` and
   ``sfchat_round_trip_seconds`` (per speculative round: round time less compute);
-* gauges ``sfchat_queue_depth`` (requests waiting), ``sfchat_generating`` (0 or 1);
+* gauges ``sfchat_queue_depth`` (requests waiting), ``sfchat_generating`` (0 or 1),
+  ``sfchat_http_requests_in_progress`` (HTTP requests past the key check, not yet answered);
 * ``sfchat_link_state`` (an Enum: local, waiting, connected, stalled, reconnecting, closed).
 """
 
@@ -35,6 +40,8 @@ class ServerMetrics:
         r = self.registry = CollectorRegistry()
         self.requests = Counter("sfchat_http_requests", "HTTP requests answered, by route and status code",
                                 ["route", "code"], registry=r)
+        self.refusals = Counter("sfchat_http_refused", "Connections closed and requests refused by a limit, by reason",
+                                ["reason"], registry=r)
         self.generations = Counter("sfchat_generations", "Replies generated, by finish reason",
                                    ["finish_reason"], registry=r)
         self.prompt_tokens = Counter("sfchat_prompt_tokens", "Prompt tokens of generated replies", registry=r)
@@ -53,11 +60,16 @@ class ServerMetrics:
                              buckets=(.0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5), registry=r)
         self.queue_depth = Gauge("sfchat_queue_depth", "Requests waiting for the generation thread", registry=r)
         self.generating = Gauge("sfchat_generating", "1 while a reply is being generated", registry=r)
+        self.in_progress = Gauge("sfchat_http_requests_in_progress", "HTTP requests admitted and not yet answered",
+                                 registry=r)
         self.link_state = Enum("sfchat_link_state", "State of the head-tail link", states=LINK_STATES, registry=r)
         self.link_state.state("local")
 
     def request(self, route: str, code: int) -> None:
         self.requests.labels(route=route, code=str(code)).inc()
+
+    def refused(self, reason: str) -> None:
+        self.refusals.labels(reason=reason).inc()
 
     def round(self, committed: int, rtt_ms: float) -> None:
         self.tokens_per_round.observe(committed)

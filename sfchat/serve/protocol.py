@@ -10,17 +10,24 @@ number of messages, stop strings, ``max_tokens``. Fields that OpenAI defines but
 honour (``n`` > 1, tools, logprobs, penalties) are refused only when they ask for something other
 than the neutral default; unknown fields are refused, as OpenAI does.
 
+``served_name(model)`` is the name a ``--model`` value is served under: a hub id as it is, a
+local directory by its own name, never its path. ``same_model(served, asked)`` says whether a
+request's ``model`` names it: the same last part in any case, and the same owner when both
+name one (``qwen2.5-7b-instruct`` and ``Qwen/Qwen2.5-7B-Instruct`` do; ``other/Qwen2.5-7B-Instruct``
+does not).
+
 ``completion``, ``chunk`` and ``usage`` build the response objects. ``finish_reason`` maps
 sfchat's reasons (eos, length, context) onto OpenAI's (stop, length). sfchat's own figures go
 in an extra ``"sfchat"`` field, which OpenAI clients keep as an unknown attribute.
 
-Pure Python: no torch, no web framework.
+Pure Python: no torch, no web framework; ``served_name`` looks at the file system.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass
 
 ROLES = {"system", "developer", "user", "assistant"}
@@ -32,12 +39,14 @@ class ApiError(Exception):
     """A request refused with an OpenAI-style error object."""
 
     TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-             405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
-             500: "server_error", 503: "server_error"}
+             405: "invalid_request_error", 408: "invalid_request_error", 413: "invalid_request_error",
+             429: "rate_limit_error", 500: "server_error", 503: "server_error"}
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None, *,
+                 close: bool = False):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.close = close  # answer with Connection: close (the body may be unread)
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "invalid_request_error"),
@@ -235,6 +244,23 @@ def chunk(cid: str, created: int, model: str, delta: dict | None, reason: str | 
     if use is not None:
         out["usage"] = use
     return out
+
+
+def served_name(model: str) -> str:
+    """The name ``model`` (a ``--model`` value) is served under (see the module's contract)."""
+    return os.path.basename(os.path.abspath(model)) if os.path.isdir(model) else model
+
+
+def same_model(served: str, asked: str) -> bool:
+    """Whether a request's ``model`` names the served model (see the module's contract)."""
+    owner, base = _owner_and_base(served.lower())
+    asked_owner, asked_base = _owner_and_base(asked.lower())
+    return bool(asked_base) and asked_base == base and (not owner or not asked_owner or owner == asked_owner)
+
+
+def _owner_and_base(name: str) -> tuple[str, str]:
+    owner, _, base = name.replace("\\", "/").rstrip("/").rpartition("/")
+    return owner, base
 
 
 def model_list(model_id: str, created: int) -> dict:

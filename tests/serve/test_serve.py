@@ -24,6 +24,7 @@ from sfchat.config import Settings
 from sfchat.serve.app import ServeOptions
 from sfchat.node.worker import open_head
 from sfchat.serve.main import Server
+from sfchat.serve.protocol import served_name
 
 MAX_CONTEXT = 256
 KEY = "sk-test-key"
@@ -38,9 +39,12 @@ def client(server: Server, key: str = "unused") -> openai.OpenAI:
     return openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0, timeout=60)
 
 
+def served(server: Server) -> str:  # the name its model is served under: the directory's name
+    return served_name(server.settings.model)
+
+
 def ask(c: openai.OpenAI, server: Server, content: str = "hello world", **kw):
-    return c.chat.completions.create(model=server.settings.model, messages=[{"role": "user", "content": content}],
-                                     **kw)
+    return c.chat.completions.create(model=served(server), messages=[{"role": "user", "content": content}], **kw)
 
 
 def metrics(server: Server) -> dict:
@@ -79,7 +83,7 @@ def server(zoo):
 def test_non_streaming_equals_one_shot_mode(server, zoo, capsys):
     expected = one_shot(zoo, capsys, "hello world", 20)
     r = ask(client(server), server, max_tokens=20, temperature=0)
-    assert r.object == "chat.completion" and r.model == server.settings.model
+    assert r.object == "chat.completion" and r.model == served(server) == "qwen2-untied"
     assert r.choices[0].message.role == "assistant"
     assert r.choices[0].message.content == expected["text"]
     assert r.choices[0].finish_reason == {"eos": "stop", "length": "length"}[expected["finish_reason"]]
@@ -121,10 +125,10 @@ def test_a_follow_up_reuses_the_cached_context_and_still_equals_a_fresh_session(
 
     c = client(server)
     first = [{"role": "user", "content": "speculative decoding drafts tokens"}]
-    a = c.chat.completions.create(model=server.settings.model, messages=first, max_tokens=12)
+    a = c.chat.completions.create(model=served(server), messages=first, max_tokens=12)
     follow = first + [{"role": "assistant", "content": a.choices[0].message.content},
                       {"role": "user", "content": "and the target verifies them"}]
-    b = c.chat.completions.create(model=server.settings.model, messages=follow, max_tokens=12)
+    b = c.chat.completions.create(model=served(server), messages=follow, max_tokens=12)
     assert b.usage.prompt_tokens > a.usage.prompt_tokens
     assert b.usage.prompt_tokens_details.cached_tokens >= a.usage.prompt_tokens
     assert b.model_extra["sfchat"]["prefill_tokens"] == b.usage.prompt_tokens - \
@@ -170,8 +174,8 @@ def test_seeded_sampling_repeats_and_differs_from_greedy(server):
 
 def test_models_lists_the_served_model(server):
     models = client(server).models.list()
-    assert [m.id for m in models.data] == [server.settings.model]
-    assert client(server).models.retrieve(server.settings.model).id == server.settings.model
+    assert [m.id for m in models.data] == [served(server)]
+    assert client(server).models.retrieve(served(server)).id == served(server)
 
 
 # -- errors ----------------------------------------------------------------------------------------
@@ -392,7 +396,7 @@ def test_sfchat_serve_runs_with_the_key_from_the_environment(zoo, tmp_path):
         url = lines[-1].split(" at ")[1].split("/v1")[0]
         assert httpx.get(url + "/v1/models", timeout=30).status_code == 401
         c = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=60)
-        r = c.chat.completions.create(model=str(zoo["qwen2-untied"]), messages=[{"role": "user", "content": "hi"}],
+        r = c.chat.completions.create(model="qwen2-untied", messages=[{"role": "user", "content": "hi"}],
                                       max_tokens=3)
         assert r.usage.completion_tokens >= 1 and r.model_extra["sfchat"]["k"] == 0
     finally:
