@@ -1,8 +1,15 @@
-"""Hostile clients against a real ``sfchat-relay`` on loopback (issue 13, items 4 and 5).
+"""Hostile clients against a real ``sfchat-relay`` on loopback (issue 13 items 4-5, issue 25 item 3).
 
+    python bench/relay_hostile.py slow [--sessions 12] [--budgets 128] [--frame-mb 12] [--frames 8]
     python bench/relay_hostile.py partial [--holders 40] [--budgets 64,128,256] [--frame-mb 12]
     python bench/relay_hostile.py flood [--seconds 30] [--connections 1100] [--addresses 1,20]
     add --relay-src DIR to run another checkout's relay (e.g. an export of an older commit)
+
+``slow``: ``--sessions`` pairs (each from its own loopback address) whose tails never read while
+their heads send ``--frames`` frames of ``--frame-mb`` MiB each as fast as the relay takes them;
+prints the relay's RSS at rest, its peak (VmHWM), the peak above rest against the bound the
+README promises (``--max-buffer-mb`` + 2 frames + ``SLACK_MIB``) and the RSS once all left, for each
+``--max-buffer-mb``.
 
 ``partial``: token holders each send the first half of one 12 MiB frame (``--frame-mb``; the
 relay runs with its default --max-frame-mb) and then nothing, while
@@ -15,7 +22,7 @@ pair chats and a new honest client joins every half second; prints the relay's l
 ``socket.accept() out of system resource`` lines in it, honest rounds and joins.
 
 Every attack is bounded in connections and seconds and stops by itself. The attack clients are
-the tests' (tests/test_relay_memory.py, tests/test_relay_flood.py).
+the tests' (tests/relay/test_relay_memory.py, tests/relay/test_relay_flood.py).
 """
 
 from __future__ import annotations
@@ -27,13 +34,39 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+TESTS = Path(__file__).resolve().parents[1] / "tests"
+sys.path[:0] = [str(TESTS), str(TESTS / "relay")]
 
 from relay_process import REPO, start_relay, status_kib  # noqa: E402
 from test_relay_flood import honest, idle_tcp  # noqa: E402
-from test_relay_memory import dial, half_frames  # noqa: E402
+from test_relay_memory import SLACK_MIB, dial, half_frames, slow_readers  # noqa: E402
 
 MiB = 1 << 20
+
+
+def slow(args) -> None:
+    print(f"{args.sessions} sessions whose tails never read, each head sending {args.frames} frames of "
+          f"{args.frame_mb} MiB; relay from {args.relay_src}\n")
+    print("| --max-buffer-mb | sessions | RSS at rest | peak (VmHWM) | peak - rest | bound | within | RSS after | "
+          "frames taken |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | :---: | ---: | ---: |")
+    for budget in args.budgets:
+        with open("/dev/null", "w") as log:
+            relay, port = start_relay(log, "--max-buffer-mb", str(budget), "--max-frame-mb", str(args.frame_mb),
+                                      cwd=args.relay_src)
+        try:
+            time.sleep(0.5)
+            rest = status_kib(relay.pid, "VmRSS") / 1024
+            sent = asyncio.run(asyncio.wait_for(
+                slow_readers(port, args.sessions, args.frame_mb * MiB, args.frames), 120))
+            time.sleep(1.5)
+            peak, after = status_kib(relay.pid, "VmHWM") / 1024, status_kib(relay.pid, "VmRSS") / 1024
+        finally:
+            relay.terminate()
+            relay.wait(10)
+        bound = budget + 2 * args.frame_mb + SLACK_MIB
+        print(f"| {budget} | {args.sessions} | {rest:.0f} MiB | {peak:.0f} MiB | {peak - rest:.0f} MiB | {bound} MiB | "
+              f"{'yes' if peak - rest <= bound else '**no**'} | {after:.0f} MiB | {sum(sent)} |")
 
 
 async def partial_round(port: int, holders: int, frame_mb: int) -> tuple[int, int, int]:
@@ -136,16 +169,23 @@ def flood(args, tmp: Path) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("scenario", choices=["partial", "flood"])
+    p.add_argument("scenario", choices=["slow", "partial", "flood"])
+    p.add_argument("--sessions", type=int, default=12)
+    p.add_argument("--frames", type=int, default=8)
     p.add_argument("--holders", type=int, default=40)
     p.add_argument("--frame-mb", type=int, default=12)
-    p.add_argument("--budgets", type=lambda t: [int(x) for x in t.split(",")], default=[64, 128, 256])
+    p.add_argument("--budgets", type=lambda t: [int(x) for x in t.split(",")], default=None,
+                   help="--max-buffer-mb values (default 128 for slow, 64,128,256 for partial)")
     p.add_argument("--seconds", type=float, default=30.0)
     p.add_argument("--connections", type=int, default=1100)
     p.add_argument("--addresses", type=lambda t: [int(x) for x in t.split(",")], default=[1, 20])
     p.add_argument("--relay-src", type=Path, default=REPO)
     args = p.parse_args()
-    if args.scenario == "partial":
+    if args.budgets is None:
+        args.budgets = [128] if args.scenario == "slow" else [64, 128, 256]
+    if args.scenario == "slow":
+        slow(args)
+    elif args.scenario == "partial":
         partial(args)
     else:
         tmp = Path("/tmp") / f"sfchat-relay-bench-{time.time_ns()}"

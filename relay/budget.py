@@ -8,8 +8,10 @@ frames queued for it, and the frame being written to its socket) or a connection
 handled). Every holder tells the ``Budget`` how many bytes it holds (``charge``, ``release``)
 and can be told to give them up (``shed``).
 
-When the bytes held by all holders together exceed the limit, the holders holding the most are
-shed, largest first, until the bytes that are not already on their way out fit again. Shedding
+When the bytes held by all holders together exceed the limit, holders are shed until the bytes
+that are not already on their way out fit again: each time the largest holder of the *client*
+(``Holder.client``: a remote address, see ``relay.gate.client_key``) whose holders hold the most
+in all, so a client with many middling holders goes before one with a single large frame. Shedding
 closes the holder's connection; an outbox frees its queue at once, a connection frees its bytes
 when its socket is gone (a few loop iterations). A shed outbox may keep its last frame while a
 polite close (code and reason) waits for the socket to drain; such *lingering* bytes are allowed
@@ -30,6 +32,8 @@ from typing import Protocol
 
 
 class Holder(Protocol):
+    client: str  # who the bytes are held for: the remote address (IPv6: its /64)
+
     @property
     def held(self) -> int: ...  # bytes this holder keeps alive now
 
@@ -55,11 +59,22 @@ class Budget:
             leaving = self.leaving()
             if self.used - leaving <= self.limit:
                 break
-            victim = max((h for h in self.holders if not h.shedding), key=lambda h: h.held, default=None)
+            victim = self._largest()
             if victim is None or victim.held == 0:
                 break
             victim.shed(self.linger - leaving)
         return not holder.shedding
+
+    def _largest(self) -> Holder | None:
+        """The largest holder not yet shed of the client holding the most bytes."""
+        by_client: dict[str, list[Holder]] = {}
+        for h in self.holders:
+            if not h.shedding:
+                by_client.setdefault(h.client, []).append(h)
+        if not by_client:
+            return None
+        heaviest = max(by_client.values(), key=lambda group: sum(h.held for h in group))
+        return max(heaviest, key=lambda h: h.held)
 
     def leaving(self) -> int:
         """Bytes of holders already shed, still counted until their sockets let go."""

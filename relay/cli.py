@@ -1,12 +1,14 @@
-"""``sfchat-relay``: the command line, the startup banner and the process around a ``Relay``.
+"""``sfchat-relay``: the command line and the process around a ``Relay``.
 
 Contract
 --------
 ``main(argv)`` parses the flags (every one described in ``--help``; a bad one is one error line
-and exit 2), installs the rate-limited log handler (``relay.logs``) for every logger, runs the
-relay until SIGTERM or SIGINT and returns 0; a startup mistake (bad certificate, port in use,
-too few file descriptors for the limits asked) is one line on stderr and exit 2. The handshake,
-limits and memory accounting are documented in ``relay.server``.
+and exit 2; ``--token`` on the command line is accepted with a warning that ``ps`` shows it),
+installs the rate-limited log handler (``relay.logs``) for every logger, prints the startup
+banner (``relay.banner``) once listening, runs the relay until SIGTERM or SIGINT and returns 0;
+a startup mistake (bad certificate, port in use, too few file descriptors for the limits asked)
+is one line on stderr and exit 2. The handshake, limits and memory accounting are documented in
+``relay.server``.
 """
 
 from __future__ import annotations
@@ -17,14 +19,14 @@ import ctypes
 import logging
 import os
 import secrets
-import shlex
 import signal
-import socket
 import ssl
 import sys
+from urllib.parse import urlsplit
 
+from relay.banner import banner
 from relay.logs import RateLimitedHandler
-from relay.server import MAX_FRAME_BYTES, Relay, RelayConfig, StartupError, _url, log, serve
+from relay.server import MAX_FRAME_BYTES, RelayConfig, StartupError, log, serve
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):
@@ -45,14 +47,25 @@ def _bounded(kind, low, high=None):
     return parse
 
 
+def _relay_url(text: str) -> str:
+    parts = urlsplit(text)
+    if parts.scheme not in ("ws", "wss") or not parts.hostname or not text.isprintable():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a ws://HOST:PORT or wss://HOST URL")
+    return text.rstrip("/")
+
+
 def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog="sfchat-relay", description="Pair sfchat heads and tails by session name "
                                                  "and forward their frames.")
     p.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0)")
     p.add_argument("--port", type=_bounded(int, 0, 65535), default=8765,
                    help="port to listen on; 0 picks a free one (default 8765)")
-    p.add_argument("--token", default=os.environ.get("SFCHAT_TOKEN"),
-                   help="shared secret clients must present (default: $SFCHAT_TOKEN, else generated)")
+    p.add_argument("--token", help="shared secret clients must present (default: $SFCHAT_TOKEN, else one "
+                                   "generated for this run); on the command line every user of this machine "
+                                   "can read it (ps): prefer the environment")
+    p.add_argument("--public-url", type=_relay_url, metavar="URL",
+                   help="the address other machines reach this relay by (e.g. wss://relay.example.com behind "
+                        "a TLS proxy, ws://203.0.113.7:8765 behind NAT): used in the printed commands")
     p.add_argument("--certfile", help="TLS certificate (PEM) to serve wss://")
     p.add_argument("--keyfile", help="TLS private key (PEM), if not inside --certfile")
     p.add_argument("--emulate-rtt-ms", type=_bounded(float, 0.0), default=0.0, metavar="MS",
@@ -63,6 +76,12 @@ def _parser() -> argparse.ArgumentParser:
                         f"open one more is refused with 503 (default {d.max_sessions})")
     p.add_argument("--max-connections", type=_bounded(int, 2), default=d.max_connections,
                    help=f"open websocket connections at most (default {d.max_connections})")
+    p.add_argument("--max-sessions-per-ip", type=_bounded(int, 1), default=d.max_sessions_per_client,
+                   help=f"sessions one client address (an IPv6 address: its /64) may take part in; one more "
+                        f"is refused with 503 (default {d.max_sessions_per_client})")
+    p.add_argument("--max-connections-per-ip", type=_bounded(int, 1), default=d.max_connections_per_client,
+                   help=f"open websocket connections from one client address (an IPv6 address: its /64) "
+                        f"(default {d.max_connections_per_client})")
     p.add_argument("--max-pending", type=_bounded(int, 1), default=d.max_pending,
                    help=f"TCP connections still in their handshake, all addresses together; a newcomer "
                         f"past it closes the oldest of the most crowded address (default {d.max_pending})")
@@ -82,8 +101,9 @@ def _parser() -> argparse.ArgumentParser:
                    help=f"bytes held for all clients together (queued frames and frames still "
                         f"arriving), in MiB (default {d.max_buffer_bytes >> 20})")
     p.add_argument("--idle-timeout", type=_bounded(float, 0.0), default=d.idle_timeout / 60, metavar="MIN",
-                   help=f"close connections that send nothing for MIN minutes; 0 = never "
-                        f"(default {d.idle_timeout / 60:g})")
+                   help=f"close a connection that sends nothing for MIN minutes while its partner is "
+                        f"present; one waiting alone for its partner keeps its slot while it answers the "
+                        f"keepalive pings; 0 = never (default {d.idle_timeout / 60:g})")
     p.add_argument("--log-level", default="INFO", type=str.upper,
                    choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                    help="least severe log records written to stderr; every line is rate limited "
@@ -104,28 +124,18 @@ def _tls_context(certfile: str | None, keyfile: str | None) -> ssl.SSLContext | 
     return context
 
 
-def _banner(relay: Relay, token_generated: bool) -> str:
-    host = relay.config.host
-    public = socket.gethostname() if host in ("0.0.0.0", "::", "") else host
-    public_url = _url(public, relay.port, relay.config.ssl is not None)
-    common = f"--relay {public_url} --token {shlex.quote(relay.config.token)} --session NAME"
-    lines = [f"sfchat-relay listening on {relay.url}"]
-    if token_generated:
-        lines.append("token generated for this run; pass --token or set SFCHAT_TOKEN to keep one")
-    if relay.config.emulate_rtt_ms:
-        lines.append(f"emulating a round trip of {relay.config.emulate_rtt_ms:g} ms")
-    lines += ["run, with any NAME and a SECRET of your own shared by both sides (the relay never sees it):",
-              f"  head:  sfchat {common} --secret SECRET",
-              f"  tail:  sfchat --tail {common} --secret SECRET"]
-    return "\n".join(lines)
-
-
-async def _run(config: RelayConfig, token_generated: bool) -> None:
+async def _run(config: RelayConfig, token_generated: bool, token_on_command_line: bool,
+               public_url: str | None) -> None:
     try:
         relay = await serve(config)
     except OSError as exc:
         raise StartupError(f"cannot listen on {config.host}:{config.port}: {exc.strerror or exc}") from None
-    print(_banner(relay, token_generated), flush=True)
+    if token_on_command_line:
+        log.warning("--token on the command line is visible to every user of this machine (ps, /proc): "
+                    "set SFCHAT_TOKEN instead")
+    c = relay.config
+    print(banner(c.host, relay.port, c.ssl is not None, c.token, token_generated, c.emulate_rtt_ms, public_url),
+          flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -156,19 +166,23 @@ def main(argv: list[str] | None = None) -> int:
     _return_freed_memory()
     # websockets logs every handshake at INFO; our own join/leave/refusal lines replace those.
     logging.getLogger("websockets").setLevel(max(logging.getLevelName(args.log_level), logging.WARNING))
-    token = args.token or secrets.token_urlsafe(24)
+    chosen = args.token or os.environ.get("SFCHAT_TOKEN")
+    token = chosen or secrets.token_urlsafe(24)
     try:
         config = RelayConfig(
             token=token, host=args.host, port=args.port,
             ssl=_tls_context(args.certfile, args.keyfile), emulate_rtt_ms=args.emulate_rtt_ms,
             max_sessions=args.max_sessions, max_frame_bytes=int(args.max_frame_mb * (1 << 20)),
             max_connections=args.max_connections, max_pending=args.max_pending,
+            max_sessions_per_client=args.max_sessions_per_ip,
+            max_connections_per_client=args.max_connections_per_ip,
             max_pending_per_host=args.max_pending_per_ip, open_timeout=args.handshake_timeout,
             max_frames_per_s=args.max_frames_per_s,
             max_bytes_per_s=args.max_mb_per_s * (1 << 20), max_buffer_bytes=int(args.max_buffer_mb * (1 << 20)),
             idle_timeout=args.idle_timeout * 60,
         )
-        asyncio.run(_run(config, token_generated=not args.token))
+        asyncio.run(_run(config, token_generated=not chosen, token_on_command_line=args.token is not None,
+                         public_url=args.public_url))
     except StartupError as exc:
         print(f"sfchat-relay: error: {exc}", file=sys.stderr)
         return 2

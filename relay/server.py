@@ -15,7 +15,11 @@ Before upgrading, the relay answers with a plain HTTP status instead when:
 * the path, role or name is malformed -> 400;
 * the session already has a peer of that role -> 409, body ``session NAME already has a tail``;
 * the relay already holds ``--max-sessions`` sessions and this would open another, or
-  ``--max-connections`` connections -> 503.
+  ``--max-connections`` connections -> 503;
+* the client (its address, an IPv6 address by its /64: ``relay.gate.client_key``) already takes
+  part in ``--max-sessions-per-ip`` sessions and this would be one more, or holds
+  ``--max-connections-per-ip`` connections -> 503, body ``too many sessions (connections) from
+  your address (N at most)``.
 
 Two clients racing for the same slot can both pass the HTTP checks; the loser is then closed
 right after the upgrade with code 4409 (4503 for the session or connection limit) and the same reason.
@@ -24,7 +28,8 @@ log line, whoever writes it, also passes one rate limit (``relay.logs``).
 
 After the upgrade
 -----------------
-* Binary messages are sfchat frames: forwarded verbatim and in order to the other role.
+* Binary messages are sfchat frames: forwarded verbatim and in order to the other role; one over
+  256 KiB arrives as a fragmented websocket message (the same bytes, as one message).
 * Text messages are JSON control events and are sent by the relay only::
 
       {"event": "welcome", "session": NAME, "peer_present": bool}   first message, on join
@@ -37,12 +42,17 @@ After the upgrade
   queue as frames, so ``peer_left`` follows the last frame of the departed peer.
 * A text message from a client closes that connection with 1003; a message over
   ``--max-frame-mb`` (default ``MAX_FRAME_BYTES``, below) closes it with 1009; more than
-  ``--max-frames-per-s`` frames or ``--max-mb-per-s`` MiB per second (token buckets holding one second's worth, and at least
-  four maximal frames) close it with 1008; a receiver that falls too far behind its bounded
-  queue, or holds the most bytes when all queues together reach ``--max-buffer-mb``, is closed
-  with 1013 (a sender holding the most bytes of a frame still arriving is cut instead, see
-  Memory); a connection that sends nothing for ``--idle-timeout`` minutes (keepalive pings and
-  pongs do not count) is closed with 4408. Other connections and sessions are unaffected.
+  ``--max-frames-per-s`` frames or ``--max-mb-per-s`` MiB per second (token buckets holding one
+  second's worth, and at least four maximal frames) close it with 1008; a receiver that falls too
+  far behind its bounded queue, or that the shared budget sheds when everything held reaches
+  ``--max-buffer-mb``, is closed with 1013 (a sender shed mid-frame is cut instead, see Memory);
+  a connection that sends nothing for ``--idle-timeout`` minutes while its partner is present
+  (keepalive pings and pongs do not count; the time starts again when a partner joins) is closed
+  with 4408; of an idle pair, the one silent longer goes and the other then waits alone. A peer
+  waiting alone for its partner is never idle: it keeps its slot as long as it answers the
+  keepalive pings (sent every ``ping_interval``; no pong within ``ping_timeout`` closes it with
+  1011), so a squatter cannot wait for a waiting tail's slot to be given away. Other connections
+  and sessions are unaffected.
 * The relay never parses a frame, so it needs no trust in their contents: head and tail seal
   them end to end (``sfchat.link.secure``); the relay sees sizes and timing only.
 * Once the tail leaves, the session keeps its head and a new tail may join (and vice versa).
@@ -64,19 +74,25 @@ recomputes the bound from ``sfchat.protocol.wire``, ``sfchat.link.padding`` and 
 Memory
 ------
 Every byte the relay holds for a client is counted against ``--max-buffer-mb``: frames queued
-for a receiver (until its socket took them), frames still arriving (what websockets' parser
-holds of them) and frames received but not yet forwarded. Past the limit the holders of the
-most bytes are closed (see ``relay.budget``); a sender mid-frame is cut without a close frame.
-Memory stays under ``--max-buffer-mb`` + ``LINGER_FRAMES`` frames (receivers shed politely keep
-the frame in flight until their close completes; past that they are aborted) + a constant: the
-interpreter at rest (~27 MiB), a few KiB per connection, at most ``relay.gate.MAX_REQUEST_BYTES`` (16 KiB)
-per pending handshake and one 256 KiB socket read per connection. Measured (bench/RESULTS.md):
-40 half-sent 12 MiB frames against ``--max-buffer-mb 64`` peak at rest + 65 MiB.
+for a receiver, the frame being written to it with what its socket's write buffer may hold beside
+it (see ``relay.session``: large frames go out in 256 KiB fragments taken from the frame, never
+copied whole), frames still arriving (what websockets' parser holds of them) and frames received
+but not yet forwarded. Nothing keeps a frame alive once it is delivered or dropped (see
+``relay.gate`` for websockets' parser). Past the limit the largest holder of the client holding
+the most is closed (see ``relay.budget``); a sender mid-frame is cut without a close frame.
+RSS stays under rest + ``--max-buffer-mb`` + 2 frames + a few MiB: ``LINGER_FRAMES`` (1) frame
+that a receiver shed politely may keep until its close completes (past that they are aborted),
+one frame copied while websockets parses it (it unmasks a copy of the payload), and a few KiB per
+connection (its state, at most ``relay.session.WRITE_LIMIT`` (16 KiB) left in its write buffer
+between frames, at most ``relay.gate.MAX_REQUEST_BYTES`` (16 KiB) per pending handshake, one
+256 KiB socket read). Measured (bench/relay_hostile.py slow, tests/relay/test_relay_memory.py):
+12 sessions whose tails never read while their heads send 12 MiB frames, ``--max-buffer-mb 128``:
+peak 150-156 MiB above rest against a bound of 160.
 
 Connections and file descriptors
 --------------------------------
 See ``relay.gate``. Every accepted socket is counted until it closes; ``--max-pending``
-connections in all, and ``--max-pending-per-ip`` per address, may be in their handshake
+connections in all, and ``--max-pending-per-ip`` per client address, may be in their handshake
 (``--handshake-timeout`` seconds at most); a newcomer over a limit evicts the oldest pending
 connection of the most crowded address. At start the relay raises its RLIMIT_NOFILE soft limit
 as far as needed and allowed, and refuses to start when ``--max-connections`` + ``--max-pending``
@@ -102,10 +118,11 @@ from websockets.datastructures import Headers
 from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
 
+from relay.banner import ws_url
 from relay.budget import Budget, TokenBucket
 from relay.gate import Gate, MeteredConnection
 from relay.logs import LogOnce
-from relay.session import ROLES, Peer, Session, address, close_firmly, host, log
+from relay.session import ROLES, WRITE_LIMIT, Peer, Session, address, host, log, send_slack
 
 SESSION_PATH = re.compile(r"/session/([A-Za-z0-9._-]{1,64})")
 CLOSE_UNSUPPORTED_DATA = 1003
@@ -114,7 +131,7 @@ CLOSE_IDLE = 4408
 CLOSE_SLOT_TAKEN = 4409
 CLOSE_RELAY_FULL = 4503
 MAX_FRAME_BYTES = 12 << 20  # see "Largest frame"
-LINGER_FRAMES = 2  # frames that closing receivers may keep while their close frame waits
+LINGER_FRAMES = 1  # frames that closing receivers may keep while their close frame waits
 ACCEPT_BACKLOG = 128  # asyncio accepts up to this many sockets in one go
 FD_RESERVE = ACCEPT_BACKLOG + 64  # one accept batch, listening sockets, log, loop internals
 
@@ -136,6 +153,8 @@ class RelayConfig:
     max_connections: int = 256  # upgraded connections
     max_pending: int = 128  # connections in their handshake, all addresses together
     max_pending_per_host: int = 8
+    max_sessions_per_client: int = 8  # sessions a client address takes part in
+    max_connections_per_client: int = 16  # upgraded connections from one client address
     max_frame_bytes: int = MAX_FRAME_BYTES
     # Generous: a round is two frames of ~64 KB (Qwen2.5-7B, K=8), a prefill chunk a few MB.
     max_frames_per_s: float = 2000.0
@@ -156,7 +175,8 @@ class Relay:
         self.config = config
         self.sessions: dict[str, Session] = {}
         self.connections: set[ServerConnection] = set()  # upgraded and not yet handled to the end
-        self.budget = Budget(config.max_buffer_bytes, linger=LINGER_FRAMES * config.max_frame_bytes)
+        frame = config.max_frame_bytes
+        self.budget = Budget(config.max_buffer_bytes, linger=LINGER_FRAMES * (frame + send_slack(frame)))
         self.refused = LogOnce()
         self.gate: Gate | None = None
         self._server: Server | None = None
@@ -171,7 +191,8 @@ class Relay:
 
         self._server = await ws_serve(
             self._handle, c.host, c.port, ssl=c.ssl, process_request=self._check_request,
-            compression=None, max_size=c.max_frame_bytes, max_queue=c.max_queue, open_timeout=c.open_timeout,
+            compression=None, max_size=c.max_frame_bytes, max_queue=c.max_queue, write_limit=WRITE_LIMIT,
+            open_timeout=c.open_timeout,
             ping_interval=c.ping_interval, ping_timeout=c.ping_timeout, close_timeout=c.close_timeout,
             create_connection=connection, backlog=ACCEPT_BACKLOG,
         )
@@ -182,7 +203,7 @@ class Relay:
 
     @property
     def url(self) -> str:
-        return _url(self.config.host, self.port, self.config.ssl is not None)
+        return ws_url(self.config.host, self.port, self.config.ssl is not None)
 
     def close(self) -> None:
         """Stop listening and close every connection with 1001 (going away)."""
@@ -215,7 +236,7 @@ class Relay:
             return ws.respond(400, "expected /session/NAME?role=head|tail, "
                                    "NAME being 1..64 characters of [A-Za-z0-9._-]\n")
         name, role = match[1], roles[0]
-        refusal = self._refusal(name, role)
+        refusal = self._refusal(name, role, ws.client)
         if refusal is not None:
             status, reason = refusal
             self.refused(host(ws), str(status), "session %s: refused %s at %s: %s", name, role, address(ws), reason)
@@ -231,21 +252,27 @@ class Relay:
         return scheme.lower() == "bearer" and hmac.compare_digest(
             presented.strip().encode(), self.config.token.encode())
 
-    def _refusal(self, name: str, role: str) -> tuple[int, str] | None:
-        if len(self.connections) >= self.config.max_connections:
-            return 503, f"relay is full ({self.config.max_connections} connections)"
+    def _refusal(self, name: str, role: str, client: str) -> tuple[int, str] | None:
+        c = self.config
+        if len(self.connections) >= c.max_connections:
+            return 503, f"relay is full ({c.max_connections} connections)"
         session = self.sessions.get(name)
         if session is not None and role in session.peers:
             return 409, f"session {name} already has a {role}"
-        if session is None and len(self.sessions) >= self.config.max_sessions:
-            return 503, f"relay is full ({self.config.max_sessions} sessions)"
+        if session is None and len(self.sessions) >= c.max_sessions:
+            return 503, f"relay is full ({c.max_sessions} sessions)"
+        if sum(ws.client == client for ws in self.connections) >= c.max_connections_per_client:
+            return 503, f"too many connections from your address ({c.max_connections_per_client} at most)"
+        joined = {s.name for s in self.sessions.values() if any(p.client == client for p in s.peers.values())}
+        if name not in joined and len(joined) >= c.max_sessions_per_client:
+            return 503, f"too many sessions from your address ({c.max_sessions_per_client} at most)"
         return None
 
     async def _handle(self, ws: MeteredConnection) -> None:
         self.gate.settle(ws)  # upgraded: no longer counts against the handshake limits
         name, role = ws.sfchat_slot
         # The HTTP check ran before the upgrade; another client may have taken the slot since.
-        refusal = self._refusal(name, role)
+        refusal = self._refusal(name, role, ws.client)
         if refusal is not None:
             status, reason = refusal
             self.refused(host(ws), str(status), "session %s: refused %s at %s: %s", name, role, address(ws), reason)
@@ -257,10 +284,11 @@ class Relay:
         finally:
             self.connections.discard(ws)
 
-    async def _join(self, ws: ServerConnection, name: str, role: str) -> None:
+    async def _join(self, ws: MeteredConnection, name: str, role: str) -> None:
         session = self.sessions.setdefault(name, Session(name))
         # Room for a few maximal frames in flight, so one large prefill chunk never overflows.
-        peer = Peer(ws, role, name, max_queued_bytes=4 * self.config.max_frame_bytes, budget=self.budget)
+        peer = Peer(ws, role, name, max_queued_bytes=4 * self.config.max_frame_bytes, budget=self.budget,
+                    client=ws.client)
         session.join(peer)
         log.info("session %s: %s joined from %s (%s)", name, role, peer.address,
                  "peer present" if len(session.peers) == 2 else "waiting for its peer")
@@ -274,41 +302,55 @@ class Relay:
             log.info("session %s: %s at %s left (code %s%s)", name, role, peer.address,
                      ws.close_code, f": {ws.close_reason}" if ws.close_reason else "")
 
-    async def _pump_from(self, ws: ServerConnection, session: Session, peer: Peer) -> None:
+    async def _pump_from(self, ws: MeteredConnection, session: Session, peer: Peer) -> None:
         c = self.config
-        delay = c.emulate_rtt_ms / 2000.0
         frames = TokenBucket(c.max_frames_per_s, c.max_frames_per_s)
         volume = TokenBucket(c.max_bytes_per_s, max(c.max_bytes_per_s, 4 * c.max_frame_bytes))
         loop = asyncio.get_running_loop()
-        idle = c.idle_timeout or None
+        idle = c.idle_timeout
+
+        def idle_until() -> float | None:
+            if not idle:
+                return None
+            if session.partner(peer) is None:  # waiting alone is not idleness: look again later
+                return loop.time() + idle
+            return max(peer.last_heard, session.paired_at) + idle
+
         try:
-            async with asyncio.timeout_at(loop.time() + idle if idle else None) as quiet:
-                async for message in ws:
-                    ws.consumed(len(message) if isinstance(message, bytes) else len(message.encode()))
-                    if idle:
-                        quiet.reschedule(loop.time() + idle)
-                    if isinstance(message, str):
-                        await close_firmly(ws, CLOSE_UNSUPPORTED_DATA,
-                                           "text messages are reserved for the relay; send binary frames")
-                        return
-                    if not (frames.take(1) and volume.take(len(message))):
-                        self.refused(host(ws), "rate", "session %s: %s at %s exceeded %g frames/s or %g MiB/s",
-                                     session.name, peer.role, peer.address, c.max_frames_per_s,
-                                     c.max_bytes_per_s / (1 << 20))
-                        await close_firmly(ws, CLOSE_POLICY, "rate limit exceeded: this side sends too fast")
-                        return
-                    session.forward(peer, message, delay)
-        except TimeoutError:
-            self.refused(host(ws), "idle", "session %s: %s at %s sent nothing for %g min",
-                         session.name, peer.role, peer.address, idle / 60)
-            await close_firmly(ws, CLOSE_IDLE, f"idle for {idle / 60:g} min: closed by the relay")
+            while True:
+                try:
+                    async with asyncio.timeout_at(idle_until()) as quiet:
+                        while await self._take(ws, session, peer, frames, volume):
+                            quiet.reschedule(idle_until())
+                    return
+                except TimeoutError:
+                    if idle_until() > loop.time():
+                        continue  # alone now, or a partner joined meanwhile
+                    self.refused(host(ws), "idle", "session %s: %s at %s sent nothing for %g min",
+                                 session.name, peer.role, peer.address, idle / 60)
+                    await peer.close(CLOSE_IDLE, f"idle for {idle / 60:g} min: closed by the relay")
+                    return
         except ConnectionClosed:
             pass  # oversize frame, lost connection, shutdown: the close code says which
 
-
-def _url(host: str, port: int, tls: bool) -> str:
-    host = f"[{host}]" if ":" in host else host  # IPv6 literal
-    return f"{'wss' if tls else 'ws'}://{host}:{port}"
+    async def _take(self, ws: MeteredConnection, session: Session, peer: Peer, frames: TokenBucket,
+                    volume: TokenBucket) -> bool:
+        """Receive one message and forward it; False once ``ws`` is closed for it. The message
+        is referenced only while this runs."""
+        c = self.config
+        message = await ws.recv()
+        ws.consumed(len(message) if isinstance(message, bytes) else len(message.encode()))
+        peer.last_heard = asyncio.get_running_loop().time()
+        if isinstance(message, str):
+            await peer.close(CLOSE_UNSUPPORTED_DATA, "text messages are reserved for the relay; send binary frames")
+            return False
+        if not (frames.take(1) and volume.take(len(message))):
+            self.refused(host(ws), "rate", "session %s: %s at %s exceeded %g frames/s or %g MiB/s",
+                         session.name, peer.role, peer.address, c.max_frames_per_s, c.max_bytes_per_s / (1 << 20))
+            await peer.close(CLOSE_POLICY, "rate limit exceeded: this side sends too fast")
+            return False
+        session.forward(peer, message, c.emulate_rtt_ms / 2000.0)
+        return True
 
 
 def descriptor_room(connections: int) -> int:

@@ -27,6 +27,4 @@ def start_relay(log, *flags: str, preexec=None, cwd=REPO) -> tuple[subprocess.Po
         [sys.executable, "-m", "relay", "--host", "127.0.0.1", "--port", "0", "--token", TOKEN, *flags],
         stdout=subprocess.PIPE, stderr=log, text=True, env=ENV, cwd=cwd, preexec_fn=preexec)
     port = int(re.search(r"listening on ws://[^:]+:(\d+)", relay.stdout.readline())[1])
-    while not relay.stdout.readline().lstrip().startswith("tail:"):
-        pass
     return relay, port

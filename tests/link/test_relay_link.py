@@ -96,6 +96,17 @@ def test_busy_slot_is_a_user_error_with_the_relays_reason(links):
         links("tail", session="taken")
 
 
+def test_an_address_over_its_share_of_sessions_is_a_user_error_with_the_relays_reason():
+    server = ThreadedRelay(max_sessions_per_client=1)
+    try:
+        with RelayLink(server.url, TOKEN, "mine", "tail", connect_timeout=5):
+            with pytest.raises(UserError, match=r"refused to join: too many sessions from your address \(1 at most\)"):
+                RelayLink(server.url, TOKEN, "another", "tail", connect_timeout=5)
+    finally:
+        server.stop()
+        server.dispose()
+
+
 @pytest.mark.parametrize("url, message", [
     ("http://127.0.0.1:1", "ws://HOST:PORT"),
     ("ws://127.0.0.1:1", "cannot reach the relay"),

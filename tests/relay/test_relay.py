@@ -1,22 +1,15 @@
-"""The relay server over loopback: pairing, verbatim ordered forwarding, refusals, limits,
-emulated RTT, shutdown and command-line errors. Raw websockets clients speak to it, so these
-tests pin the wire contract documented in relay/server.py (RelayLink has its own tests)."""
+"""The relay server over loopback: pairing, verbatim ordered forwarding, refusals, limits and
+emulated RTT (the command line, its banner and shutdown: test_relay_cli.py). Raw websockets
+clients speak to it, so these tests pin the wire contract documented in relay/server.py
+(RelayLink has its own tests)."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
-import os
 import random
-import re
-import signal
-import socket
 import statistics
-import subprocess
-import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -245,111 +238,3 @@ def test_emulated_rtt_adds_the_round_trip_once_per_frame_not_per_queue_position(
         assert 0.080 <= slow_rtt - plain_rtt <= 0.250
         assert burst_time < 0.6  # one emulated round trip, not 50 of them
     run(scenario())
-
-
-# --- the command-line relay, as deployed -----------------------------------------------------
-
-@pytest.fixture
-def relay_cli(tmp_path):
-    """Start ``python -m relay.server`` on a free port; returns (process, port, banner)."""
-    started = []
-
-    def start(*args: str, env: dict | None = None) -> tuple[subprocess.Popen, int, str]:
-        with open(tmp_path / "relay.stderr", "w") as stderr:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "relay", "--host", "127.0.0.1", "--port", "0", *args],
-                cwd=REPO, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env)
-        started.append(proc)
-        banner = []
-        for line in proc.stdout:
-            banner.append(line)
-            if found := re.search(r"listening on ws://[^:]+:(\d+)", line):
-                break
-        else:
-            pytest.fail("relay exited before listening: " + (tmp_path / "relay.stderr").read_text())
-        while not banner[-1].lstrip().startswith("tail:"):  # the banner ends with the tail command
-            banner.append(proc.stdout.readline())
-        return proc, int(found[1]), "".join(banner)
-
-    yield start
-    for proc in started:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait(5)
-        proc.stdout.close()
-
-
-def test_cli_prints_commands_with_a_generated_token_and_answers_healthz(relay_cli):
-    env = {k: v for k, v in os.environ.items() if k != "SFCHAT_TOKEN"}
-    proc, port, banner = relay_cli(env=env)
-    token = re.search(r"head:  sfchat --relay ws://\S+ --token (\S+) --session NAME", banner)[1]
-    assert "tail:  sfchat --tail --relay ws://" in banner and f"--token {token}" in banner
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    with opener.open(f"http://127.0.0.1:{port}/healthz", timeout=5) as response:
-        assert response.status == 200 and response.read().strip() == b"ok"
-
-    async def scenario():
-        with pytest.raises(InvalidStatus):
-            await dial(port, "cli", "head", token="not-it")
-        head = await dial(port, "cli", "head", token=token)
-        assert (await event(head))["event"] == "welcome"
-        await head.close()
-    run(scenario())
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(10) == 0
-
-
-def test_sigterm_closes_connections_with_1001_and_exits_0(relay_cli, tmp_path):
-    proc, port, _ = relay_cli("--token", TOKEN)
-
-    async def scenario():
-        head, tail = await pair(port, "bye")
-        start = time.monotonic()
-        proc.send_signal(signal.SIGTERM)
-        for ws in (head, tail):
-            with pytest.raises(ConnectionClosed):
-                await asyncio.wait_for(ws.recv(), 5)
-            assert ws.close_code == 1001
-        return time.monotonic() - start
-
-    assert run(scenario()) < 5
-    assert proc.wait(5) == 0
-    log = (tmp_path / "relay.stderr").read_text()
-    assert "session bye: head joined" in log and "Traceback" not in log
-
-
-def cli_error(*args: str) -> str:
-    done = subprocess.run([sys.executable, "-m", "relay", *args], cwd=REPO,
-                          capture_output=True, text=True, timeout=20)
-    assert done.returncode == 2
-    assert "Traceback" not in done.stderr
-    lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("sfchat-relay: error:"), done.stderr
-    return lines[0]
-
-
-def test_bad_port_is_one_error_line():
-    assert "99999" in cli_error("--port", "99999")
-
-
-def test_missing_certificate_is_one_error_line(tmp_path):
-    assert "certificate" in cli_error("--certfile", str(tmp_path / "missing.pem"), "--port", "0")
-
-
-def test_port_in_use_is_one_error_line():
-    with socket.socket() as busy:
-        busy.bind(("127.0.0.1", 0))
-        busy.listen()
-        port = busy.getsockname()[1]
-        assert "cannot listen" in cli_error("--host", "127.0.0.1", "--port", str(port), "--token", TOKEN)
-
-
-def test_every_flag_is_described_in_help():
-    from relay.cli import _parser
-
-    undescribed = [a.option_strings[0] for a in _parser()._actions
-                   if a.option_strings and (not a.help or a.help == argparse.SUPPRESS)]
-    assert undescribed == []
-    done = subprocess.run([sys.executable, "-m", "relay", "--help"], cwd=REPO,
-                          capture_output=True, text=True, timeout=20)
-    assert done.returncode == 0 and "--max-sessions" in done.stdout and "--log-level" in done.stdout

@@ -192,8 +192,11 @@ async def hostile(port: int, paired: asyncio.Event) -> dict:
         await until_event(head, "peer_left")
         return "peer closed"
 
-    async def idle(i):
+    async def idle(i):  # a pair gone quiet: the head, silent longer, is closed; the tail keeps waiting
         ws = await dial(port, f"idle-{i}", "head")
+        kept.append(tail := await dial(port, f"idle-{i}", "tail"))
+        await asyncio.sleep(1.0)
+        await tail.send(b"last word")
         while True:
             await ws.recv()
 
@@ -226,12 +229,11 @@ def test_fifty_sessions_complete_while_hostile_clients_attack_and_memory_stays_b
             [sys.executable, "-m", "relay", "--host", "127.0.0.1", "--port", "0", "--token", TOKEN,
              "--max-frame-mb", "1", "--max-connections", "200", "--max-sessions", "200", "--max-frames-per-s", "1000",
              "--max-pending", "400", "--max-pending-per-ip", "400",  # every client here is 127.0.0.1
+             "--max-sessions-per-ip", "400", "--max-connections-per-ip", "400",
              "--max-mb-per-s", "64", "--max-buffer-mb", "64", "--idle-timeout", "0.3"],
             stdout=subprocess.PIPE, stderr=err, text=True, env=ENV)
     try:
         port = int(re.search(r"listening on ws://[^:]+:(\d+)", relay.stdout.readline())[1])
-        while not relay.stdout.readline().lstrip().startswith("tail:"):
-            pass
         time.sleep(0.5)
         before = vm_kib(relay.pid, "VmRSS")
         peak = [before]

@@ -1,5 +1,7 @@
-"""The relay's memory under token holders that start frames and never finish them (issue 13,
-item 4), measured on a real ``sfchat-relay`` process, and the frame bound it rests on."""
+"""The relay's memory, measured on a real ``sfchat-relay`` process: under token holders that start
+frames and never finish them (issue 13, item 4), under tails that never read while their heads
+send maximal frames (issue 25, item 3), and the frame bound it rests on. The README's bound: RSS
+above rest stays under ``--max-buffer-mb`` + 2 frames + ``SLACK_MIB``."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ import asyncio
 import time
 
 from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed
 from websockets.frames import Frame, Opcode
 
 from relay.server import MAX_FRAME_BYTES, RelayConfig, serve
@@ -15,6 +18,7 @@ from sfchat.link import relay as relay_link, secure as secure_link
 from sfchat.protocol import wire
 from relay_process import TOKEN, start_relay, status_kib
 MiB = 1 << 20
+SLACK_MIB = 8  # "a few MiB" of the README's bound: per-connection state, copies of one frame's headers
 
 
 def test_the_frame_bound_holds_the_largest_sealed_frame_of_the_protocol():
@@ -28,17 +32,49 @@ def test_the_frame_bound_holds_the_largest_sealed_frame_of_the_protocol():
     assert padding.padded_size(chunk_7b + 1) + secure_link.OVERHEAD < MAX_FRAME_BYTES // 3
 
 
-async def dial(port: int, session: str, role: str):
+async def dial(port: int, session: str, role: str, source: str = "127.0.0.1", **options):
     return await connect(f"ws://127.0.0.1:{port}/session/{session}?role={role}", proxy=None, compression=None,
-                         max_size=16 * MiB, additional_headers={"Authorization": f"Bearer {TOKEN}"})
+                         max_size=16 * MiB, additional_headers={"Authorization": f"Bearer {TOKEN}"},
+                         local_addr=(source, 0), **options)
+
+
+async def slow_readers(port: int, sessions: int, frame_bytes: int, frames: int, hold: float = 1.0) -> list[int]:
+    """``sessions`` pairs, each from its own loopback address: the tail never reads, the head
+    sends ``frames`` frames of ``frame_bytes`` as fast as the relay takes them, then all stay
+    ``hold`` seconds. Returns how many each head sent before the relay closed it; every
+    connection is closed on return."""
+    payload = bytes(frame_bytes)
+    pairs = []
+    for i in range(sessions):
+        source = f"127.0.1.{10 + i}"
+        head = await dial(port, f"slow-{i}", "head", source)
+        pairs.append((head, await dial(port, f"slow-{i}", "tail", source, max_queue=1)))
+
+    async def push(head) -> int:
+        for sent in range(frames):
+            try:
+                await head.send(payload)
+            except ConnectionClosed:
+                return sent
+        return frames
+
+    try:
+        sent = list(await asyncio.gather(*(push(head) for head, _ in pairs)))
+        await asyncio.sleep(hold)
+        return sent
+    finally:
+        for head, tail in pairs:
+            head.transport.abort()
+            tail.transport.abort()
 
 
 async def half_frames(port: int, n: int, frame_bytes: int, wave: int) -> list:
-    """``n`` token holders, each sending the first half of one maximal frame and then nothing."""
+    """``n`` token holders (each from its own loopback address), each sending the first half of
+    one maximal frame and then nothing."""
     half = Frame(Opcode.BINARY, bytes(frame_bytes)).serialize(mask=True)[:frame_bytes // 2]
     holders = []
     for i in range(n):
-        ws = await dial(port, f"hold-{wave}-{i}", "head")
+        ws = await dial(port, f"hold-{wave}-{i}", "head", f"127.0.{2 + wave}.{10 + i}")
         ws.transport.write(half)
         holders.append(ws)
         await asyncio.sleep(0.02)
@@ -102,6 +138,61 @@ def test_frames_still_arriving_count_against_the_buffer_and_memory_comes_back(tm
     assert max(peaks) - base <= (budget_mb + 24) * 1024, "memory beyond --max-buffer-mb + 24 MiB"
     assert max(afters) - base <= 16 * 1024, "memory not given back after the attack"
     assert "relay buffer full" in text and "Traceback" not in text
+
+
+def test_tails_that_never_read_keep_the_relay_within_its_budget_plus_two_frames(tmp_path):
+    budget_mb, frame_mb, sessions, frames = 128, 12, 12, 6  # 864 MiB offered against 128
+    with open(tmp_path / "relay.log", "w") as log:
+        relay, port = start_relay(log, "--max-buffer-mb", str(budget_mb), "--max-frame-mb", str(frame_mb))
+    try:
+        time.sleep(0.5)
+        rest = status_kib(relay.pid, "VmRSS")
+        sent = asyncio.run(asyncio.wait_for(slow_readers(port, sessions, frame_mb * MiB, frames), 90))
+        time.sleep(1.5)
+        peak, after = status_kib(relay.pid, "VmHWM"), status_kib(relay.pid, "VmRSS")
+    finally:
+        relay.terminate()
+        relay.wait(10)
+    text = (tmp_path / "relay.log").read_text()
+    bound = budget_mb + 2 * frame_mb + SLACK_MIB
+    print(f"\nrelay RSS {rest / 1024:.0f} MiB at rest; {sessions} tails that never read, heads sending "
+          f"{frame_mb} MiB frames ({sum(sent)} taken): peak {(peak - rest) / 1024:.0f} MiB above rest "
+          f"(bound {bound}), {(after - rest) / 1024:.0f} MiB above rest after")
+    assert sum(sent) >= sessions * 2  # the relay took the load, shedding the tails
+    assert "relay buffer full" in text and "Traceback" not in text
+    assert peak - rest <= bound * 1024, f"RSS rose {(peak - rest) / 1024:.0f} MiB above rest, bound {bound}"
+    assert after - rest <= 16 * 1024, "memory not given back once the sessions left"
+
+
+def test_a_delivered_frame_is_not_kept_while_its_session_stays_open(tmp_path):
+    sessions, frame_mb = 4, 12
+
+    async def scenario(pid: int) -> int:
+        pairs = [(await dial(port, f"quiet-{i}", "head"), await dial(port, f"quiet-{i}", "tail"))
+                 for i in range(sessions)]
+        for head, tail in pairs:
+            await head.send(bytes(frame_mb * MiB))
+            while isinstance(frame := await asyncio.wait_for(tail.recv(), 20), str):
+                pass
+            assert len(frame) == frame_mb * MiB
+        del frame
+        await asyncio.sleep(1.0)  # everyone stays connected and quiet
+        kept = status_kib(pid, "VmRSS")
+        for head, tail in pairs:
+            await head.close()
+            await tail.close()
+        return kept
+
+    with open(tmp_path / "relay.log", "w") as log:
+        relay, port = start_relay(log)
+    try:
+        time.sleep(0.5)
+        rest = status_kib(relay.pid, "VmRSS")
+        kept = asyncio.run(asyncio.wait_for(scenario(relay.pid), 60))
+    finally:
+        relay.terminate()
+        relay.wait(10)
+    assert kept - rest <= 4 * 1024, f"{(kept - rest) / 1024:.0f} MiB kept after {sessions} frames were delivered"
 
 
 def test_a_half_sent_frame_is_counted_while_it_arrives_and_released_when_cut():
