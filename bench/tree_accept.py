@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from sfchat.config import Settings, cpu_model_dir  # noqa: E402
 from sfchat.events import ReplyFinished  # noqa: E402
 from sfchat.model.convert import ensure_smollm2  # noqa: E402
-from sfchat.engine import tree as trees  # noqa: E402
+from sfchat.engine import lookup as trees  # noqa: E402
 from sfchat.node.head import Head  # noqa: E402
 from sfchat.protocol.wire import Sampling  # noqa: E402
 

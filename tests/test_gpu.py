@@ -40,55 +40,39 @@ def test_graphed_slices_are_bit_identical_to_eager(zoo, dtype):
     assert torch.equal(l_eager, l_graph)
 
 
-def test_graphed_draft_round_equals_eager(zoo):
-    from sfchat.engine.draft import Drafter
-
-    src = ModelSource.open(str(zoo["llama-untied"]))
-    model = ModelSlice.load(src, 0, 4, embed=True, head=True, dtype=torch.float32,
-                            device=torch.device("cuda"), max_len=128)
-    drafter = Drafter(model, 6)
-    assert drafter.capture()
-    tokens = list(range(5, 40))
-    graphs, drafter.graphs = drafter.graphs, GraphTable()
-    first, _, _ = drafter.propose(tokens, Sampling(), None)
-    tokens.append(first[0])
-    eager, _, _ = drafter.propose(tokens, Sampling(), None)
-    drafter.reset()
-    drafter.propose(tokens[:-1], Sampling(), None)
-    drafter.graphs = graphs
-    graphed, _, _ = drafter.propose(tokens, Sampling(), None)
-    assert graphed == eager
+def expansion_rows(drafter, context: int, n: int):
+    """``n`` nodes of a small tree right after a context of ``context`` tokens: a chain of three and
+    siblings of its first node, each at a pool slot, with its ancestors' slots."""
+    base = drafter.pool.n
+    rows = []
+    for i in range(n):
+        parent = rows[i - 1] if 0 < i < 3 else (rows[0] if i >= 3 else None)
+        depth = 1 if parent is None else parent[4] + 1
+        ancestors = [] if parent is None else parent[3] + [parent[2]]
+        rows.append((7 + 3 * i, context - 1 + depth, base + i, ancestors, depth))
+    return [r[:4] for r in rows]
 
 
-@pytest.mark.parametrize("tree_budget", [0, 16])
-def test_sampled_draft_rounds_replay_from_graphs_as_they_run_eagerly(zoo, tree_budget):
-    """Sampled drafting is graphed too: the settings and the round's random numbers are inputs, so
-    a replay with any settings gives exactly what the plain code gives with the same noise."""
-    from sfchat.engine import sampling
+@pytest.mark.parametrize("s", [Sampling(), Sampling(0.7, 0, 1.0, 3), Sampling(1.3, 20, 0.9, 4)], ids=str)
+def test_the_drafts_expansion_step_replays_from_graphs_as_it_runs_eagerly(zoo, s):
+    """One graph per window for the expansion step, greedy and sampled (the settings are its inputs):
+    a replay gives exactly the proposals the plain code gives from the same cache."""
     from sfchat.engine.draft import Drafter
 
     model = ModelSlice.load(ModelSource.open(str(zoo["llama-untied"])), 0, 4, embed=True, head=True,
-                            dtype=torch.bfloat16, device=torch.device("cuda"), max_len=128)
-    drafter = Drafter(model, 6, tree_budget=tree_budget)
-    assert drafter.capture()
-    assert (("tree", True) if tree_budget else ("chain", 6, True)) in drafter.graphs
-    tokens = list(range(5, 40))
+                            dtype=torch.bfloat16, device=torch.device("cuda"), max_len=256)
+    drafter = Drafter(model, width=8, children=8, pool=40)
+    assert drafter.capture() and ("expand", s.temperature > 0) in drafter.graphs
     graphs = drafter.graphs
-    for s in (Sampling(0.7, 0, 1.0, 3), Sampling(1.3, 20, 0.9, 4)):
-        results = []
-        for table in (GraphTable(), graphs):  # eagerly, then replayed, from the same cache
-            drafter.reset()
-            drafter.graphs = GraphTable()
-            drafter.propose(tokens[:-1], Sampling(), None)
-            drafter.graphs = table
-            gen = sampling.round_generator(s.seed, len(tokens), "draft", "cuda")
-            out = drafter.grow(tokens, s) if tree_budget else drafter.propose(tokens, s, gen)
-            results.append(out if tree_budget else (out[0], out[1].cpu(), out[2].cpu()))
-        if tree_budget:
-            assert results[0].tokens == results[1].tokens and results[0].parents == results[1].parents
-        else:
-            assert results[0][0] == results[1][0] and torch.equal(results[0][1], results[1][1])
-            assert torch.equal(results[0][2], results[1][2])
+    context = list(range(5, 60))
+    results = []
+    for table in (GraphTable(), graphs):  # eagerly, then replayed, from the same cache
+        drafter.graphs = GraphTable()
+        drafter.reset()
+        drafter.sync(context)
+        drafter.graphs = table
+        results.append(drafter.expand(expansion_rows(drafter, len(context) + 1, 6), s))
+    assert results[0] == results[1]
 
 
 @pytest.mark.parametrize("k", [1, 8])
@@ -125,20 +109,18 @@ def test_each_attention_window_has_its_graph_and_matches_eager(zoo, monkeypatch)
         eager = tail.forward(x, pos, k + 1, window).clone()
         assert torch.equal(tail.run(x, pos, k + 1, end=first + k + 1), eager)
     drafter = Drafter(ModelSlice.load(ModelSource.open(str(zoo["draft"])), 0, 2, embed=True, head=True,
-                                      dtype=torch.bfloat16, device=dev, max_len=64), k)
-    assert drafter.capture() and drafter.graphs.windows(("chain", k, False)) == [16, 32, 64]
-    tokens = list(range(5, 30))  # rounds in the 32 window, then the 64 one
+                                      dtype=torch.bfloat16, device=dev, max_len=64), width=4, children=4, pool=12)
+    assert drafter.capture() and drafter.graphs.windows(("expand", False)) == [16, 32, 64]
     graphs = drafter.graphs
-    for _ in range(6):
+    for context in (3, 20, 40):  # windows 16, 32, 64
         results = []
-        for replay in (False, True):  # the same round from the same cache, eagerly then replayed
-            drafter.reset()
+        for table in (GraphTable(), graphs):
             drafter.graphs = GraphTable()
-            drafter.propose(tokens[:-1], Sampling(), None)
-            drafter.graphs = graphs if replay else GraphTable()
-            results.append(drafter.propose(tokens, Sampling(), None)[0])
+            drafter.reset()
+            drafter.sync(list(range(5, 5 + context)))
+            drafter.graphs = table
+            results.append(drafter.expand(expansion_rows(drafter, context + 1, 5), Sampling()))
         assert results[0] == results[1]
-        tokens += results[0][:3]
 
 
 @pytest.mark.parametrize("budget", [8, 32])
@@ -151,7 +133,7 @@ def test_graphed_tree_engine_keeps_greedy_parity(zoo, budget):
     session = Head.open(Settings(model=str(path), draft=str(zoo["draft"]), k=5, tree_budget=budget,
                                         device="cuda", dtype="float32", compile_draft=False))
     engine = session.engine
-    assert engine.head.captured(budget + 1, tree=True) and ("tree", False) in engine.drafter.graphs
+    assert engine.head.captured(budget + 1, tree=True) and ("expand", False) in engine.drafter.graphs
     assert engine.link.verifier.model.captured(budget + 1, budget + 1, tree=True)
     ids = session.encode([{"role": "user", "content": "hello world"}])
     fin = [e for e in session.reply(ids, 32, Sampling()) if isinstance(e, ReplyFinished)][0]
@@ -161,14 +143,14 @@ def test_graphed_tree_engine_keeps_greedy_parity(zoo, budget):
 
 
 def test_graphed_tree_forward_is_bit_identical_to_eager(zoo):
-    from sfchat.engine import tree as trees
+    from tree_masks import tree_mask
 
     src = ModelSource.open(str(zoo["qwen2-untied"]))
     dev = torch.device("cuda")
     tail = ModelSlice.load(src, 2, 4, embed=False, head=True, dtype=torch.bfloat16, device=dev, max_len=64)
     assert tail.capture(9, 9, tree=True)
     hidden = torch.randn(9, 64, device=dev, dtype=torch.bfloat16)
-    mask = trees.mask([0, 0, 1, 1, 2, 5, 6, 6], 20, dev)
+    mask = tree_mask([0, 0, 1, 1, 2, 5, 6, 6], 20, dev)
     pos = torch.arange(20, 29, device=dev)
     assert torch.equal(tail.forward(hidden, pos, 9, tail.kv.max_len, mask).clone(),
                        tail.run(hidden, pos, 9, tree=mask).clone())
@@ -187,7 +169,7 @@ def test_segment_graphs_replay_bit_identically_to_eager(zoo, devices, dtype):
     """A slice cut into segments (on one GPU, or on two when there are two) captures one graph per
     segment, window and shape; replayed, chain and tree forwards equal the segmented slice's eager
     forward and the unsegmented slice's graphed one, bit for bit."""
-    from sfchat.engine import tree as trees
+    from tree_masks import tree_mask
 
     src = ModelSource.open(str(zoo["qwen2-untied"]))
     dev = devices[0]
@@ -206,7 +188,7 @@ def test_segment_graphs_replay_bit_identically_to_eager(zoo, devices, dtype):
         for sl in (one, cut):
             sl.forward(x[:20], torch.arange(20, device=dev), rows)
         pos = torch.arange(20, 29, device=dev)
-        mask = trees.mask([0, 0, 1, 1, 2, 5, 6, 6], 20, dev)
+        mask = tree_mask([0, 0, 1, 1, 2, 5, 6, 6], 20, dev)
         for tree in (None, mask):
             eager = cut.forward(x[20:], pos, rows, cut.kv.window_for(29), tree).clone()
             graphed = cut.run(x[20:], pos, rows, end=29, tree=tree).clone()

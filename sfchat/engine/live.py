@@ -21,9 +21,9 @@ committed tokens.
 * ``take(frame, verdict)``: the verdict of one frame, checked (``ProtocolError`` for anything the
   frame cannot have produced): its path must start at the root, if the root was in that frame, and
   go down the frame's nodes, each the target's pick at the one before. Returns the committed
-  tokens; the root moves to the child of the last committed node whose token is the last pick
-  (a live node when one was sent or proposed, else a new one), and every node not below it is
-  dead. ``take`` feeds the calibration with each committed node's proposals.
+  tokens and the nodes that died; the root moves to the child of the last committed node whose
+  token is the last pick (a live node when one was sent or proposed, else a new one), and every
+  node not below it is dead. ``take`` feeds the calibration with each committed node's proposals.
 
 The tree owns no memory: each node carries the KV slot it holds in the draft's and the head
 slice's scratch (``draft_slot``, ``head_slot``), which the round assigns, moves and frees (see
@@ -33,6 +33,8 @@ slice's scratch (``draft_slot``, ``head_slot``), which the round assigns, moves 
 from __future__ import annotations
 
 import heapq
+import itertools
+import math
 from dataclasses import dataclass, field
 
 CALIBRATION_BINS = 20
@@ -99,15 +101,16 @@ class Node:
     frame: int = 0  # the frame it was sent in
     children: dict[int, "Node"] = field(default_factory=dict)  # by token
     expanded: bool = False
+    dead: bool = False
     draft_slot: int | None = None
     head_slot: int | None = None
-    value: float = 0.0
+    logv: float = 0.0  # log of the product of the steps since the tree's start: orders nodes for good
 
     @property
     def sent(self) -> bool:
         return self.id > 0
 
-    def path_to(self, ancestor: "Node") -> list["Node"]:
+    def path_to(self, ancestor: "Node | None") -> list["Node"]:
         """This node's ancestors below ``ancestor``, top down, and itself."""
         out, node = [], self
         while node is not ancestor:
@@ -118,30 +121,57 @@ class Node:
 
 class LiveTree:
     def __init__(self, context: list[int], calibration: Calibration | None = None, root_parent_id: int = 0):
-        """A tree after ``context`` (its last token is the root's, not computed by the target yet)."""
+        """A tree after ``context`` (its last token is the root's, not computed by the target yet).
+
+        Two heaps keep the work per frame proportional to what changes, not to the tree: the
+        unexpanded nodes whose parents are expanded (``expandable``), and the candidates whose
+        parents are sent (``choose``); both ordered by ``logv``, which a move of the root does not
+        reorder, and both skip dead entries lazily."""
         self.calibration = calibration or Calibration()
-        self.root = Node(context[-1], len(context) - 1, None, 1.0, value=1.0)
+        self.root = Node(context[-1], len(context) - 1, None, 1.0)
         self.root_parent_id = root_parent_id  # the id the root's parent has on the tail (0: the tree's start)
         self.next_id = 1
         self.frames = 0
+        self._seq = 0
+        self._to_expand: list = []
+        self._to_send: list = []
+        self._push(self._to_expand, self.root)
+
+    def _push(self, heap: list, node: Node) -> None:
+        self._seq += 1
+        heapq.heappush(heap, (-node.logv, node.pos, self._seq, node))
+
+    def _new(self, token: int, parent: Node, step: float, q: float | None = None, rank: int = 0) -> Node:
+        child = parent.children[token] = Node(token, parent.pos + 1, parent, step, q, rank)
+        child.logv = parent.logv + math.log(max(step, 1e-12))
+        if parent.sent:
+            self._push(self._to_send, child)
+        return child
 
     # -- the live nodes ----------------------------------------------------------------------------
+    def value(self, node: Node) -> float:
+        """The probability that ``node`` ends on the committed path."""
+        return math.exp(node.logv - self.root.logv)
+
     def nodes(self):
-        """Every live node, parents before children, with its value brought up to date."""
-        self.root.value = 1.0
+        """Every live node, parents before children."""
         todo = [self.root]
         while todo:
             node = todo.pop()
             yield node
-            for child in node.children.values():
-                child.value = node.value * child.step
-                todo.append(child)
+            todo.extend(node.children.values())
 
     def expandable(self, width: int) -> list[Node]:
         """Up to ``width`` unexpanded live nodes whose parents are expanded (the draft has the K/V of
-        every ancestor), likeliest first."""
-        nodes = [n for n in self.nodes() if not n.expanded and (n.parent is None or n.parent.expanded)]
-        return sorted(nodes, key=lambda n: (-n.value, n.pos))[:width]
+        every ancestor), likeliest first. They stay candidates until ``expanded``."""
+        out = []
+        while self._to_expand and len(out) < width:
+            node = heapq.heappop(self._to_expand)[3]
+            if not node.dead and not node.expanded:
+                out.append(node)
+        for node in out:
+            self._push(self._to_expand, node)  # back until it is expanded (a step may skip it)
+        return out
 
     def expanded(self, node: Node, proposals: list[tuple[int, float]]) -> None:
         """The draft ran on ``node``; ``proposals``: its continuations (token, probability), ranked."""
@@ -149,43 +179,46 @@ class LiveTree:
         for rank, (token, q) in enumerate(proposals):
             child = node.children.get(token)
             if child is None:
-                node.children[token] = Node(token, node.pos + 1, node, self.calibration.step(q, rank), q, rank)
-            elif child.q is None:  # a lookup continuation the draft proposes too: the draft's estimate
+                self._new(token, node, self.calibration.step(q, rank), q, rank)
+            elif child.q is None and not child.sent:  # a lookup continuation the draft proposes too
                 child.q, child.rank, child.step = q, rank, self.calibration.step(q, rank)
+                child.logv = node.logv + math.log(max(child.step, 1e-12))
+                if node.sent:
+                    self._push(self._to_send, child)
+        for child in node.children.values():
+            self._push(self._to_expand, child)
 
     def graft(self, tokens: list[int]) -> None:
         """A continuation found earlier in the context, hung under the root where the tree lacks it."""
         node = self.root
         for token in tokens:
-            child = node.children.get(token)
-            if child is None:
-                child = node.children[token] = Node(token, node.pos + 1, node, self.calibration.step(None))
-            node = child
+            node = node.children.get(token) or self._new(token, node, self.calibration.step(None))
 
     # -- a frame -----------------------------------------------------------------------------------
     def choose(self, budget: int, max_pos: int) -> list[Node]:
         """The nodes of the next frame (at most ``budget``, none at ``max_pos`` or beyond), best first,
-        parents before children; ``send`` gives them their ids."""
+        parents before children; ``send`` gives them their ids (until then they stay candidates)."""
         chosen: list[Node] = []
-        order = {id(n): i for i, n in enumerate(self.nodes())}  # values up to date; a stable tie order
-        heap: list[tuple[float, int, int, Node]] = []
-
-        def offer(node: Node) -> None:
-            for child in node.children.values():
-                if not child.sent and child.pos < max_pos:
-                    heapq.heappush(heap, (-child.value, child.pos, order[id(child)], child))
-                elif child.sent:
-                    offer(child)
-
         if not self.root.sent:
             if self.root.pos >= max_pos:
                 return []
             chosen.append(self.root)
-        offer(self.root)
+        self._to_send = [e for e in self._to_send if not e[3].dead and not e[3].sent]  # drop stale entries
+        heapq.heapify(self._to_send)
+        heap = list(self._to_send)
+        ties = itertools.count(self._seq + 1)
+        for child in (self.root.children.values() if not self.root.sent else ()):
+            heap.append((-child.logv, child.pos, next(ties), child))
+        heapq.heapify(heap)
+        picked = set(chosen)
         while heap and len(chosen) < budget:
             node = heapq.heappop(heap)[3]
+            if node.dead or node.sent or node in picked or node.pos >= max_pos:
+                continue
             chosen.append(node)
-            offer(node)
+            picked.add(node)
+            for child in node.children.values():
+                heapq.heappush(heap, (-child.logv, child.pos, next(ties), child))
         return chosen
 
     def send(self, nodes: list[Node]) -> None:
@@ -194,23 +227,29 @@ class LiveTree:
         for node in nodes:
             node.id, node.frame = self.next_id, self.frames
             self.next_id += 1
+        for node in nodes:
+            for child in node.children.values():
+                if not child.sent:
+                    self._push(self._to_send, child)
 
     def parent_id(self, node: Node) -> int:
         return node.parent.id if node.parent is not None else self.root_parent_id
 
     # -- a verdict ---------------------------------------------------------------------------------
-    def take(self, frame: list[Node], path: tuple[int, ...], picks: tuple[int, ...], vocab: int) -> list[int]:
-        """Check a frame's verdict and move the root below it; the committed tokens (the picks)."""
+    def take(self, frame: list[Node], path: tuple[int, ...], picks: tuple[int, ...], vocab: int
+             ) -> tuple[list[int], list[Node]]:
+        """Check a frame's verdict and move the root below it: (the committed tokens, the nodes that
+        died: every node no longer below the root but the committed ones)."""
         if any(not 0 <= t < vocab for t in picks):
             raise ProtocolError(f"a verdict with a token id outside the vocabulary of {vocab}")
         if len(path) != len(picks) or any(not 0 <= i < len(frame) for i in path):
             raise ProtocolError("a verdict whose path names nodes the frame does not have")
         nodes = [frame[i] for i in path]
-        root_here = self.root.sent and self.root in frame
+        root_here = self.root.sent and any(n is self.root for n in frame)
         if not nodes:
             if root_here:
                 raise ProtocolError("an empty verdict for a frame that holds the root, which the target must reach")
-            return []
+            return [], []
         if nodes[0] is not self.root:
             raise ProtocolError("a verdict whose path does not start at the root")
         for above, node, pick in zip(nodes, nodes[1:], picks):
@@ -223,10 +262,23 @@ class LiveTree:
         child = last.children.get(pick)
         self.root_parent_id = last.id
         if child is None:
-            child = Node(pick, last.pos + 1, last, 1.0)
+            child = self._new(pick, last, 1.0)
+        dead, keep = [], set(nodes)
+        todo = [self.root]
+        while todo:  # everything below the old root but the committed path and the new root's subtree
+            node = todo.pop()
+            if node is child:
+                continue
+            node.dead = True  # committed or not: out of the live tree
+            if node not in keep:
+                dead.append(node)
+            todo.extend(node.children.values())
         child.parent, child.step, child.q = None, 1.0, None
         self.root = child
-        return list(picks)
+        if not child.expanded:
+            self._push(self._to_expand, child)
+        return list(picks), dead
+
 
 class SlotPool:
     """Scratch KV slots for live nodes, right after a cache's context: slots ``[n, n + size - 1)``,

@@ -37,6 +37,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from sfchat import UserError
@@ -104,6 +105,7 @@ class Speculator:
         self.vocab = head.config.vocab_size
         self.wire_dtype = wire.DType[DTYPE_NAMES[head.dtype].upper()]
         self.unfed: list[Node] = []  # committed nodes the draft has not run, oldest first
+        self.owners: dict[str, dict[int, Node]] = {"head_slot": {}, "draft_slot": {}}  # slot -> its node
         self.prefill_from: int | None = None  # where the next frame's prefill starts (None: sent)
         self.tree_start = 0
 
@@ -128,6 +130,7 @@ class Speculator:
         self.tree_start = len(self.tokens) - 1
         self.pool.reset(self.tree_start)
         self.unfed = []
+        self.owners = {"head_slot": {}, "draft_slot": {}}
         if self.drafter is not None:
             self.drafter.sync(self.tokens[:-1])
 
@@ -160,7 +163,7 @@ class Speculator:
         t1 = time.perf_counter()
         # a node's pick is the token after it: only nodes whose picks fit the budget and the window
         nodes = live.choose(min(size, self.pool.free), min(self.max_context - 1, live.root.pos + budget))
-        expected = sum(n.value for n in nodes)
+        expected = sum(live.value(n) for n in nodes)
         if not nodes or expected < min_yield:
             return None
         live.send(nodes)
@@ -194,13 +197,13 @@ class Speculator:
             rows = catch_up + targets
             for node in rows:
                 if node.draft_slot is None:
-                    node.draft_slot = d.pool.take()
+                    self._own(node, "draft_slot", d.pool.take())
             out = d.expand([(n.token, n.pos, n.draft_slot, self._ancestors(n, catch_up)) for n in rows], s)
             if catch_up:  # their K/V is the context's now
                 del self.unfed[:len(catch_up)]
                 self._draft_commit(catch_up)
-            for node, proposals in zip(targets, out[len(catch_up):]):
-                live.expanded(node, proposals)
+            for node, proposals in zip(targets, out[len(catch_up):]):  # a token the target lacks can never be its pick
+                live.expanded(node, [(tok, q) for tok, q in proposals if tok < self.vocab])
 
     def _ancestors(self, node: Node, catch_up: list[Node]) -> list[int]:
         """The draft slots ``node`` attends to in the pool: its live ancestors', and the unfed
@@ -212,18 +215,33 @@ class Speculator:
             slots += [c.draft_slot for c in catch_up]
         return slots
 
+    def _own(self, node: Node, attr: str, slot: int) -> None:
+        setattr(node, attr, slot)
+        self.owners[attr][slot] = node
+
+    def _release(self, node: Node) -> None:
+        if node.head_slot is not None:
+            self.owners["head_slot"].pop(node.head_slot)
+            self.pool.release(node.head_slot)
+            node.head_slot = None
+        if node.draft_slot is not None:
+            self.owners["draft_slot"].pop(node.draft_slot)
+            self.drafter.release(node.draft_slot)
+            node.draft_slot = None
+
+    def _committed(self, nodes: list[Node], attr: str, moved: dict[int, int]) -> None:
+        """``nodes``' slots became context; the live nodes whose slots moved (``moved``) follow them."""
+        owners = self.owners[attr]
+        for node in nodes:
+            owners.pop(getattr(node, attr))
+            setattr(node, attr, None)
+        movers = [(owners.pop(old), new) for old, new in moved.items()]
+        for node, new in movers:
+            self._own(node, attr, new)
+
     def _draft_commit(self, nodes: list[Node]) -> None:
         moved = self.drafter.commit([n.draft_slot for n in nodes], [n.token for n in nodes])
-        for n in nodes:
-            n.draft_slot = None
-        self._relocate(moved, "draft_slot")
-
-    def _relocate(self, moved: dict[int, int], attr: str) -> None:
-        if moved:
-            for node in [*self.live.nodes(), *self.unfed]:
-                slot = getattr(node, attr)
-                if slot in moved:
-                    setattr(node, attr, moved[slot])
+        self._committed(nodes, "draft_slot", moved)
 
     def _prefill(self) -> list[bytes]:
         """FORWARDs of the context the target lacks, before a tree's first frame."""
@@ -245,16 +263,16 @@ class Speculator:
         """The head slice over the frame's nodes, padded to its shape; the tree FORWARD."""
         size, base, trash = self._shape(len(nodes)), self.pool.n, self.pool.trash
         for node in nodes:
-            node.head_slot = self.pool.take()
+            self._own(node, "head_slot", self.pool.take())
         ids, slots, rope = [0] * size, [trash] * size, [max(base - 1, 0)] * size
-        visible = torch.zeros(size, self.pool.size, dtype=torch.bool)
-        visible[:, trash - base] = True  # a padding row sees its own trash slot: never an empty softmax
+        visible = np.zeros((size, self.pool.size), dtype=bool)
+        visible[len(nodes):, trash - base] = True  # a padding row sees its own trash slot: never an empty softmax
         for r, node in enumerate(nodes):
             ids[r], slots[r], rope[r] = min(node.token, self.vocab - 1), node.head_slot, node.pos
-            visible[r, trash - base] = False
             visible[r, [a.head_slot - base for a in node.path_to(None)]] = True
         dev = self.device
-        mask = TreeMask(torch.tensor(rope, device=dev), torch.tensor([base], device=dev), visible.to(dev))
+        mask = TreeMask(torch.tensor(rope, device=dev), torch.tensor([base], device=dev),
+                        torch.from_numpy(visible).to(dev))
         hidden = self.head.run(torch.tensor(ids, device=dev), torch.tensor(slots, device=dev),
                                end=base + self.pool.size, tree=mask)[:len(nodes)]
         parents = tuple(self.live.parent_id(n) for n in nodes)
@@ -277,18 +295,15 @@ class Speculator:
                                 f"{frame.round_id} of tree {frame.tree}")
         if self.live is None or frame.tree != self.tree_id:
             raise RuntimeError("a verdict taken for a closed tree")  # the driver's bug, never the tail's
-        before = set(self.live.nodes())
-        picks = self.live.take(frame.nodes, verdict.path, verdict.tokens, self.vocab)
+        picks, dead = self.live.take(frame.nodes, verdict.path, verdict.tokens, self.vocab)
         committed = [frame.nodes[i] for i in verdict.path]
-        for node in before - set(self.live.nodes()) - set(committed):  # dead: their slots go back
-            self.pool.release(node.head_slot)
-            if self.drafter is not None:
-                self.drafter.release(node.draft_slot)
+        for node in dead:  # their slots go back
+            self._release(node)
         if committed:
             src, dst, moved = self.pool.commit([n.head_slot for n in committed])
             self.head.kv.move(src, dst)
             self.head.kv.note(self.pool.n - len(committed), [n.token for n in committed])
-            self._relocate(moved, "head_slot")
+            self._committed(committed, "head_slot", moved)
             if self.drafter is not None:
                 n_fed = 0 if self.unfed else next(
                     (i for i, n in enumerate(committed) if n.draft_slot is None), len(committed))

@@ -30,8 +30,8 @@ def test_values_are_products_of_calibrated_steps_and_frames_go_best_first():
     frame = tree.choose(4, max_pos=100)
     tree.send(frame)
     assert [path_of(n, tree) for n in frame] == [(), (10,), (10, 20), (11,)]
-    assert frame[0] is tree.root and tree.root.value == 1.0
-    assert frame[2].value == pytest.approx(cal.step(0.6, 0) * cal.step(0.9, 0))
+    assert frame[0] is tree.root and tree.value(tree.root) == 1.0
+    assert tree.value(frame[2]) == pytest.approx(cal.step(0.6, 0) * cal.step(0.9, 0))
     assert [n.id for n in frame] == [1, 2, 3, 4] and all(tree.parent_id(n) < n.id for n in frame)
     assert tree.parent_id(frame[0]) == 0  # the root of a new tree hangs under the context
 
@@ -55,8 +55,8 @@ def test_a_verdict_moves_the_root_and_what_is_not_below_it_dies():
     frame = tree.choose(5, 100)
     tree.send(frame)
     index = {path_of(n, tree): i for i, n in enumerate(frame)}
-    tokens = tree.take(frame, (index[()], index[(10,)]), (10, 21), VOCAB)  # the target picked 21 after 10
-    assert tokens == [10, 21]
+    tokens, dead = tree.take(frame, (index[()], index[(10,)]), (10, 21), VOCAB)  # the target picked 21 after 10
+    assert tokens == [10, 21] and {path_of(n, tree) for n in dead} >= {(11,), (10, 20)}
     assert tree.root.token == 21 and tree.root.pos == 4 and tree.root.sent and tree.root.parent is None
     assert tree.root_parent_id == frame[index[(10,)]].id
     assert {n.token for n in tree.nodes()} == {21}  # 11 and 20 died with the outcome
@@ -67,7 +67,7 @@ def test_a_pick_nobody_proposed_becomes_a_new_root_to_send():
     grown(tree, {(): [(10, 0.9)]})
     frame = tree.choose(2, 100)
     tree.send(frame)
-    assert tree.take(frame, (0, 1), (10, 55), VOCAB) == [10, 55]
+    assert tree.take(frame, (0, 1), (10, 55), VOCAB)[0] == [10, 55]
     assert tree.root.token == 55 and not tree.root.sent and tree.root.pos == 4
     nxt = tree.choose(3, 100)
     assert nxt == [tree.root]  # the next frame starts with it
@@ -100,7 +100,7 @@ def test_a_frame_that_cannot_hold_the_root_gets_an_empty_verdict():
     second = tree.choose(1, 100)  # 20, below 10
     tree.send(second)
     tree.take(first, (0,), (11,), VOCAB)  # the target picked 11, not 10: the second frame is dead
-    assert tree.take(second, (), (), VOCAB) == []
+    assert tree.take(second, (), (), VOCAB) == ([], [])
     with pytest.raises(ProtocolError, match="start at the root"):
         tree.take(second, (0,), (5,), VOCAB)
 

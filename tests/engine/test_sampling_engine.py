@@ -154,7 +154,7 @@ def test_draft_with_a_larger_vocabulary(models, prompt_ids, exact):
     log.forwards.clear()
     wide, _ = speculative_sample(session, prompt_ids, SAMPLING, N_WIDE, first_seed=10_000)
     drafts = np.array(log.drafts())
-    assert (drafts >= VOCAB).mean() > 0.05  # tokens the target lacks were proposed (and rejected)
+    assert len(drafts) and (drafts < VOCAB).all()  # tokens the target lacks, which it can never pick, are never sent
     assert all(t < VOCAB for key in wide for t in key)
     p_views = view_pvalues(wide, exact)
     print(f"\nwide draft n={N_WIDE}: {describe(p_views)}")

@@ -1,0 +1,241 @@
+"""The live speculation tree against one round per round trip, through a real relay, whole replies.
+
+For each emulated RTT a real sfchat-relay on loopback and a tail process (sealed end to end, as
+relay mode is by default) serve one head process, which loads its models once and answers the
+same prompts in every mode, each reply timed whole (prefill included), EOS ignored:
+
+  * ``chain``: a chain of 8 drafts per frame, one frame per round trip (the baseline);
+  * ``tree``: 64 drafts per frame, best first over the tree, one frame per round trip;
+  * ``auto``: 64 drafts per frame, frames in flight as the policy chooses (up to 8), each frame
+    hanging in the live tree below the frames before it.
+
+Models:
+
+  * ``--pair DIR``: a real pair: the target in DIR (SmolLM2-135M-Instruct, ``sfchat-model
+    smollm2``) and as draft its copy with the decoder layers' linear weights rounded to 4 bits per
+    group of 64 (``tree_accept.quantised_copy``); 12 prompts of 4 kinds (tree_accept.PROMPTS).
+    The rank histogram of the target's picks among the draft's proposals is printed and saved
+    (``--ranks-out``): the synthetic draft below uses it.
+  * otherwise synthetic: bf16 checkpoints in the shapes of Qwen2.5-7B (target) and 0.5B (draft).
+    The target's greedy next token is a fixed permutation of the current one
+    (``gpu_bench.write_checkpoint(follows=)``); the draft runs a random 0.5B (its compute is
+    real) but proposes, after each token, a ranked list in which the target's token sits at a rank
+    drawn once per token from ``--ranks`` (a real pair's histogram), the other places decoys:
+    alternatives that carry information as a real draft's do.
+
+The table: tok/s, tokens per verdict, frames in flight, and where a verdict's time went (draft,
+head slice and frame, the tail's compute, the network, the rest on the head); the greedy token
+ids of every reply are compared across modes and RTTs (``identical``). ``--old DIR`` runs the
+``best`` row of an older sfchat checkout (its own default mode) in the same way, for comparison.
+
+Run from the repository root:
+    python3 bench/live_bench.py --pair DIR [--rtts 0,30,86,175] [--new 128] [--save out.json]
+    python3 bench/live_bench.py --ranks ranks.json [--rtts 0,30,86,175]
+    python3 bench/live_bench.py --smoke   (tiny shapes on the CPU: checks the script, measures nothing)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import gpu_bench  # noqa: E402
+from gpu_bench import QWEN25_05B, QWEN25_7B, TINY_DRAFT, TINY_TARGET, head_link, relay_and_tail  # noqa: E402
+from sfchat.engine.draft import Drafter  # noqa: E402
+from sfchat.engine.policy import PipelinePolicy  # noqa: E402
+from sfchat.engine.speculator import Speculator  # noqa: E402
+from sfchat.model.devices import DTYPE_NAMES, DTYPES  # noqa: E402
+from sfchat.model.slices import ModelSlice, n_layers  # noqa: E402
+from sfchat.model.source import ModelSource  # noqa: E402
+from sfchat.node.driver import RoundDriver  # noqa: E402
+from sfchat.protocol.handshake import Hello  # noqa: E402
+from sfchat.protocol.wire import Sampling  # noqa: E402
+
+K = 8
+MAX_CONTEXT = 2048
+GREEDY = Sampling()
+# name: (nodes per frame, nodes the draft expands per step, continuations kept per node, frames in flight)
+MODES = {"chain": (K + 1, 1, 1, 1), "tree": (65, 8, 8, 1), "auto": (65, 8, 8, 8)}
+FIELDS = ("draft_ms", "head_ms", "tail_ms", "rtt_ms", "wait_ms", "overlap_ms", "round_ms")
+
+
+class SyntheticDrafter(Drafter):
+    """A draft whose proposals after token t put the target's next token perm[t] at a rank drawn
+    once per t from a real pair's rank histogram; the model still runs, so the cost is real."""
+
+    def __init__(self, *args, perm: torch.Tensor, ranks: list[int], **kw):
+        super().__init__(*args, **kw)
+        self.perm, rng = perm.tolist(), random.Random(7)
+        weights = ranks[:self.children] + [ranks[-1]]  # ranks 0..C-1, then "not proposed"
+        self.rank = [rng.choices(range(len(weights)), weights)[0] for _ in self.perm]
+        total = sum(ranks)
+        self.q = [max(r / total, 1e-3) for r in ranks[:self.children]]  # a confidence per rank, like the pair's
+
+    def expand(self, rows, s):
+        super().expand(rows, s)
+        out = []
+        for token, *_ in rows:
+            true = self.perm[token] if token < len(self.perm) else 0
+            rank = self.rank[token] if token < len(self.perm) else self.children
+            seed = random.Random(token * 7919 + 1)
+            props = [seed.randrange(len(self.perm)) for _ in range(self.children)]
+            props = [p if p != true else (p + 1) % len(self.perm) for p in props]
+            if rank < self.children:
+                props[rank] = true
+            out.append(list(zip(props, self.q)))
+        return out
+
+
+def build(target: Path, draft: Path, device: str, dtype: str, synthetic=None):
+    """The head's models, one drafter and speculator per mode (sharing the models), and the hello."""
+    dev, dt = torch.device(device), DTYPES[dtype]
+    src, dsrc = ModelSource.open(str(target)), ModelSource.open(str(draft))
+    L = n_layers(src.config)
+    pools = {m: (f * (inflight + 1) + 1, min((inflight + 1) * K * w, 512) + 1) for m, (f, w, _, inflight) in MODES.items()}
+    kv_len = MAX_CONTEXT + max(max(p) for p in pools.values())
+    head = ModelSlice.load(src, 0, L // 2, embed=True, head=False, dtype=dt, device=dev, max_len=kv_len)
+    dmodel = ModelSlice.load(dsrc, 0, n_layers(dsrc.config), embed=True, head=True, dtype=dt, device=dev,
+                             max_len=kv_len)
+    specs = {}
+    for mode, (size, width, children, _) in MODES.items():
+        kind = SyntheticDrafter if synthetic else Drafter
+        extra = dict(perm=synthetic[0], ranks=synthetic[1]) if synthetic else {}
+        drafter = kind(dmodel, width=width, children=children, pool=pools[mode][1], **extra)
+        if dev.type == "cuda":
+            drafter.capture()
+            head.capture(size, tree=True)
+        specs[mode] = Speculator(head, drafter, max_context=MAX_CONTEXT, frame_sizes=[size], steps=K,
+                                 head_pool=pools[mode][0])
+    hello = Hello(model=str(target), revision=None, split=L // 2, dtype=DTYPE_NAMES[dt], max_len=kv_len, n_layers=L,
+                  hidden_size=src.config.hidden_size, frames=tuple(sorted({f for f, *_ in MODES.values()})),
+                  graphs=dev.type == "cuda")
+    return specs, hello
+
+
+def run_mode(spec, inflight: int, link, hello, prompts, n_new: int):
+    """Every prompt's whole reply in one mode: tokens, wall time, per-verdict figures, token ids."""
+    driver = RoundDriver(spec, link, policy=PipelinePolicy(spec.frame_sizes, inflight), max_in_flight=inflight,
+                         round_timeout=120)
+    driver.connect(hello)
+    spec.head.kv.reset()  # every mode computes the prompts' K/V itself
+    stats, ids_out, wall = [], [], 0.0
+    for ids in prompts:
+        t0 = time.perf_counter()
+        driver.begin(ids)
+        got: list[int] = []
+        while len(got) < n_new:
+            out = driver.round(GREEDY, set(), n_new - len(got))
+            got.extend(out.commit.tokens)
+            stats.append(out.stats)
+        wall += time.perf_counter() - t0
+        ids_out.append(got)
+    return summary(stats, sum(map(len, ids_out)), wall, driver.policy.max_in_flight) | {"ids": ids_out}
+
+
+def summary(stats, tokens: int, wall: float, inflight: int) -> dict:
+    n = len(stats)
+    out = {"tps": tokens / wall, "tokens": tokens, "verdicts": n, "tokens_per_verdict": tokens / n,
+           "in_flight": sum(s.in_flight for s in stats) / n, "max_in_flight": inflight,
+           "frame_nodes": sum(s.tree_nodes for s in stats) / n}
+    for f in FIELDS:
+        out[f] = statistics.fmean(getattr(s, f) for s in stats)
+    out["rest_ms"] = out["round_ms"] - out["draft_ms"] - out["head_ms"] - out["overlap_ms"] - out["wait_ms"]
+    return out
+
+
+def prompts_for(target: Path, synthetic: bool, count: int) -> list[list[int]]:
+    if synthetic:
+        return [list(range(200 + 37 * i, 328 + 37 * i)) for i in range(count)]
+    from transformers import AutoTokenizer
+
+    from tree_accept import PROMPTS
+
+    tok = AutoTokenizer.from_pretrained(target)
+    texts = [p for kind in PROMPTS.values() for p in kind[:count // len(PROMPTS)]]
+    return [tok(tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=False),
+                add_special_tokens=False)["input_ids"] for t in texts]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--pair", type=Path, help="a real target's model directory; its round4 copy drafts")
+    ap.add_argument("--ranks", type=Path, help="synthetic: a real pair's rank histogram (JSON list)")
+    ap.add_argument("--rtts", default="0,30,86,175")
+    ap.add_argument("--new", type=int, default=128, help="tokens per reply")
+    ap.add_argument("--prompts", type=int, default=12)
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--save", type=Path)
+    ap.add_argument("--ranks-out", type=Path)
+    args = ap.parse_args()
+    gpu_bench.DEVICE = "cpu" if args.smoke else args.device
+    rtts = [int(x) for x in args.rtts.split(",")]
+    synthetic = None
+    if args.pair:
+        from tree_accept import quantised_copy
+
+        target = args.pair.resolve()
+        draft = quantised_copy(target, target.parent / f"{target.name}-round4", "round4")
+    else:
+        root = Path(tempfile.mkdtemp(prefix="sfchat-live-bench-"))
+        shapes = (TINY_TARGET, TINY_DRAFT) if args.smoke else (QWEN25_7B, QWEN25_05B)
+        vocab = shapes[1]["vocab_size"]
+        gpu_bench.write_checkpoint(root / "target", shapes[0], seed=0, follows=vocab)
+        gpu_bench.write_checkpoint(root / "draft", shapes[1], seed=1)
+        target, draft = root / "target", root / "draft"
+        ranks = json.loads(args.ranks.read_text()) if args.ranks else [78, 9, 4, 2, 1, 1, 1, 0, 4]
+        synthetic = (torch.randperm(vocab, generator=torch.Generator().manual_seed(1234)), ranks)
+    dtype = "float32" if args.smoke or args.device == "cpu" else args.dtype
+    specs, hello = build(target, draft, gpu_bench.DEVICE, dtype, synthetic)
+    prompts = prompts_for(target, synthetic is not None, args.prompts)
+    res = {}
+    for rtt in rtts:
+        with relay_and_tail(rtt, target.parent, session=f"live-{rtt}") as url:
+            link = head_link(url, f"live-{rtt}")
+            for mode in args.modes.split(","):
+                res[(mode, rtt)] = run_mode(specs[mode], MODES[mode][3], link, hello, prompts, args.new)
+                print(f"rtt {rtt} {mode}: {res[(mode, rtt)]['tps']:.1f} tok/s", file=sys.stderr, flush=True)
+            link.close()
+    ranks = specs["auto"].calibration.ranks
+    print_table(res, rtts, args.modes.split(","), ranks)
+    if args.ranks_out:
+        args.ranks_out.write_text(json.dumps(ranks))
+    if args.save:
+        args.save.write_text(json.dumps([{"mode": m, "rtt": r, **v} for (m, r), v in res.items()]))
+
+
+def print_table(res, rtts, modes, ranks) -> None:
+    print("\n| RTT ms | mode | tok/s | vs chain | tokens/verdict | in flight | draft | head | tail | net | wait | "
+          "overlap | rest (ms per verdict) |")
+    print("|" + " --- |" * 13)
+    for rtt in rtts:
+        base = res[("chain", rtt)]["tps"] if ("chain", rtt) in res else None
+        for mode in modes:
+            r = res[(mode, rtt)]
+            ratio = f"{r['tps'] / base:.2f}x" if base else ""
+            print(f"| {rtt} | {mode} | {r['tps']:.1f} | {ratio} | {r['tokens_per_verdict']:.2f} | {r['in_flight']:.2f} | "
+                  f"{r['draft_ms']:.1f} | {r['head_ms']:.1f} | {r['tail_ms']:.1f} | {r['rtt_ms']:.1f} | "
+                  f"{r['wait_ms']:.1f} | {r['overlap_ms']:.1f} | {r['rest_ms']:.1f} |")
+    replies = [r["ids"] for r in res.values()]
+    same = sum(all(rep[i] == replies[0][i] for rep in replies) for i in range(len(replies[0])))
+    print(f"\nidentical greedy replies across every mode and RTT: {same} of {len(replies[0])}")
+    total = sum(ranks)
+    print("rank of the target's pick among the draft's proposals (last: not proposed): "
+          + ", ".join(f"{c / total:.3f}" for c in ranks) if total else "no ranks recorded")
+
+
+if __name__ == "__main__":
+    main()
