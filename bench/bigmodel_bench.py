@@ -7,16 +7,16 @@ each segment count (1, and 2: each half cut into two segments on the one GPU, th
 half over two T4s), one node at a time:
 
 * head node: the draft (0.5B shapes, dense, graphed as ``Drafter.capture`` does) and layers
-  [0, L/2) with the embedding; graphs for the chain of K=8 and the 64-node tree (as
-  ``loading.capture_graphs`` takes them); a context of ``--context`` tokens fed; timed per round:
-  the draft's chain round and its tree, the head forward of 9 tokens and of the 65-node tree;
-* tail node: layers [L/2, L) with norm and lm_head, graphs for the HELLO's two verify shapes;
-  timed: the tail forward plus ``sampling.verify`` (chain) or ``verify_tree`` (tree);
+  [0, L/2) with the embedding; the graphs ``loading.capture_graphs`` takes (the draft's expansion
+  step, the head over a 65-node frame seeing its scratch pool); a context of ``--context`` tokens
+  fed; timed: one expansion step of the draft (a frame takes K=8 of them), the head over a frame;
+* tail node: layers [L/2, L) with norm and lm_head, the graph of the HELLO's frame shape; timed:
+  the tail forward over a frame plus ``sampling.picks`` (what a verdict costs the tail);
 * memory: what each node really peaks at (torch's peak reserved since it started loading, and
   the device's own used memory from ``mem_get_info``, which also sees graph executables) against
   the estimate of ``memory.head_plan`` / ``memory.tail_plan`` for the same layout;
-* derived (not measured end to end): round = draft + head + tail + RTT, tok/s = tokens per round /
-  round at 86 and 175 ms, with tokens per round assumed (``--chain-tokens``, ``--tree-tokens``:
+* derived (not measured end to end): a verdict = K draft steps + head + tail + RTT, tok/s =
+  tokens per verdict / that at 86 and 175 ms, with the tokens per verdict assumed (``--tokens``:
   random weights accept nothing meaningful).
 
 Run from the repository root:  python3 bench/bigmodel_bench.py [--models 32B 72B] [--out r.json]
@@ -39,11 +39,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from transformers import AutoModelForCausalLM, Qwen2Config  # noqa: E402
 
-from sfchat.engine import sampling, tree as trees  # noqa: E402
-from sfchat.engine.draft import Drafter, scratch_slots, tree_shape  # noqa: E402
+from sfchat.config import Settings  # noqa: E402
+from sfchat.engine import sampling  # noqa: E402
+from sfchat.engine.draft import CHILDREN, Drafter  # noqa: E402
+from sfchat.model.kv import TreeMask  # noqa: E402
 from sfchat.model.footprint import GIB, device_bytes  # noqa: E402
 from sfchat.model.memory import DraftPlan, head_plan, tail_plan  # noqa: E402
 from sfchat.model.slices import ModelSlice  # noqa: E402
+from sfchat.node.loading import capture_graphs, frame_layout  # noqa: E402
 from sfchat.protocol.wire import Sampling  # noqa: E402
 
 SHAPES = {  # (hidden, intermediate, layers, heads, kv heads, vocab): the public Qwen2.5 configs
@@ -53,6 +56,8 @@ SHAPES = {  # (hidden, intermediate, layers, heads, kv heads, vocab): the public
 }
 DRAFT = {"0.5B": (896, 4864, 24, 14, 2, 151936), "tiny": (128, 256, 2, 4, 2, 512)}
 K, TREE = 8, 64
+LAYOUT = frame_layout(Settings(k=K, tree_budget=TREE), K, cuda=True)  # the GPU default's frame and pools
+VERIFIES = [(LAYOUT.size, True)]  # the HELLO's frame shapes
 GREEDY = Sampling()
 
 
@@ -128,61 +133,73 @@ class Memory:
                 "peak_device_gib": self.peak_used / GIB}
 
 
-def head_node(cfg, dcfg, segments: int, device, dtype, context: int, n: int) -> tuple[dict, list[int]]:
-    """Draft and head half on ``device``: figures, and the parents of a drafted tree (for the tail)."""
+def frame_tree(size: int, fanout: int = CHILDREN) -> list[int]:
+    """Parents (frame indices, -1: the root) of a ``size``-node frame: a ``fanout``-ary tree, as wide
+    as the frames best-first growth builds when the draft is unsure."""
+    return [-1] + [(i - 1) // fanout for i in range(1, size)]
+
+
+def frame_mask(parents: list[int], base: int, span: int, device) -> tuple[torch.Tensor, TreeMask]:
+    """Slots (base ..) and the tree mask of a frame whose nodes see their ancestors and themselves."""
+    depth = [0] * len(parents)
+    visible = torch.zeros(len(parents), span, dtype=torch.bool)
+    for i, p in enumerate(parents):
+        if p >= 0:
+            depth[i] = depth[p] + 1
+            visible[i] = visible[p]
+        visible[i, i] = True
+    rope = torch.tensor([base + d for d in depth], device=device)
+    return torch.arange(base, base + len(parents), device=device), TreeMask(rope, torch.tensor([base], device=device),
+                                                                             visible.to(device))
+
+
+def head_node(cfg, dcfg, segments: int, device, dtype, context: int, n: int) -> dict:
+    """Draft and head half on ``device``: one expansion step of the draft, the head over a frame."""
     L = cfg.num_hidden_layers
-    max_len = context + 1 + scratch_slots(K, TREE, dcfg.vocab_size)
-    width, _, nodes = tree_shape(TREE, K, dcfg.vocab_size)
+    max_len = context + LAYOUT.scratch
     devices = [device] * segments
-    draft_plan = DraftPlan(dcfg, device, dtype, "none", depths=(K,), tree_width=width, tree_depth=K,
-                           tree_nodes=nodes)
-    verifies = [(K + 1, False), (nodes + 1, True)]
-    plan = head_plan(cfg, L // 2, devices=devices, dtype=dtype, quant="nf4", max_len=max_len, verifies=verifies,
-                     draft=draft_plan)
+    draft_plan = DraftPlan(dcfg, device, dtype, "none", rows=LAYOUT.width + 1, children=LAYOUT.children,
+                           pool=LAYOUT.draft_pool, compiled=False)
+    plan = head_plan(cfg, L // 2, devices=devices, dtype=dtype, quant="nf4", max_len=max_len, verifies=VERIFIES,
+                     draft=draft_plan, head_span=LAYOUT.head_pool)
     mem = Memory(device)
     t0 = time.perf_counter()
     dmodel = ModelSlice.load(RandomSource(dcfg, 2), 0, dcfg.num_hidden_layers, embed=True, head=True, dtype=dtype,
                              device=device, max_len=max_len)
-    drafter = Drafter(dmodel, K, tree_budget=nodes, depths=(K,))
+    drafter = Drafter(dmodel, width=LAYOUT.width, children=LAYOUT.children, pool=LAYOUT.draft_pool)
     head = ModelSlice.load(RandomSource(cfg, 1), 0, L // 2, embed=True, head=False, dtype=dtype, device=device,
                            max_len=max_len, quant="nf4", devices=devices)
     load_s = time.perf_counter() - t0
     mem.sample()
-    graphed = device.type == "cuda"
-    if graphed:
-        drafter.capture()
-        assert head.capture(K + 1) and head.capture(nodes + 1, tree=True), "a head graph could not be captured"
-    tokens = [int(t) for t in torch.randint(0, dcfg.vocab_size, (context + 1,))]
+    if device.type == "cuda":  # what the head captures before any conversation
+        capture_graphs(head, drafter, LAYOUT, False, lambda *a: None)
+        assert head.captured(LAYOUT.size, tree=True) and drafter.graphs, "a head graph could not be captured"
+    tokens = [int(t) for t in torch.randint(0, dcfg.vocab_size, (context,))]
     for start in range(0, context, 512):  # the context, as the head's prefill chunks
         piece = torch.tensor(tokens[start:min(start + 512, context)], device=device)
         head.run(piece, torch.arange(start, start + len(piece), device=device), end=start + len(piece))
+    drafter.sync(tokens)
     mem.sample()
-    drafter.propose(tokens[:-1], GREEDY, None)  # the draft's catch-up: the timed rounds feed two tokens
-    fig = {"load_s": load_s, "draft_chain_ms": timed(lambda: drafter.propose(tokens, GREEDY, None), device, n)}
-    assert drafter.fed <= 2, "the timed draft round is not the steady-state one"
-    grown = drafter.grow(tokens, GREEDY)
-    fig["draft_tree_ms"] = timed(lambda: drafter.grow(tokens, GREEDY), device, n)
-    v = context  # t0's position
-    ids = torch.tensor(tokens[-1:] + tokens[:K], device=device)
-    pos = torch.arange(v, v + K + 1, device=device)
-    fig["head_chain_ms"] = timed(lambda: head.run(ids, pos, end=v + K + 1), device, n)
-    frame = torch.tensor(tokens[-1:] + grown.tokens, device=device)
-    slots = torch.arange(v, v + len(frame), device=device)
-    mask = trees.mask(grown.parents, v, device)
-    fig["head_tree_ms"] = timed(lambda: head.run(frame, slots, end=v + len(frame), tree=mask), device, n)
+    # one expansion step: ``width`` nodes of a tree below the context and one committed node to catch up
+    base = drafter.pool.n
+    rows = [(tokens[-1], context, base, [])] + [(7 + i, context + 1, base + 1 + i, [base]) for i in range(LAYOUT.width)]
+    fig = {"load_s": load_s, "draft_step_ms": timed(lambda: drafter.expand(rows, GREEDY), device, n)}
+    ids = torch.tensor([tokens[-1]] + [7 + i for i in range(LAYOUT.size - 1)], device=device)
+    slots, mask = frame_mask(frame_tree(LAYOUT.size), context, LAYOUT.head_pool, device)
+    fig["head_frame_ms"] = timed(lambda: head.run(ids, slots, end=context + LAYOUT.head_pool, tree=mask), device, n)
     fig.update(mem.figures())
     fig["estimate_gib"] = device_bytes(need for _, _, need in plan) / GIB
     fig["segments_placed"] = [list(r) for r in head.ranges]
-    return fig, grown.parents
+    return fig
 
 
-def tail_node(cfg, dcfg, segments: int, device, dtype, context: int, n: int, parents: list[int]) -> dict:
+def tail_node(cfg, segments: int, device, dtype, context: int, n: int) -> dict:
+    """The tail half on ``device``: its forward over a frame and the picks, as a verdict costs."""
     L = cfg.num_hidden_layers
-    max_len = context + 1 + scratch_slots(K, TREE, dcfg.vocab_size)
-    m = len(parents) + 1
-    verifies = [(K + 1, False), (m, True)]
+    max_len = context + LAYOUT.scratch
+    m = LAYOUT.size
     plan = tail_plan(cfg, L // 2, devices=[device] * segments, dtype=dtype, quant="nf4", max_len=max_len,
-                     verifies=verifies)
+                     verifies=VERIFIES)
     mem = Memory(device)
     t0 = time.perf_counter()
     tail = ModelSlice.load(RandomSource(cfg, 1), L // 2, L, embed=False, head=True, dtype=dtype, device=device,
@@ -190,7 +207,7 @@ def tail_node(cfg, dcfg, segments: int, device, dtype, context: int, n: int, par
     load_s = time.perf_counter() - t0
     mem.sample()
     if device.type == "cuda":
-        for positions, is_tree in verifies:  # as the verifier captures a HELLO's shapes
+        for positions, is_tree in VERIFIES:  # as the verifier captures a HELLO's shapes
             assert tail.capture(positions, positions, tree=is_tree), "a tail graph could not be captured"
     gen = torch.Generator(device=device).manual_seed(3)
     hidden = torch.randn(context + m, cfg.hidden_size, device=device, generator=gen).mul_(0.1).to(dtype)
@@ -198,39 +215,25 @@ def tail_node(cfg, dcfg, segments: int, device, dtype, context: int, n: int, par
         stop = min(start + 512, context)
         tail.run(hidden[start:stop], torch.arange(start, stop, device=device), 1, end=stop)
     mem.sample()
-    v = context
-    pos = torch.arange(v, v + K + 1, device=device)
-    drafts = torch.arange(K)
-    empty = torch.zeros(K, 0, device=device)
+    slots, mask = frame_mask(frame_tree(m), context, m, device)
+    positions = mask.rope.tolist()
 
-    def chain():
-        return sampling.verify(tail.run(hidden[v:v + K + 1], pos, K + 1, end=v + K + 1), drafts, GREEDY, empty,
-                               empty, None)
+    def verify():
+        return sampling.picks(tail.run(hidden[context:context + m], slots, m, end=context + m, tree=mask),
+                              positions, GREEDY).tolist()
 
-    slots = torch.arange(v, v + m, device=device)
-    mask = trees.mask(parents, v, device)
-    nodes = list(range(1, m))
-
-    def tree():
-        return sampling.verify_tree(tail.run(hidden[v:v + m], slots, m, end=v + m, tree=mask), parents, nodes,
-                                    GREEDY, None)
-
-    fig = {"load_s": load_s, "tail_chain_ms": timed(chain, device, n), "tail_tree_ms": timed(tree, device, n)}
+    fig = {"load_s": load_s, "tail_frame_ms": timed(verify, device, n)}
     fig.update(mem.figures())
     fig["estimate_gib"] = device_bytes(need for _, _, need in plan) / GIB
     fig["segments_placed"] = [list(r) for r in tail.ranges]
     return fig
 
 
-def derive(head: dict, tail: dict, rtts, chain_tokens: float, tree_tokens: float) -> dict:
-    """tok/s from the measured compute and an assumed RTT and tokens per round (derived figures)."""
-    out = {}
-    for mode, tokens in (("chain", chain_tokens), ("tree", tree_tokens)):
-        compute = head[f"draft_{mode}_ms"] + head[f"head_{mode}_ms"] + tail[f"tail_{mode}_ms"]
-        out[f"{mode}_compute_ms"] = compute
-        for rtt in rtts:
-            out[f"{mode}_tok_s_{rtt}"] = tokens / (compute + rtt) * 1e3
-    return out
+def derive(head: dict, tail: dict, rtts, tokens: float) -> dict:
+    """tok/s of one frame per round trip from the measured compute (K expansion steps, the head's
+    frame, the tail's) and an assumed RTT and tokens per verdict (derived figures)."""
+    compute = K * head["draft_step_ms"] + head["head_frame_ms"] + tail["tail_frame_ms"]
+    return {"compute_ms": compute, **{f"tok_s_{rtt}": tokens / (compute + rtt) * 1e3 for rtt in rtts}}
 
 
 def main() -> None:
@@ -243,8 +246,8 @@ def main() -> None:
                     help="float16 as on a T4 (default), or bfloat16")
     ap.add_argument("--n", type=int, default=20, help="timed calls per figure")
     ap.add_argument("--rtt", type=int, nargs="*", default=[86, 175])
-    ap.add_argument("--chain-tokens", type=float, default=4.07, help="assumed tokens per chain round (K=8)")
-    ap.add_argument("--tree-tokens", type=float, default=5.01, help="assumed tokens per tree round")
+    ap.add_argument("--tokens", type=float, default=5.42,
+                    help="assumed tokens per verdict of a 64-draft frame (5.42: the SmolLM2 pair, bench/RESULTS.md)")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU: a check of the script")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
@@ -259,12 +262,12 @@ def main() -> None:
     for name in models:
         cfg = qwen2(SHAPES[name], tied=False)
         for segments in args.segments:
-            head, parents = head_node(cfg, dcfg, segments, device, dtype, args.context, args.n)
+            head = head_node(cfg, dcfg, segments, device, dtype, args.context, args.n)
             print(f"{name} x{segments} head node: {head}", flush=True)
-            tail = tail_node(cfg, dcfg, segments, device, dtype, args.context, args.n, parents)
+            tail = tail_node(cfg, segments, device, dtype, args.context, args.n)
             print(f"{name} x{segments} tail node: {tail}", flush=True)
             results.append({"model": name, "segments": segments, "head": head, "tail": tail,
-                            "derived": derive(head, tail, args.rtt, args.chain_tokens, args.tree_tokens)})
+                            "derived": derive(head, tail, args.rtt, args.tokens)})
             if args.out:
                 args.out.write_text(json.dumps({"device": where, "dtype": str(dtype), "results": results},
                                                indent=1))
@@ -272,9 +275,9 @@ def main() -> None:
 
 
 def print_table(results: list[dict], rtts) -> None:
-    print("\n| model | segments per half | draft ms chain / tree | head ms chain / tree | tail ms chain / tree "
-          "| head node GiB: reserved, device, estimate | tail node GiB: reserved, device, estimate | "
-          + " | ".join(f"tok/s at {r} ms chain / tree (derived)" for r in rtts) + " |")
+    print(f"\n| model | segments per half | draft ms per step (x{K} per frame) | head ms per frame | "
+          "tail ms per frame | head node GiB: reserved, device, estimate | tail node GiB: reserved, device, estimate | "
+          + " | ".join(f"tok/s at {r} ms (derived)" for r in rtts) + " |")
     print("| --- " * (7 + len(rtts)) + "|")
     for r in results:
         h, t, d = r["head"], r["tail"], r["derived"]
@@ -284,10 +287,9 @@ def print_table(results: list[dict], rtts) -> None:
                 return f"-, -, {node['estimate_gib']:.2f}"
             return f"{node['peak_reserved_gib']:.2f}, {node['peak_device_gib']:.2f}, {node['estimate_gib']:.2f}"
 
-        print(f"| {r['model']} | {r['segments']} | {h['draft_chain_ms']:.1f} / {h['draft_tree_ms']:.1f} | "
-              f"{h['head_chain_ms']:.1f} / {h['head_tree_ms']:.1f} | {t['tail_chain_ms']:.1f} / "
-              f"{t['tail_tree_ms']:.1f} | {mem(h)} | {mem(t)} | "
-              + " | ".join(f"{d[f'chain_tok_s_{x}']:.1f} / {d[f'tree_tok_s_{x}']:.1f}" for x in rtts) + " |")
+        print(f"| {r['model']} | {r['segments']} | {h['draft_step_ms']:.2f} | {h['head_frame_ms']:.1f} | "
+              f"{t['tail_frame_ms']:.1f} | {mem(h)} | {mem(t)} | "
+              + " | ".join(f"{d[f'tok_s_{x}']:.1f}" for x in rtts) + " |")
 
 
 if __name__ == "__main__":

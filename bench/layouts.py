@@ -74,7 +74,7 @@ def plans(size: str, quant: str, context: int, draft_quant: str = "none") -> dic
     out = {}
     for name, local in (("local", True), ("head", False)):
         placed = place_draft(cfg, split, draft, local=local, **target)
-        out[name] = head_plan(cfg, split, draft=placed, local=local, **target)
+        out[name] = head_plan(cfg, split, draft=placed, local=local, head_span=LAYOUT.head_pool, **target)
     out["tail"] = tail_plan(cfg, split, **target)
     return out
 

@@ -18,7 +18,7 @@ Models:
     (``--ranks-out``): the synthetic draft below uses it.
   * otherwise synthetic: bf16 checkpoints in the shapes of Qwen2.5-7B (target) and 0.5B (draft).
     The target's greedy next token is a fixed permutation of the current one
-    (``gpu_bench.write_checkpoint(follows=)``); the draft runs a random 0.5B (its compute is
+    (``harness.write_checkpoint(follows=)``); the draft runs a random 0.5B (its compute is
     real) but proposes, after each token, a ranked list in which the target's token sits at a rank
     drawn once per token from ``--ranks`` (a real pair's histogram), the other places decoys:
     alternatives that carry information as a real draft's do.
@@ -50,8 +50,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import gpu_bench  # noqa: E402
-from gpu_bench import QWEN25_05B, QWEN25_7B, TINY_DRAFT, TINY_TARGET, head_link, relay_and_tail  # noqa: E402
+import harness  # noqa: E402
+from harness import QWEN25_05B, QWEN25_7B, TINY_DRAFT, TINY_TARGET, head_link, relay_and_tail  # noqa: E402
 from sfchat.engine.draft import Drafter  # noqa: E402
 from sfchat.engine.policy import PipelinePolicy  # noqa: E402
 from sfchat.engine.speculator import Speculator  # noqa: E402
@@ -103,6 +103,7 @@ def build(target: Path, draft: Path, device: str, dtype: str, synthetic=None):
     src, dsrc = ModelSource.open(str(target)), ModelSource.open(str(draft))
     L = n_layers(src.config)
     pools = {m: (f * (inflight + 1) + 1, min((inflight + 1) * K * w, 512) + 1) for m, (f, w, _, inflight) in MODES.items()}
+    head_pool = max(p for p, _ in pools.values())  # one head graph per frame shape: every mode's pool the same
     kv_len = MAX_CONTEXT + max(max(p) for p in pools.values())
     head = ModelSlice.load(src, 0, L // 2, embed=True, head=False, dtype=dt, device=dev, max_len=kv_len)
     dmodel = ModelSlice.load(dsrc, 0, n_layers(dsrc.config), embed=True, head=True, dtype=dt, device=dev,
@@ -114,9 +115,9 @@ def build(target: Path, draft: Path, device: str, dtype: str, synthetic=None):
         drafter = kind(dmodel, width=width, children=children, pool=pools[mode][1], **extra)
         if dev.type == "cuda":
             drafter.capture()
-            head.capture(size, tree=True)
+            head.capture(size, tree=True, span=head_pool)
         specs[mode] = Speculator(head, drafter, max_context=MAX_CONTEXT, frame_sizes=[size], steps=K,
-                                 head_pool=pools[mode][0])
+                                 head_pool=head_pool)
     hello = Hello(model=str(target), revision=None, split=L // 2, dtype=DTYPE_NAMES[dt], max_len=kv_len, n_layers=L,
                   hidden_size=src.config.hidden_size, frames=tuple(sorted({f for f, *_ in MODES.values()})),
                   graphs=dev.type == "cuda")
@@ -181,7 +182,7 @@ def main() -> None:
     ap.add_argument("--save", type=Path)
     ap.add_argument("--ranks-out", type=Path)
     args = ap.parse_args()
-    gpu_bench.DEVICE = "cpu" if args.smoke else args.device
+    harness.DEVICE = "cpu" if args.smoke else args.device
     rtts = [int(x) for x in args.rtts.split(",")]
     synthetic = None
     if args.pair:
@@ -193,13 +194,13 @@ def main() -> None:
         root = Path(tempfile.mkdtemp(prefix="sfchat-live-bench-"))
         shapes = (TINY_TARGET, TINY_DRAFT) if args.smoke else (QWEN25_7B, QWEN25_05B)
         vocab = shapes[1]["vocab_size"]
-        gpu_bench.write_checkpoint(root / "target", shapes[0], seed=0, follows=vocab)
-        gpu_bench.write_checkpoint(root / "draft", shapes[1], seed=1)
+        harness.write_checkpoint(root / "target", shapes[0], seed=0, follows=vocab)
+        harness.write_checkpoint(root / "draft", shapes[1], seed=1)
         target, draft = root / "target", root / "draft"
         ranks = json.loads(args.ranks.read_text()) if args.ranks else [78, 9, 4, 2, 1, 1, 1, 0, 4]
         synthetic = (torch.randperm(vocab, generator=torch.Generator().manual_seed(1234)), ranks)
     dtype = "float32" if args.smoke or args.device == "cpu" else args.dtype
-    specs, hello = build(target, draft, gpu_bench.DEVICE, dtype, synthetic)
+    specs, hello = build(target, draft, harness.DEVICE, dtype, synthetic)
     prompts = prompts_for(target, synthetic is not None, args.prompts)
     res = {}
     for rtt in rtts:

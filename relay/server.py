@@ -61,13 +61,13 @@ After the upgrade
 
 Largest frame
 -------------
-``MAX_FRAME_BYTES`` (12 MiB) is the largest sealed frame the sfchat protocol can produce,
+``MAX_FRAME_BYTES`` (12 MiB) holds the largest sealed frame the sfchat protocol can produce,
 whatever the HELLO says, for the protocol maximum chosen here: a FORWARD carries at most 512
-positions (``PREFILL_CHUNK``: prefill chunks, and the node budget of a token tree) of at most
+positions (``PREFILL_CHUNK``: prefill chunks; a tree frame has at most 256 nodes) of at most
 16 KiB of hidden state each (hidden_size <= 8192 in bf16/fp16, e.g. Qwen2.5-72B; or 4096 in
-fp32), plus at most 64 bytes of per-position fields (token id, tree parent, depth), today's
-largest draft distributions (MAX_DRAFT x MAX_Q_ENTRIES x 8 bytes = 2 MiB) and headers:
-10.03 MiB of plaintext; sealing pads by less than 1/8 (to 11 MiB exactly) and adds 29 bytes.
+fp32), plus at most 64 bytes of per-position fields (token id, tree parent) and headers:
+8.03 MiB of plaintext; sealing pads by less than 1/8 (to 9 MiB exactly) and adds 29 bytes. The
+3 MiB above it are headroom kept from wire v3, whose frames also carried draft distributions.
 A Qwen2.5-7B prefill chunk is 3.5 MiB, a 256-node tree 1.8 MiB. tests/test_relay_memory.py
 recomputes the bound from ``sfchat.protocol.wire``, ``sfchat.link.padding`` and ``sfchat.link.secure``.
 

@@ -46,6 +46,7 @@ from sfchat.protocol.handshake import Hello, Ready, shown
 from sfchat.protocol.messages import Failure, Progress
 from sfchat.engine import sampling
 from sfchat.model.kv import TreeMask
+from sfchat.model.memory import check_graphs
 from sfchat.model.slices import ModelSlice, n_layers
 from sfchat.model.devices import DTYPE_NAMES, DTYPES
 
@@ -134,10 +135,15 @@ class Verifier:
         if n_layers(cfg) != hello.n_layers or cfg.hidden_size != hello.hidden_size:
             self._fail(emit, f"tail's model has {n_layers(cfg)} layers / hidden {cfg.hidden_size}, "
                              f"the head's {hello.n_layers} / {hello.hidden_size}: not the same model")
-        # a verify runs at one of the hello's frame shapes: a graph each
-        for m, is_tree in hello.shapes():
-            if hello.graphs and self.model.device.type == "cuda" and not self.model.captured(m, m, is_tree):
-                self.model.capture(m, m, log=self.log, tree=is_tree)
+        # a verify runs at one of the hello's frame shapes: a graph each, if memory holds them
+        if hello.graphs and self.model.device.type == "cuda":
+            try:
+                check_graphs(self.model, hello.shapes())
+            except UserError as exc:
+                self._fail(emit, f"tail cannot capture the head's frame shapes: {exc}")
+            for m, is_tree in hello.shapes():
+                if not self.model.captured(m, m, is_tree):
+                    self.model.capture(m, m, log=self.log, tree=is_tree)
         if not hello.graphs:
             self.model.graphs.clear()
         for _, kv, _ in self.model.groups:  # nothing an earlier head left may reach this one's softmax

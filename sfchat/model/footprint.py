@@ -122,9 +122,11 @@ def forward_bytes(config, tokens: int, window: int, dtype: torch.dtype, quant: s
 
 
 def slice_needs(config, lo: int, hi: int, *, embed: bool, head: bool, dtype: torch.dtype, quant: str,
-                max_len: int, devices: list[torch.device], verifies=(), graphs: bool = True, reserved=()
-                ) -> list[tuple[torch.device, Need]]:
-    """Per segment: its device and what it holds there (see the module docstring)."""
+                max_len: int, devices: list[torch.device], verifies=(), graphs: bool = True, reserved=(),
+                span: int = 0) -> list[tuple[torch.device, Need]]:
+    """Per segment: its device and what it holds there (see the module docstring); ``span``: the
+    slots a tree forward's queries see when more than its positions (the head's: its scratch pool,
+    ``ModelSlice.capture(span=)``), which leaves out the windows too small for them."""
     b = dtype.itemsize
     H, V = config.hidden_size, config.vocab_size
     linear = layer_counts(config)[0]
@@ -150,7 +152,7 @@ def slice_needs(config, lo: int, hi: int, *, embed: bool, head: bool, dtype: tor
         seg_graphs = tuple(
             Graph(forward_bytes(config, p, w, dtype, quant, p if seg_rows else 0),
                   p * V * 4 if seg_rows else p * H * b)
-            for p, _ in verifies for w in windows if w >= p) if graphs and device.type == "cuda" else ()
+            for p, _ in verifies for w in windows if w >= max(p, span)) if graphs and device.type == "cuda" else ()
         out.append((device, Need(weights, kv, int(work), seg_graphs)))
     return out
 

@@ -157,16 +157,18 @@ def head_reserve(draft: DraftPlan | None, devices: list[torch.device], max_len: 
 
 
 def head_plan(config, split: int, *, devices: list[torch.device], dtype: torch.dtype, quant: str, max_len: int,
-              verifies, draft: DraftPlan | None = None, local: bool = False, graphs: bool = True) -> Plan:
+              verifies, draft: DraftPlan | None = None, local: bool = False, graphs: bool = True,
+              head_span: int = 0) -> Plan:
     """The head's needs: its slice over ``devices`` (graphs for ``verifies``, the (positions, tree)
-    of every round shape; its layers balanced by ``head_reserve``), the draft and, in local mode,
+    of every round shape, each seeing ``head_span`` slots, its scratch pool; its layers balanced by
+    ``head_reserve``), the draft and, in local mode,
     the tail's slice on the same devices (balanced around the head's, as ``TailLoader`` balances
     it around the memory free once the head is loaded)."""
     L = int(config.num_hidden_layers)
     common = dict(dtype=dtype, quant=quant, max_len=max_len, devices=devices, graphs=graphs)
     reserved = head_reserve(draft, devices, max_len, graphs)
     plan = _segments("head layers", slice_needs(config, 0, split, embed=True, head=False, verifies=verifies,
-                                                reserved=reserved, **common))
+                                                reserved=reserved, span=head_span, **common))
     if draft is not None:
         plan.append(("draft", draft.device, draft_need(draft, max_len, graphs)))
     if local:  # the tail's slice loads next, balanced around what the head holds by then
@@ -179,11 +181,12 @@ def head_plan(config, split: int, *, devices: list[torch.device], dtype: torch.d
 
 
 def check_head(config, split: int, *, devices: list[torch.device], dtype: torch.dtype, quant: str, max_len: int,
-               verifies, draft: DraftPlan | None = None, local: bool = False, graphs: bool = True) -> None:
+               verifies, draft: DraftPlan | None = None, local: bool = False, graphs: bool = True,
+               head_span: int = 0) -> None:
     """The head's check (``head_plan``); ``max_len`` counts the tree's scratch slots."""
     L = int(config.num_hidden_layers)
     plan = head_plan(config, split, devices=devices, dtype=dtype, quant=quant, max_len=max_len, verifies=verifies,
-                     draft=draft, local=local, graphs=graphs)
+                     draft=draft, local=local, graphs=graphs, head_span=head_span)
     draft_hint = None
     if draft is not None:
         fixes = [] if draft.quant == "nf4" else ["--draft-load-in-4bit"]

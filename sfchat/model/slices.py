@@ -236,12 +236,17 @@ class ModelSlice(nn.Module):
         return sl.eval()
 
     # -- compute -------------------------------------------------------------------------------
-    def capture(self, n_tokens: int, n_logits: int = 0, log=None, tree: bool = False) -> bool:
-        """Capture the ``n_tokens`` forward (a tree forward with ``tree``) as CUDA graphs, one per
+    def capture(self, n_tokens: int, n_logits: int = 0, log=None, tree: bool = False, span: int | None = None
+                ) -> bool:
+        """Capture the ``n_tokens`` forward (a tree forward with ``tree``, its queries seeing the
+        ``span`` slots from the mask's base: ``n_tokens`` unless given) as CUDA graphs, one per
         attention window that can hold it and per segment, each on its segment's device (before
         any conversation); True when every segment has its graphs."""
         key = self._key(n_tokens, n_logits, tree)
-        windows = [w for w in self.kv.windows if w >= n_tokens]
+        span = n_tokens if span is None else span
+        if span < n_tokens:
+            raise ValueError(f"a tree forward of {n_tokens} tokens cannot see only {span} slots")
+        windows = [w for w in self.kv.windows if w >= span]
         done = []
         for i, (dev, _, _) in enumerate(self.groups):
             if i == 0 and self.embed_tokens is not None:
@@ -252,7 +257,7 @@ class ModelSlice(nn.Module):
             inputs = (x, positions)
             if tree:  # a chain as example: rope = slots, base 0, each token sees its predecessors
                 inputs += (positions.clone(), positions[:1].clone(),
-                           torch.ones(n_tokens, n_tokens, dtype=torch.bool, device=dev).tril())
+                           torch.ones(n_tokens, span, dtype=torch.bool, device=dev).tril())
             lo, hi = self.ranges[i]
             what = f"{n_tokens}-token {'tree ' if tree else ''}forward of layers [{lo}, {hi})"
             done.append(self.graphs.capture(key + (i,), what, self._segment(i, n_logits, tree), inputs, windows,

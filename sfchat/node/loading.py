@@ -88,7 +88,7 @@ def open_engine(s: Settings, on_event: Callable = lambda e: None, link=None,
                   quant=quant)
     local = link is None
     target = dict(devices=devices, dtype=dtype, quant=quant, max_len=kv_len, verifies=hello.shapes(), local=local,
-                  graphs=s.cuda_graphs)
+                  graphs=s.cuda_graphs, head_span=layout.head_pool)
     draft = None
     if k:
         draft_device = resolve_device(s.draft_device) if s.draft_device else default_draft_device(devices)
@@ -121,7 +121,7 @@ def open_engine(s: Settings, on_event: Callable = lambda e: None, link=None,
     ready = engine.connect(hello, lambda *fields: on_event(LoadProgress("tail", *fields)))
     info = RuntimeReady(model=s.model, draft=s.draft if k else "none", split=split, n_layers=L,
                         dtype=DTYPE_NAMES[dtype], k=k, device=",".join(map(str, devices)), mode=mode,
-                        max_context=max_context, quant=quant, tree_budget=layout.size - 1,
+                        max_context=max_context, quant=quant, tree_budget=s.budget(device.type == "cuda") if k else 0,
                         shapes=(str(layout),), max_in_flight=engine.policy.max_in_flight,
                         tail_dtype="" if ready.dtype == DTYPE_NAMES[dtype] else ready.dtype)
     on_event(info)
@@ -169,7 +169,7 @@ def capture_graphs(head: ModelSlice, drafter: Drafter | None, layout: FrameLayou
         print(f"sfchat: {message}", file=sys.stderr)
 
     progress("capture", 0, 2, "head frame")
-    head.capture(layout.size, log=warn, tree=True)
+    head.capture(layout.size, log=warn, tree=True, span=layout.head_pool)
     progress("capture", 1, 2, "draft (compiling: the first start takes a minute)" if compile_draft else "draft")
     if drafter is not None and drafter.device.type == "cuda":
         drafter.capture(log=warn, compile=compile_draft)

@@ -24,38 +24,17 @@ def raw_hello(path, **raw_fields) -> bytes:
     return HEADER.pack(MAGIC, PROTOCOL_VERSION, MsgType.HELLO, 0, 0, len(body)) + body
 
 
-@pytest.mark.parametrize("fields", [{"k": "Infinity"}, {"k": "1e999"}, {"n_layers": "1e999"}, {"k": "NaN"},
-                                    {"hidden_size": "-Infinity"}, {"max_len": "1e999"}, {"k": "1.5"},
-                                    {"k": "true"}, {"split": "true"}, {"max_len": "1" + "0" * 30}])
+@pytest.mark.parametrize("fields", [{"split": "Infinity"}, {"split": "1e999"}, {"n_layers": "1e999"},
+                                    {"max_len": "NaN"}, {"hidden_size": "-Infinity"}, {"max_len": "1e999"},
+                                    {"split": "1.5"}, {"hidden_size": "true"}, {"split": "true"},
+                                    {"max_len": "1" + "0" * 30}, {"frames": "[1.5]"}, {"graphs": "1"}])
 def test_a_hello_with_numbers_json_cannot_hold_or_of_the_wrong_type_is_refused(tail_case, fields):
-    """Today's finding: ``"k": Infinity`` (and 1e999) escaped the tail as OverflowError and killed it."""
+    """An earlier finding: ``"k": Infinity`` (and 1e999) escaped the tail as OverflowError and killed it."""
     good, _, ref, fwd = tail_case
     v = Verifier(TailLoader(torch.device("cpu")))
     message = replies(v, raw_hello(good, **fields), fails=True)
     assert "malformed frame" in message or "incomplete hello" in message, message
     check_serves(v, good, ref, fwd)
-
-
-def test_a_sampled_verify_without_proposals_or_with_broken_ones_is_refused(tail_case):
-    """Today's finding: temperature > 0 with drafts and no q' raised ValueError out of the tail."""
-    good, _, ref, fwd = tail_case
-    v = Verifier(TailLoader(torch.device("cpu")))
-    replies(v, hello_for(good), fails=False)
-    msg = decode(fwd)
-    hot = Sampling(temperature=0.8, top_p=0.9, seed=7)
-    bare = encode(Forward(1, 0, msg.tokens, msg.hidden, DType.FLOAT32, 64, n_draft=K, sampling=hot))
-    assert "without the draft's proposal distributions" in replies(v, bare, fails=True)
-    idx = bytes(4 * K)
-    for bad in (float("nan"), float("inf"), -0.25):
-        probs = torch.tensor([bad] + [0.5] * (K - 1), dtype=torch.float32).numpy().tobytes()
-        broken = encode(Forward(1, 0, msg.tokens, msg.hidden, DType.FLOAT32, 64, n_draft=K, sampling=hot, n_q=1,
-                                q_indices=idx, q_probs=probs))
-        assert "not finite and non-negative" in replies(v, broken, fails=True)
-    more = encode(Forward(1, 0, msg.tokens + (1,), msg.hidden + msg.hidden[:64 * 4], DType.FLOAT32, 64,
-                          n_draft=K + 1))
-    assert f"the hello announced at most {K}" in replies(v, more, fails=True)
-    (verdict,) = replies(v, fwd, fails=False)
-    assert list(verdict.tokens) == ref
 
 
 def test_a_hello_cannot_probe_the_tails_disk_or_load_outside_its_models_dir(tail_case, tmp_path):

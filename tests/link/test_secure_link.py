@@ -18,7 +18,7 @@ from sfchat.link.secure import (
 from sfchat.link import secure as secure_link
 from sfchat.link.padding import MIN_PADDED, padded_size
 from sfchat.link.pairing import Passcode, require_secret
-from sfchat.protocol.wire import MAX_DRAFT, Verdict, encode
+from sfchat.protocol.wire import MAX_DEPTH, Verdict, encode
 
 SECRET = "7-crossover-clockwork"
 
@@ -129,8 +129,8 @@ def test_frames_round_trip_both_ways_and_the_relay_sees_none_of_them():
 
 def test_padding_hides_verdict_contents_and_rounds_big_frames_up_by_less_than_an_eighth():
     relay, head, tail = pair()
-    verdicts = [encode(Verdict(7, 100, n, tuple(range(n + 1)), 1234)) for n in range(MAX_DRAFT + 1)]
-    assert len({len(v) for v in verdicts}) == MAX_DRAFT + 1
+    verdicts = [encode(Verdict(7, 100, tuple(range(n)), tuple(range(n)), 1234)) for n in range(1, MAX_DEPTH + 1)]
+    assert len({len(v) for v in verdicts}) == MAX_DEPTH
     for v in verdicts:
         tail.send(v)
     assert [head.recv(1) for _ in verdicts] == verdicts

@@ -63,12 +63,14 @@ def test_the_estimate_counts_every_graph_the_code_captures(zoo, monkeypatch):
                                max_len=max_len, devices=[cpu] * segments)
         for m, is_tree in hello.shapes():
             tail.capture(m, m, tree=is_tree)
-        counted = [len(n.graphs) for lo, hi, head_ in [(0, 2, False), (2, 4, True)]
+        counted = [len(n.graphs) for lo, hi, head_, span in [(0, 2, False, layout.head_pool), (2, 4, True, 0)]
                    for _, n in slice_needs(target.config, lo, hi, embed=not head_, head=head_, dtype=torch.float32,
                                            quant="none", max_len=max_len, devices=[cuda] * segments,
-                                           verifies=hello.shapes())]
-        # the 13-node frame, windows 16, 32, 64 and 100, for head and tail
-        assert sum(len(w) for _, w in taken) == sum(counted) == 2 * segments * 4
+                                           verifies=hello.shapes(), span=span)]
+        # the 13-node frame: on the head over its 40-slot pool (windows 64 and 100), on the tail
+        # over windows 16, 32, 64 and 100
+        assert layout.head_pool == 40
+        assert sum(len(w) for _, w in taken) == sum(counted) == segments * (2 + 4)
     dmodel = ModelSlice.load(draft, 0, 2, embed=True, head=True, dtype=torch.float32, device=cpu, max_len=max_len)
     for compiled in (False, True):
         taken.clear()

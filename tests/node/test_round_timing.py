@@ -61,9 +61,9 @@ def test_relay_figures_add_up_and_show_the_emulated_round_trip(zoo, slow_relay, 
                  token=TOKEN, secret=SECRET, session="timing")
     session = Head.open(s, link=connect_relay(s, wait_timeout=120))
     try:
-        ids, rounds = all_rounds(session)
+        ids, rounds = all_rounds(session, 2 * N_NEW)
         rounds = rounds[1:]
-        assert list(session.engine.tokens[len(ids):]) == reference(zoo[TARGET], ids, N_NEW, eos=-1)
+        assert list(session.engine.tokens[len(ids):]) == reference(zoo[TARGET], ids, 2 * N_NEW, eos=-1)
     finally:
         session.engine.link.close()
     assert_parts_add_up(rounds)

@@ -8,8 +8,11 @@ import re
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from sfchat.config import Settings
 from sfchat.events import ReplyFinished
@@ -76,9 +79,6 @@ def local_tokens(model, draft, k, n=24):
 
 def generate_reference(model, n):
     """transformers' own greedy generate() on the whole model, from the head's prompt ids."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     tok = AutoTokenizer.from_pretrained(model)
     text = tok.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True, tokenize=False)
     ids = tok(text, add_special_tokens=False)["input_ids"]
@@ -90,7 +90,20 @@ def generate_reference(model, n):
 N_PARITY = 64
 
 
-def test_relay_mode_equals_generate_over_many_rounds_and_serves_heads_in_turn(zoo, relay):
+def noisy_copy(model: Path, out: Path, scale: float, seed: int = 3) -> Path:
+    """``model`` with Gaussian noise of ``scale`` times each weight's spread: a draft that agrees
+    with it often, not always (0.05: about half of the first drafts right here)."""
+    m = AutoModelForCausalLM.from_pretrained(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * p.std() * scale)
+    m.save_pretrained(out)
+    AutoTokenizer.from_pretrained(model).save_pretrained(out)
+    return out
+
+
+def test_relay_mode_equals_generate_over_many_rounds_and_serves_heads_in_turn(zoo, relay, tmp_path):
     """Through the real relay, sealed, one tail serving two heads in turn: greedy output equals
     generate() over replies long enough for rounds that accept nothing, some or all drafts."""
     url = relay()
@@ -100,7 +113,7 @@ def test_relay_mode_equals_generate_over_many_rounds_and_serves_heads_in_turn(zo
     assert len(ref) == N_PARITY
     hists = []
     try:
-        for draft, k in ((zoo["draft"], 3), (target, 8)):
+        for draft, k in ((noisy_copy(target, tmp_path / "noisy", 0.05), 3), (target, 8)):
             out = head(url, "s1", target, draft, k, n=N_PARITY)
             assert out["mode"] == "relay" and out["prompt_tokens"] == prompt_len
             assert out["token_ids"] == ref
@@ -113,7 +126,10 @@ def test_relay_mode_equals_generate_over_many_rounds_and_serves_heads_in_turn(zo
     unrelated, itself = hists
     assert sum(unrelated[:-1]) > 0  # rounds that rejected a draft: the head and tail rewound
     assert sum(unrelated[1:-1]) > 0  # and partial acceptance: some drafts kept, the rest rewound
-    assert itself[8] >= sum(itself) - 1  # the target as its own draft: every draft accepted
+    # the target as its own draft: every frame wholly committed (the first of a chain of 8 drafts
+    # holds the root too: 8 accepted; one sent while another is in flight hangs below its last
+    # draft: 7 accepted and the pick), except the last verdict, cut at the reply's end
+    assert sum(itself[:7]) <= 1 and sum(itself) >= 8
     print(f"\nrelay parity over {len(ref)} tokens: histograms {hists}")
 
 

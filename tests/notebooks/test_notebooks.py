@@ -125,7 +125,7 @@ def test_the_tail_and_head_notebooks_pair_through_a_relay_and_chat(zoo, tmp_path
         client(head_nb, tmp_path / "head", timeout=300).execute()
         print(f"\nthe head notebook ran in {time.monotonic() - started:.1f} s")
         said = printed(head_nb)
-        assert f"serving {model}" in said, said
+        assert f"serving {model.name} at http://127.0.0.1:{http}/v1" in said, said  # served by its name
         reply = "\n".join(plain(line) for line in expected.text.split("\n"))
         assert reply in said, (reply, said)
         figures = re.search(r"\[\d+ rounds, ([\d.]+) tokens/round, [\d.]+ tok/s, ttft [\d.]+ s, RTT \d+ ms, "

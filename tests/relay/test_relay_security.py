@@ -22,7 +22,7 @@ from test_relay_link import TOKEN, relay  # noqa: F401  (the relay fixture)
 from test_two_machines import PROMPT
 
 SECRET = "3-harbor-lantern"
-TOKENS = tuple(range(151_000, 151_009))  # a verify round's t0 + 8 drafts
+TOKENS = tuple(range(151_000, 151_009))  # a tree frame that is a chain: the root + 8 drafts
 PATTERN = b"<known hidden-state pattern 0123456789abcdef>"
 HIDDEN = 448
 INTEGRITY = "integrity check failed: the relay or the network altered, reordered or replayed a frame"
@@ -55,17 +55,19 @@ def tap(monkeypatch):
 
 def verify_frame(rnd: int) -> bytes:
     hidden = (PATTERN * (len(TOKENS) * HIDDEN * 2 // len(PATTERN) + 1))[:len(TOKENS) * HIDDEN * 2]
-    return wire.encode(wire.Forward(round=rnd, start_pos=100 + rnd, tokens=TOKENS, hidden=hidden,
-                                    dtype=wire.DType.BFLOAT16, hidden_size=HIDDEN, n_draft=len(TOKENS) - 1))
+    first = 1 + rnd * len(TOKENS)
+    parents = (first - 1 if rnd else 0,) + tuple(range(first, first + len(TOKENS) - 1))
+    return wire.encode(wire.Forward(round=rnd, tree=1, start_pos=100, tokens=TOKENS, hidden=hidden,
+                                    dtype=wire.DType.BFLOAT16, hidden_size=HIDDEN, parents=parents, first_id=first))
 
 
 def start_verdict_tail(link, rounds: int) -> threading.Thread:
-    """A stand-in tail: answers every verify FORWARD with a VERDICT accepting all drafts."""
+    """A stand-in tail: answers every tree FORWARD with a VERDICT committing all its nodes."""
     def serve_rounds():
         for _ in range(rounds + 1):
             msg = wire.decode(link.recv(10))
             if isinstance(msg, wire.Forward):
-                link.send(wire.encode(wire.Verdict(msg.round, msg.start_pos, len(msg.tokens) - 1, msg.tokens, 7)))
+                link.send(wire.encode(wire.Verdict(msg.round, msg.tree, tuple(range(len(msg.tokens))), msg.tokens, 7)))
     thread = threading.Thread(target=serve_rounds, daemon=True)
     thread.start()
     return thread

@@ -138,11 +138,15 @@ def test_a_failure_message_from_the_tail_reaches_the_client_as_plain_text(zoo):
 
 
 def test_the_servers_log_shows_link_text_from_the_tail_as_plain_text(zoo, monkeypatch, capsys):
-    def connect(settings, on_event):  # the tail's words arrive in a link event, as when it fails
-        on_event(LinkState("reconnecting", f"the tail reported: {HOSTILE}"))
-        return None
+    class Dialer:  # the tail's words arrive in a link event, as when it fails
+        def __init__(self, settings, on_event, ask_code=None):
+            self.on_event = on_event
 
-    monkeypatch.setattr(worker, "connect_relay", connect)
+        def __call__(self, wait_timeout=None):
+            self.on_event(LinkState("reconnecting", f"the tail reported: {HOSTILE}"))
+            return None
+
+    monkeypatch.setattr(worker, "HeadDialer", Dialer)
     monkeypatch.setattr(uvicorn.Server, "run", lambda self, sockets=None: None)  # load, print, return
     assert main.serve(settings_for(zoo), ServeOptions(port=0)) == 0
     err = capsys.readouterr().err
