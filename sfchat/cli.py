@@ -55,12 +55,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--revision", help="hub revision of the target model")
     g.add_argument("--draft-revision", help="hub revision of the draft model")
     g.add_argument("--k", metavar="K|auto",
-                   help=f"draft tokens per round, the deepest a tree may grow; auto (default): each round picks "
-                        f"0, 2, 4 or {AUTO_K} from the measured link, compute and acceptance")
+                   help=f"the draft's expansion steps per frame: how much deeper one frame can reach (a chain of K "
+                        f"drafts without a tree); auto (default): {AUTO_K}")
     g.add_argument("--tree-budget", metavar="N|auto",
-                   help="token trees of N draft tokens: several candidate continuations for one round trip "
-                        f"(0 = chains only); auto (default): a {AUTO_TREE_BUDGET}-node tree on a GPU when it pays, "
-                        "none on a CPU")
+                   help="drafts per frame, grown best-first over the live speculation tree (0 = a chain of --k "
+                        f"drafts); auto (default): {AUTO_TREE_BUDGET} on a GPU, 0 on a CPU")
     g.add_argument("--split", type=int, help="first layer run by the tail (default: half the layers)")
     g.add_argument("--device", help="cpu, cuda, cuda:N, or cuda:0,cuda:1 to spread the slice over two GPUs "
                                     "(default: cuda when available)")
@@ -76,9 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-compile-draft", action="store_true",
                    help="skip torch.compile of the draft model (faster start, slower drafting)")
     g.add_argument("--max-in-flight", type=int, metavar="N",
-                   help=f"rounds sent over the relay before their verdicts come, each assuming the likeliest "
-                        f"outcome of the one before; the number in use is picked from the measured hit rate "
-                        f"(1 = one round per round trip; default {d.max_in_flight})")
+                   help=f"frames sent over the relay before their verdicts come, each hanging in the live tree "
+                        f"below the frames before it; the number in use follows the measured link and compute "
+                        f"(1 = one frame per round trip; default {d.max_in_flight})")
     g.add_argument("--max-context", type=int, help=f"context window in tokens (default {d.max_context})")
     g = p.add_argument_group("generation")
     g.add_argument("--prompt", help="one-shot: answer this prompt and exit")

@@ -1,3 +1,5 @@
-"""Speculative decoding, sans I/O: the head's round, the tail's verifier, the draft, token trees,
-sampling and the policy that picks a round's shape. Token ids and tensors in, frames (bytes)
-out; never touches a link, a clock it does not report, or a file."""
+"""Speculative decoding, sans I/O: the live speculation tree (``live``) and the head's side of it
+(``speculator``: growing it with the draft, frames out, verdicts in), the tail's ``verifier``, the
+``draft``, the prompt ``lookup``, ``sampling`` and the ``policy`` that picks frames in flight.
+Token ids and tensors in, frames (bytes) out; never touches a link, a clock it does not report,
+or a file."""

@@ -34,7 +34,6 @@ draft, tree, frame size and number of frames in flight.
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 
@@ -162,7 +161,7 @@ class Speculator:
         live, size = self.live, size or self.frame_sizes[-1]
         # a node's pick is the token after it: only nodes whose picks fit the budget and the window
         room, max_pos = min(size, self.pool.free), min(self.max_context - 1, live.root.pos + budget)
-        self._grow(s, room, max_pos)
+        self._grow(s, max_pos)
         t1 = time.perf_counter()
         nodes = live.choose(room, max_pos)
         expected = sum(live.value(n) for n in nodes)
@@ -180,12 +179,9 @@ class Speculator:
     def _shape(self, n: int) -> int:
         return next(f for f in self.frame_sizes if f >= n)
 
-    def _grow(self, s: wire.Sampling, size: int, max_pos: int) -> None:
-        """The draft's expansions of the likeliest nodes, after the committed nodes it has not run:
-        at most ``steps``, and only of nodes whose children could enter a frame of ``size`` nodes
-        (a child is never likelier than its parent: a node no likelier than the frame's last
-        candidate adds nothing to it). Frames built after a verdict or while others are in flight
-        thus mostly take nodes the draft already proposed, and cost a step or two instead of all."""
+    def _grow(self, s: wire.Sampling, max_pos: int) -> None:
+        """The draft's expansions (at most ``steps``) of the likeliest nodes whose children could
+        still enter a frame (below ``max_pos``), after the committed nodes it has not run."""
         live, d = self.live, self.drafter
         if not live.root.sent and not live.root.children:
             branch = lookup(self.tokens, LOOKUP_TOKENS)
@@ -194,8 +190,7 @@ class Speculator:
         for _ in range(self.steps):
             catch_up = self.unfed[:d.rows]
             room = min(d.width, d.rows - len(catch_up)) if len(catch_up) == len(self.unfed) else 0
-            cut = self._cut(size, max_pos) if room else -math.inf
-            targets = [n for n in live.expandable(room) if n.logv > cut and n.pos < max_pos]
+            targets = [n for n in live.expandable(room) if n.pos + 1 < max_pos]
             need = sum(n.draft_slot is None for n in catch_up + targets)
             while targets and need > d.pool.free:
                 need -= targets.pop().draft_slot is None
@@ -211,12 +206,6 @@ class Speculator:
                 self._draft_commit(catch_up)
             for node, proposals in zip(targets, out[len(catch_up):]):  # a token the target lacks can never be its pick
                 live.expanded(node, [(tok, q) for tok, q in proposals if tok < self.vocab])
-
-    def _cut(self, size: int, max_pos: int) -> float:
-        """The log-value a node must beat for its children to enter a frame of ``size`` nodes: the
-        ``size``-th likeliest candidate's, or -inf while fewer candidates are known."""
-        nodes = self.live.choose(size, max_pos)
-        return nodes[-1].logv if len(nodes) >= size else -math.inf
 
     def _ancestors(self, node: Node, catch_up: list[Node]) -> list[int]:
         """The draft slots ``node`` attends to in the pool: its live ancestors', and the unfed
