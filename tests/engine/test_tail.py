@@ -284,3 +284,19 @@ def test_a_heads_nan_states_never_reach_the_next_head(tail_case):
     replies(v, encode(Forward(1, 1, 0, tuple(range(40)), nan, DType.FLOAT32, 64)), fails=False)
     assert not all(torch.isfinite(k).all() for k in v.model.kv.keys)
     check_serves(v, good, ref, fwd)
+
+
+def test_logits_that_overflow_end_the_session_with_the_remedies_instead_of_garbage_tokens(tail_case):
+    """A slice whose forward overflows (Qwen2.5 in float16 can: here the states themselves are not
+    finite) is caught in the verdict's one host sync: an ERROR naming the layers, the model and the
+    dtypes to use, never a verdict of the argmax of NaN."""
+    good, _, ref, fwd = tail_case
+    v = Verifier(TailLoader(torch.device("cpu")))
+    replies(v, hello_for(good), fails=False)
+    assert replies(v, fwd[0], fails=False) == []  # the prefill
+    tree = decode(fwd[1])
+    huge = torch.full((len(tree.tokens), 64), float("inf")).numpy().tobytes()
+    message = replies(v, encode(replace(tree, hidden=huge)), fails=True)
+    assert "layers [2, 4)" in message and "computed logits that are not finite in float32" in message
+    assert "--dtype bfloat16" in message and "--dtype float32" in message
+    check_serves(v, good, ref, fwd)  # the next head is served exactly
