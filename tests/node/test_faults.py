@@ -111,17 +111,27 @@ def test_tail_killed_mid_reply_and_replaced(zoo, procs, undisturbed, budget):
     assert out["tree_budget"] == budget
 
 
-def test_tail_killed_with_frames_in_flight(zoo, procs, undisturbed):
-    """The target drafting for itself: every assumption holds, so rounds go out several at a time
-    and the kill cuts off frames in flight (their verdicts, if any arrive, are never applied)."""
-    # a long round trip keeps the reply under way: the first verdict after ~1 s, four frames then in flight
-    _, url, first, head = reply_under_way(zoo, procs, ("--emulate-rtt-ms", "1000"), "flight", 1.5,
-                                          "--max-in-flight", "4", draft="qwen3-untied")
+N_FLIGHT = 80  # rounds enough for the calibration to send frames ahead well before the kill
+
+
+@pytest.fixture(scope="module")
+def undisturbed_long(zoo):
+    return list(local_tokens(zoo["qwen3-untied"], "none", 0, N_FLIGHT).token_ids)
+
+
+def test_tail_killed_with_frames_in_flight(zoo, procs, undisturbed_long):
+    """The target drafting for itself: every assumption holds, so once the calibration has seen the
+    drafts accepted, rounds go out several at a time and the kill cuts off frames in flight (their
+    verdicts, if any arrive, are never applied)."""
+    # a long round trip keeps the reply under way: a verdict a second, frames sent ahead from the 5th or so
+    _, url, first, head = reply_under_way(zoo, procs, ("--emulate-rtt-ms", "1000"), "flight", 9.0,
+                                          "--max-in-flight", "4", "--max-new-tokens", str(N_FLIGHT),
+                                          draft="qwen3-untied")
     first.send_signal(signal.SIGKILL)
     procs.append(tail_proc(url, "flight", zoo["qwen3-untied"].parent))
     out, err = finish(head)
     assert "reconnecting" in err
-    assert out["finish_reason"] == "length" and out["token_ids"] == undisturbed
+    assert out["finish_reason"] == "length" and out["token_ids"] == undisturbed_long
     assert out["in_flight_mean"] > 1.3 and out["hit_rate"] > 0.3
 
 
