@@ -7,7 +7,10 @@ same prompts in every mode, each reply timed whole (prefill included), EOS ignor
   * ``chain``: a chain of 8 drafts per frame, one frame per round trip (the baseline);
   * ``tree``: 64 drafts per frame, best first over the tree, one frame per round trip;
   * ``auto``: 64 drafts per frame, frames in flight as the policy chooses (up to 8), each frame
-    hanging in the live tree below the frames before it.
+    hanging in the live tree below the frames before it;
+  * ``tree-ahead`` and ``auto-ahead``: the same, with the draft expanding the live tree's likeliest
+    nodes while a verdict travels (up to 16 steps per wait: ``RoundDriver(ahead_steps=)``), so a
+    frame built after a verdict mostly takes nodes already proposed.
 
 Models:
 
@@ -24,9 +27,9 @@ Models:
     alternatives that carry information as a real draft's do.
 
 The table: tok/s, tokens per verdict, frames in flight, and where a verdict's time went (draft,
-head slice and frame, the tail's compute, the network, the rest on the head); the greedy token
-ids of every reply are compared across modes and RTTs (``identical``). ``--old DIR`` runs the
-``best`` row of an older sfchat checkout (its own default mode) in the same way, for comparison.
+head slice and frame, the tail's compute, the network, the rest on the head), the draft steps
+per verdict of the frames' own builds and of the steps run ahead; the greedy token ids of every
+reply are compared across modes and RTTs (``identical``).
 
 Run from the repository root:
     python3 bench/live_bench.py --pair DIR [--rtts 0,30,86,175] [--new 128] [--save out.json]
@@ -65,9 +68,12 @@ from sfchat.protocol.wire import Sampling  # noqa: E402
 K = 8
 MAX_CONTEXT = 2048
 GREEDY = Sampling()
-# name: (nodes per frame, nodes the draft expands per step, continuations kept per node, frames in flight)
-MODES = {"chain": (K + 1, 1, 1, 1), "tree": (65, 8, 8, 1), "auto": (65, 8, 8, 8)}
-FIELDS = ("draft_ms", "head_ms", "tail_ms", "rtt_ms", "wait_ms", "overlap_ms", "round_ms")
+AHEAD = 16
+# name: (nodes per frame, nodes the draft expands per step, continuations kept per node, frames in flight,
+#        draft steps while a verdict travels)
+MODES = {"chain": (K + 1, 1, 1, 1, 0), "tree": (65, 8, 8, 1, 0), "auto": (65, 8, 8, 8, 0),
+         "tree-ahead": (65, 8, 8, 1, AHEAD), "auto-ahead": (65, 8, 8, 8, AHEAD)}
+FIELDS = ("draft_ms", "head_ms", "tail_ms", "rtt_ms", "wait_ms", "overlap_ms", "round_ms", "draft_steps", "ahead_steps")
 
 
 class SyntheticDrafter(Drafter):
@@ -102,14 +108,15 @@ def build(target: Path, draft: Path, device: str, dtype: str, synthetic=None):
     dev, dt = torch.device(device), DTYPES[dtype]
     src, dsrc = ModelSource.open(str(target)), ModelSource.open(str(draft))
     L = n_layers(src.config)
-    pools = {m: (f * (inflight + 1) + 1, min((inflight + 1) * K * w, 512) + 1) for m, (f, w, _, inflight) in MODES.items()}
+    pools = {m: (f * (inflight + 1) + 1, min(((inflight + 1) * K + ahead) * w, 512) + 1)
+             for m, (f, w, _, inflight, ahead) in MODES.items()}
     head_pool = max(p for p, _ in pools.values())  # one head graph per frame shape: every mode's pool the same
     kv_len = MAX_CONTEXT + max(max(p) for p in pools.values())
     head = ModelSlice.load(src, 0, L // 2, embed=True, head=False, dtype=dt, device=dev, max_len=kv_len)
     dmodel = ModelSlice.load(dsrc, 0, n_layers(dsrc.config), embed=True, head=True, dtype=dt, device=dev,
                              max_len=kv_len)
     specs = {}
-    for mode, (size, width, children, _) in MODES.items():
+    for mode, (size, width, children, *_) in MODES.items():
         kind = SyntheticDrafter if synthetic else Drafter
         extra = dict(perm=synthetic[0], ranks=synthetic[1]) if synthetic else {}
         drafter = kind(dmodel, width=width, children=children, pool=pools[mode][1], **extra)
@@ -124,10 +131,10 @@ def build(target: Path, draft: Path, device: str, dtype: str, synthetic=None):
     return specs, hello
 
 
-def run_mode(spec, inflight: int, link, hello, prompts, n_new: int):
+def run_mode(spec, inflight: int, ahead: int, link, hello, prompts, n_new: int):
     """Every prompt's whole reply in one mode: tokens, wall time, per-verdict figures, token ids."""
     driver = RoundDriver(spec, link, policy=PipelinePolicy(spec.frame_sizes, inflight), max_in_flight=inflight,
-                         round_timeout=120)
+                         round_timeout=120, ahead_steps=ahead)
     driver.connect(hello)
     spec.head.kv.reset()  # every mode computes the prompts' K/V itself
     stats, ids_out, wall = [], [], 0.0
@@ -207,11 +214,13 @@ def main() -> None:
         with relay_and_tail(rtt, target.parent, session=f"live-{rtt}") as url:
             link = head_link(url, f"live-{rtt}")
             for mode in args.modes.split(","):
-                res[(mode, rtt)] = run_mode(specs[mode], MODES[mode][3], link, hello, prompts, args.new)
+                res[(mode, rtt)] = run_mode(specs[mode], *MODES[mode][3:], link, hello, prompts, args.new)
                 print(f"rtt {rtt} {mode}: {res[(mode, rtt)]['tps']:.1f} tok/s", file=sys.stderr, flush=True)
             link.close()
-    ranks = specs["auto"].calibration.ranks
-    print_table(res, rtts, args.modes.split(","), ranks)
+    modes = args.modes.split(",")
+    trees = [m for m in ("auto", "auto-ahead", "tree", "tree-ahead") if m in modes]
+    ranks = specs[(trees or modes)[0]].calibration.ranks  # a tree's: the draft's proposals ranked
+    print_table(res, rtts, modes, ranks)
     if args.ranks_out:
         args.ranks_out.write_text(json.dumps(ranks))
     if args.save:
@@ -220,8 +229,8 @@ def main() -> None:
 
 def print_table(res, rtts, modes, ranks) -> None:
     print("\n| RTT ms | mode | tok/s | vs chain | tokens/verdict | in flight | draft | head | tail | net | wait | "
-          "overlap | rest (ms per verdict) |")
-    print("|" + " --- |" * 13)
+          "overlap | rest (ms per verdict) | draft steps: frames, ahead |")
+    print("|" + " --- |" * 14)
     for rtt in rtts:
         base = res[("chain", rtt)]["tps"] if ("chain", rtt) in res else None
         for mode in modes:
@@ -229,7 +238,8 @@ def print_table(res, rtts, modes, ranks) -> None:
             ratio = f"{r['tps'] / base:.2f}x" if base else ""
             print(f"| {rtt} | {mode} | {r['tps']:.1f} | {ratio} | {r['tokens_per_verdict']:.2f} | {r['in_flight']:.2f} | "
                   f"{r['draft_ms']:.1f} | {r['head_ms']:.1f} | {r['tail_ms']:.1f} | {r['rtt_ms']:.1f} | "
-                  f"{r['wait_ms']:.1f} | {r['overlap_ms']:.1f} | {r['rest_ms']:.1f} |")
+                  f"{r['wait_ms']:.1f} | {r['overlap_ms']:.1f} | {r['rest_ms']:.1f} | "
+                  f"{r['draft_steps']:.1f}, {r['ahead_steps']:.1f} |")
     replies = [r["ids"] for r in res.values()]
     same = sum(all(rep[i] == replies[0][i] for rep in replies) for i in range(len(replies[0])))
     print(f"\nidentical greedy replies across every mode and RTT: {same} of {len(replies[0])}")

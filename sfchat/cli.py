@@ -35,7 +35,7 @@ FLAG_FIELDS = {  # flag dest -> Settings field
     "token": "token", "session": "session", "history": "history", "round_timeout": "round_timeout",
     "reconnect_timeout": "reconnect_timeout", "secret": "secret",
     "load_in_4bit": "load_in_4bit", "models_dir": "models_dir", "draft_load_in_4bit": "draft_load_in_4bit",
-    "max_in_flight": "max_in_flight",
+    "max_in_flight": "max_in_flight", "draft_ahead": "draft_ahead",
 }
 
 
@@ -78,6 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"frames sent over the relay before their verdicts come, each hanging in the live tree "
                         f"below the frames before it; the number in use follows the measured link and compute "
                         f"(1 = one frame per round trip; default {d.max_in_flight})")
+    g.add_argument("--draft-ahead", type=int, metavar="N",
+                   help=f"draft steps the head may run while a verdict travels over the relay, growing the live "
+                        f"tree's likeliest nodes so the next frame is mostly drafted already (0 = none; "
+                        f"default {d.draft_ahead})")
     g.add_argument("--max-context", type=int, help=f"context window in tokens (default {d.max_context})")
     g = p.add_argument_group("generation")
     g.add_argument("--prompt", help="one-shot: answer this prompt and exit")

@@ -46,6 +46,7 @@ MAX_K = 32
 AUTO_K = 8  # the deepest --k auto drafts (the reference pair's K)
 AUTO_TREE_BUDGET = 64  # the tree --tree-budget auto offers on a GPU (7 KiB per node at 7B: 455 KiB)
 MAX_IN_FLIGHT = 16
+MAX_DRAFT_AHEAD = 64
 MAX_CONTEXT = 1 << 20  # tokens; the model's own window caps it further
 MAX_NEW_TOKENS = 1 << 20
 MAX_TEMPERATURE = 2.0  # the OpenAI API's range, which the server keeps too: above it replies turn to noise
@@ -61,6 +62,7 @@ class Settings:
     k: int | str = "auto"  # drafts per round (the deepest a tree grows); "auto": chosen each round, up to AUTO_K
     tree_budget: int | str = "auto"  # nodes of a token tree; 0: chains only; "auto": AUTO_TREE_BUDGET on a GPU
     max_in_flight: int = 4  # rounds sent before their verdicts come (1: one round per round trip)
+    draft_ahead: int = 0  # draft steps while a verdict travels (relay mode; 0: none, not yet measured on a GPU)
     split: int | None = None  # default: half the layers
     device: str | None = None  # default: cuda if available, else cpu; "cuda:0,cuda:1" spreads a slice
     draft_device: str | None = None  # default: a second GPU when there is one, else the head's device
@@ -171,7 +173,7 @@ DAY_S = 86400.0
 RULES: dict[str, Rule] = {
     "model": TEXT, "draft": TEXT, "revision": TEXT, "draft_revision": TEXT,
     "k": Rule(int, 0, MAX_K, auto=True), "tree_budget": Rule(int, 0, MAX_TREE_BUDGET, auto=True),
-    "max_in_flight": Rule(int, 1, MAX_IN_FLIGHT), "split": Rule(int, 0, MAX_LAYERS),
+    "max_in_flight": Rule(int, 1, MAX_IN_FLIGHT), "draft_ahead": Rule(int, 0, MAX_DRAFT_AHEAD), "split": Rule(int, 0, MAX_LAYERS),
     "device": TEXT, "draft_device": TEXT, "dtype": Rule(str, choices=("auto", "float32", "float16", "bfloat16")),
     "load_in_4bit": FLAG, "draft_load_in_4bit": FLAG,
     "max_context": Rule(int, 2, MAX_CONTEXT), "max_new_tokens": Rule(int, 1, MAX_NEW_TOKENS),

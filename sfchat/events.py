@@ -60,13 +60,15 @@ class RoundStats:
     tail_ms: float  # tail compute time, as reported by the tail
     rtt_ms: float  # from sending to the verdict's arrival, less the tail's compute
     round_ms: float
-    wait_ms: float = 0.0  # blocked on the verdict (after any work done under the wait)
+    wait_ms: float = 0.0  # waiting for the verdict (after any frames built under the wait; draft steps ahead included)
     overlap_ms: float = 0.0  # rounds speculated while the verdict travelled
     speculated: bool = False  # this round's frame went out before the verdict it assumed, which held
     forward_bytes: int = 0  # size of the verify FORWARD frame
     tree_nodes: int = 0  # nodes of the round's token tree (0: a chain)
     depth: int = 0  # how deep the round's drafts reached (k for a chain)
     in_flight: int = 1  # frames sent and not answered when this round's verdict came
+    draft_steps: int = 0  # draft steps of the frames built for this verdict
+    ahead_steps: int = 0  # draft steps run while the verdict travelled (--draft-ahead)
 
 
 @dataclass(frozen=True)

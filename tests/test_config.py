@@ -38,6 +38,7 @@ def write(tmp_path, text: str):
     ('k = "three"', r"k must be auto or a whole number between 0 and 32, not 'three'"),
     ("k = true", r"k must be auto or a whole number between 0 and 32, not True"),
     ("max_in_flight = 17", r"max_in_flight must be a whole number between 1 and 16, not 17"),
+    ("draft_ahead = 65", r"draft_ahead must be a whole number between 0 and 64, not 65"),
     ('dtype = "fp8"', r"dtype must be one of auto, float32, float16, bfloat16, not 'fp8'"),
     ("load_in_4bit = 1", r"load_in_4bit must be true or false, not 1"),
     ('model = ""', r"model must be a one-line string without control characters, not ''"),

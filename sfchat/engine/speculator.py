@@ -14,11 +14,16 @@ of frames in flight.
 * ``frame(s, size)``: the next frame of at most ``size`` nodes, or None when there is nothing to
   send (the context window or the reply's budget reached). The draft expands the tree's likeliest
   nodes ``steps`` times (``width`` at a time; a prompt-lookup continuation is grafted under the
-  root at no draft cost), the tree chooses the frame's nodes best first, the head slice runs them
+  root at no draft cost; only nodes whose children could still enter this frame), the tree
+  chooses the frame's nodes best first, the head slice runs them
   at one fixed shape, padded to ``size`` rows (each row sees the context, its ancestors in the
   head's scratch pool and itself), and the frame is encoded. Frames may be built while earlier
   ones are in flight: a frame's nodes hang anywhere in the live tree, under nodes of earlier
   frames whose verdicts are not known yet.
+* ``grow(s, budget)``: one expansion step ahead of need, for the driver to run while a verdict
+  travels (the likeliest nodes not yet expanded, anywhere in the live tree); False when there is
+  nothing to expand or no room in the draft's pool. A frame built after it mostly takes nodes
+  already proposed, and its own steps stop as soon as no expansion could change it.
 * ``take(frame, verdict, eos, budget)``: the verdict, checked against the frame
   (``live.ProtocolError`` for anything it cannot be), committed and cut at the first EOS, the
   token budget and the context window (``Commit``). The committed nodes' K/V become context in
@@ -34,6 +39,7 @@ draft, tree, frame size and number of frames in flight.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -71,6 +77,7 @@ class Frame:
     draft_ms: float
     head_ms: float
     steady: bool  # no prefill: its compute is a frame's alone
+    steps: int = 0  # draft steps its build ran
     sent_at: float = 0.0  # perf_counter when its FORWARDs went out
     ahead: bool = False  # it went out while another frame was in flight
     forward_bytes: int = field(init=False)
@@ -160,8 +167,8 @@ class Speculator:
         t0 = time.perf_counter()
         live, size = self.live, size or self.frame_sizes[-1]
         # a node's pick is the token after it: only nodes whose picks fit the budget and the window
-        room, max_pos = min(size, self.pool.free), min(self.max_context - 1, live.root.pos + budget)
-        self._grow(s, max_pos)
+        room, max_pos = min(size, self.pool.free), self._max_pos(budget)
+        steps = self._grow(s, room, max_pos)
         t1 = time.perf_counter()
         nodes = live.choose(room, max_pos)
         expected = sum(live.value(n) for n in nodes)
@@ -174,38 +181,62 @@ class Speculator:
         self.round_id += 1
         return Frame(self.round_id, self.tree_id, nodes, frames, size=self._shape(len(nodes)),
                      expected=expected, draft_ms=(t1 - t0) * 1e3, head_ms=(t2 - t1) * 1e3,
-                     steady=len(frames) == 1)
+                     steady=len(frames) == 1, steps=steps)
 
     def _shape(self, n: int) -> int:
         return next(f for f in self.frame_sizes if f >= n)
 
-    def _grow(self, s: wire.Sampling, max_pos: int) -> None:
-        """The draft's expansions (at most ``steps``) of the likeliest nodes whose children could
-        still enter a frame (below ``max_pos``), after the committed nodes it has not run."""
-        live, d = self.live, self.drafter
+    def _max_pos(self, budget: int) -> int:
+        """Nodes at this position or later are never sent: their picks would pass the reply's
+        ``budget`` or the context window."""
+        return min(self.max_context - 1, self.live.root.pos + budget)
+
+    def grow(self, s: wire.Sampling, budget: int) -> bool:
+        """One expansion step of the likeliest nodes not yet expanded (while a verdict travels);
+        False when there is nothing to expand or no room."""
+        if self.live is None or self.drafter is None:
+            return False
+        return self._step(s, self._max_pos(budget), -math.inf)
+
+    def _grow(self, s: wire.Sampling, size: int, max_pos: int) -> int:
+        """The draft's expansions for a frame of ``size`` nodes, after the committed nodes it has
+        not run: at most ``steps``, and only of nodes whose children could enter the frame (a child
+        is never likelier than its parent, so a node no likelier than the frame's last candidate
+        adds nothing to it). Returns the steps run."""
+        live = self.live
         if not live.root.sent and not live.root.children:
             branch = lookup(self.tokens, LOOKUP_TOKENS)
             if branch:
                 live.graft(branch)
-        for _ in range(self.steps):
-            catch_up = self.unfed[:d.rows]
-            room = min(d.width, d.rows - len(catch_up)) if len(catch_up) == len(self.unfed) else 0
-            targets = [n for n in live.expandable(room) if n.pos + 1 < max_pos]
-            need = sum(n.draft_slot is None for n in catch_up + targets)
-            while targets and need > d.pool.free:
-                need -= targets.pop().draft_slot is None
-            if not catch_up and not targets or need > d.pool.free:
-                break
-            rows = catch_up + targets
-            for node in rows:
-                if node.draft_slot is None:
-                    self._own(node, "draft_slot", d.pool.take())
-            out = d.expand([(n.token, n.pos, n.draft_slot, self._ancestors(n, catch_up)) for n in rows], s)
-            if catch_up:  # their K/V is the context's now
-                del self.unfed[:len(catch_up)]
-                self._draft_commit(catch_up)
-            for node, proposals in zip(targets, out[len(catch_up):]):  # a token the target lacks can never be its pick
-                live.expanded(node, [(tok, q) for tok, q in proposals if tok < self.vocab])
+        for step in range(self.steps):
+            chosen = live.choose(size, max_pos)
+            if not self._step(s, max_pos, chosen[-1].logv if len(chosen) >= size else -math.inf):
+                return step
+        return self.steps
+
+    def _step(self, s: wire.Sampling, max_pos: int, cut: float) -> bool:
+        """One draft step: the unfed committed nodes, then the likeliest expandable nodes above
+        ``cut`` whose children fit before ``max_pos``; False when it had nothing to run."""
+        live, d = self.live, self.drafter
+        catch_up = self.unfed[:d.rows]
+        room = min(d.width, d.rows - len(catch_up)) if len(catch_up) == len(self.unfed) else 0
+        targets = [n for n in live.expandable(room) if n.logv > cut and n.pos + 1 < max_pos]
+        need = sum(n.draft_slot is None for n in catch_up + targets)
+        while targets and need > d.pool.free:
+            need -= targets.pop().draft_slot is None
+        if not catch_up and not targets or need > d.pool.free:
+            return False
+        rows = catch_up + targets
+        for node in rows:
+            if node.draft_slot is None:
+                self._own(node, "draft_slot", d.pool.take())
+        out = d.expand([(n.token, n.pos, n.draft_slot, self._ancestors(n, catch_up)) for n in rows], s)
+        if catch_up:  # their K/V is the context's now
+            del self.unfed[:len(catch_up)]
+            self._draft_commit(catch_up)
+        for node, proposals in zip(targets, out[len(catch_up):]):  # a token the target lacks can never be its pick
+            live.expanded(node, [(tok, q) for tok, q in proposals if tok < self.vocab])
+        return True
 
     def _ancestors(self, node: Node, catch_up: list[Node]) -> list[int]:
         """The draft slots ``node`` attends to in the pool: its live ancestors', and the unfed

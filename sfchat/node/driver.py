@@ -27,7 +27,12 @@ frames built while verdicts travel, ``wait_ms`` the time blocked on the verdict 
 ``tail_ms`` the tail's own compute (from the verdict, never more than the time it took) and
 ``rtt_ms`` the time from sending the frame to its verdict's arrival less the tail's compute. The
 parts add up to ``round_ms``, the time between two verdicts taken. ``speculated`` marks a verdict
-whose frame went out while another was in flight and that committed tokens.
+whose frame went out while another was in flight and that committed tokens. ``draft_steps``
+counts the draft steps of the frames built, ``ahead_steps`` those run while the verdict travelled.
+
+Drafting ahead (``ahead_steps``, over a link that overlaps): while a verdict travels the head runs
+up to that many draft steps (``Speculator.grow``), looking at the link between steps, so the next
+frame finds its likeliest nodes already proposed; a verdict is taken at most one step late.
 
 Faults (relay mode): a lost link (tail gone, relay gone, no verdict within ``round_timeout``: a
 deadline that nothing else the tail sends extends) during a round or the handshake is
@@ -74,11 +79,15 @@ class RoundOutcome:
 class RoundDriver:
     def __init__(self, speculator: Speculator, link: Link, *, policy: PipelinePolicy | None = None,
                  on_event=lambda event: None, reconnect=None, round_timeout: float = 60.0,
-                 reconnect_timeout: float = 300.0, max_in_flight: int = 1):
+                 reconnect_timeout: float = 300.0, max_in_flight: int = 1, ahead_steps: int = 0):
         """``reconnect(timeout) -> link`` makes a new link to a tail (relay mode); without it a
-        lost link is an error. ``on_event`` receives LinkState changes."""
+        lost link is an error. ``on_event`` receives LinkState changes. ``ahead_steps``: draft
+        steps the head may run while it waits for a verdict (over a link that overlaps)."""
         if max_in_flight < 1:
             raise ValueError(f"max_in_flight must be at least 1, not {max_in_flight}")
+        if ahead_steps < 0:
+            raise ValueError(f"ahead_steps must be at least 0, not {ahead_steps}")
+        self.ahead_steps = ahead_steps if link.overlaps else 0
         self.spec, self.link = speculator, link
         self.on_event, self.reconnect = on_event, reconnect
         self.round_timeout, self.reconnect_timeout = round_timeout, reconnect_timeout
@@ -203,6 +212,7 @@ class RoundDriver:
         self.flight_sampling = s
         size, m = self.policy.choose()
         built = draft_ms = 0.0
+        steps = 0
         waiting_before = bool(self.flight)  # the frame this verdict answers went out in an earlier call
         t2 = t0
         while len(self.flight) < m:
@@ -215,13 +225,21 @@ class RoundDriver:
             frame.ahead = bool(self.flight)
             self.flight.append(frame)
             built += frame.draft_ms + frame.head_ms
+            steps += frame.steps
             if len(self.flight) == 1 and not waiting_before:
                 draft_ms, t2 = frame.draft_ms, time.perf_counter()  # it is out: what follows overlaps it
         if not self.flight:  # nothing may be sent: the context window is full
             return RoundOutcome(Commit((), "context"), RoundStats(0, 0, 0.0, 0.0, 0.0, 0.0, 0.0))
         first = self.flight[0]
         t3 = time.perf_counter()
-        verdict, arrived = self._await_verdict(first)
+        ahead = [0]
+
+        def grow() -> bool:  # one draft step ahead of need while the verdict travels
+            ran = ahead[0] < self.ahead_steps and self.spec.grow(s, budget)
+            ahead[0] += ran
+            return ran
+
+        verdict, arrived = self._await_verdict(first, grow)
         t4 = time.perf_counter()
         commit = self._checked(self.spec.take, first, verdict, eos_ids, budget)
         in_flight = len(self.flight)
@@ -245,7 +263,8 @@ class RoundDriver:
             head_ms=(t2 - t0) * 1e3 - draft_ms,
             tail_ms=tail_ms, rtt_ms=rtt_ms, round_ms=(t5 - t0) * 1e3,
             wait_ms=(t4 - t3) * 1e3, overlap_ms=(t3 - t2) * 1e3, speculated=first.ahead and bool(commit.tokens),
-            forward_bytes=first.forward_bytes, tree_nodes=len(first.nodes), depth=depth, in_flight=in_flight)
+            forward_bytes=first.forward_bytes, tree_nodes=len(first.nodes), depth=depth, in_flight=in_flight,
+            draft_steps=steps, ahead_steps=ahead[0])
         return RoundOutcome(commit, stats)
 
     @staticmethod
@@ -255,17 +274,19 @@ class RoundDriver:
         except ProtocolError as exc:
             raise LinkError(f"protocol error: {exc}") from None
 
-    def _await_verdict(self, frame: Frame) -> tuple[wire.Verdict, float]:
+    def _await_verdict(self, frame: Frame, grow=lambda: False) -> tuple[wire.Verdict, float]:
         """The verdict of ``frame`` and when it arrived (``perf_counter``), within ``round_timeout``
-        of the start of the wait whatever else arrives meanwhile."""
+        of the start of the wait whatever else arrives meanwhile; ``grow()`` runs between looks at
+        the link while it returns True (work ahead of need), then the wait blocks."""
         start = time.monotonic()
-        deadline, stalled = start + self.round_timeout, False
+        deadline, stalled, growing = start + self.round_timeout, False, True
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise LinkLost(f"no verdict for {self.round_timeout:.0f} s")
+            growing = growing and grow()
             try:
-                msg = self._recv(min(STALL_NOTICE_S, left))
+                msg = self._recv(0.0 if growing else min(STALL_NOTICE_S, left))
             except TimeoutError:
                 if not stalled and time.monotonic() - start >= STALL_NOTICE_S:
                     stalled = True

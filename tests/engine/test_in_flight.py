@@ -18,9 +18,9 @@ K = 4
 TARGET = "qwen2-untied"
 
 
-def in_flight(zoo, m: int, draft=TARGET, budget=0, link=None) -> Head:
+def in_flight(zoo, m: int, draft=TARGET, budget=0, link=None, ahead=0) -> Head:
     s = Settings(model=str(zoo[TARGET]), draft=str(zoo[draft]), k=K, tree_budget=budget, device="cpu",
-                 max_in_flight=m)
+                 max_in_flight=m, draft_ahead=ahead)
     session = Head.open(s, link=link or Pipelined(), policy=Always(m))
     session.eos = set()  # replies run their whole length: frames enough to compare
     return session
@@ -65,8 +65,48 @@ def test_sampled_replies_are_the_same_whatever_the_draft_tree_and_frames_in_flig
         s = Sampling(temperature=0.9, top_k=0, top_p=0.95, seed=seed)
         outs = [finished(in_flight(zoo, m, draft, budget), in_flight(zoo, 1).encode(PROMPT), 24, s)
                 for draft, budget, m in [(TARGET, 0, 1), (TARGET, 0, 3), ("draft", 8, 3), ("draft", 0, 1)]]
+        ahead = in_flight(zoo, 2, "draft", 8, link=Slow(3), ahead=3)
+        outs.append(finished(ahead, ahead.encode(PROMPT), 24, s))
+        assert ahead.engine.link.refused > 0
         assert len({o.token_ids for o in outs}) == 1, [o.token_ids for o in outs]
         assert outs[0].in_flight_mean == 1.0 and outs[1].in_flight_mean > 1.0
+
+
+class Slow(Pipelined):
+    """A pipelined link whose every verdict takes ``polls`` looks to arrive: a head that drafts while
+    it waits gets up to that many steps in before each verdict (``refused`` counts the looks)."""
+
+    def __init__(self, polls: int):
+        super().__init__()
+        self.polls, self.left, self.refused = polls, polls, 0
+
+    def recv(self, timeout=None) -> bytes:
+        if timeout == 0 and self.left > 0:
+            self.left -= 1
+            self.refused += 1
+            raise TimeoutError
+        self.left = self.polls
+        return super().recv(timeout)
+
+
+@pytest.mark.parametrize("draft, budget, m", [(TARGET, 8, 1), ("draft", 8, 2), ("draft", 0, 3)])
+def test_drafting_while_a_verdict_travels_changes_no_token_and_spares_the_frames_steps(zoo, draft, budget, m):
+    """--draft-ahead: the draft grows the live tree while each verdict travels; the reply is the
+    target's own, and frames built after a verdict need fewer draft steps of their own."""
+    steps = {}
+    for ahead in (0, 6):
+        link = Slow(6)
+        session = in_flight(zoo, m, draft, budget, link=link, ahead=ahead)
+        ids = session.encode(PROMPT)
+        events = list(session.reply(ids, 40, Sampling()))
+        rounds = [e.stats for e in events if hasattr(e, "stats")]
+        fin = events[-1]
+        assert list(fin.token_ids) == reference(zoo[TARGET], ids, 40, eos=-1)
+        steps[ahead] = sum(r.draft_steps for r in rounds[1:]), sum(r.ahead_steps for r in rounds)
+        assert (link.refused > 0) == (ahead > 0)
+    (own_before, waiting_before), (own_after, waiting_after) = steps[0], steps[6]
+    assert waiting_before == 0 and 0 < waiting_after <= 6 * len(rounds)
+    assert own_after < own_before, steps
 
 
 class Lying(Pipelined):
