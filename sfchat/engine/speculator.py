@@ -193,38 +193,48 @@ class Speculator:
 
     def grow(self, s: wire.Sampling, budget: int) -> bool:
         """One expansion step of the likeliest nodes not yet expanded (while a verdict travels);
-        False when there is nothing to expand or no room."""
+        False when there is nothing to expand, or when it would leave the draft's pool less room
+        than the next frame's own steps need."""
         if self.live is None or self.drafter is None:
             return False
-        return self._step(s, self._max_pos(budget), -math.inf)
+        self._graft()
+        d = self.drafter
+        return self._step(s, self._max_pos(budget), -math.inf, reserve=self.steps * d.width + d.rows)
 
-    def _grow(self, s: wire.Sampling, size: int, max_pos: int) -> int:
-        """The draft's expansions for a frame of ``size`` nodes, after the committed nodes it has
-        not run: at most ``steps``, and only of nodes whose children could enter the frame (a child
-        is never likelier than its parent, so a node no likelier than the frame's last candidate
-        adds nothing to it). Returns the steps run."""
+    def _graft(self) -> None:
+        """Under a root not sent yet, the prompt-lookup continuation (once, before the draft's)."""
         live = self.live
         if not live.root.sent and not live.root.children:
             branch = lookup(self.tokens, LOOKUP_TOKENS)
             if branch:
                 live.graft(branch)
+
+    def _grow(self, s: wire.Sampling, size: int, max_pos: int) -> int:
+        """The draft's expansions for a frame of ``size`` nodes, after the committed nodes it has
+        not run: at most ``steps``, and only of nodes whose children could enter the frame (a child
+        is never likelier than its parent, so a node no likelier than the frame's last candidate
+        adds nothing to it; the bar is taken once, before the steps raise it). Returns the steps run."""
+        self._graft()
+        chosen = self.live.choose(size, max_pos)
+        cut = chosen[-1].logv if chosen and len(chosen) >= size else -math.inf
         for step in range(self.steps):
-            chosen = live.choose(size, max_pos)
-            if not self._step(s, max_pos, chosen[-1].logv if len(chosen) >= size else -math.inf):
+            if not self._step(s, max_pos, cut):
                 return step
         return self.steps
 
-    def _step(self, s: wire.Sampling, max_pos: int, cut: float) -> bool:
+    def _step(self, s: wire.Sampling, max_pos: int, cut: float, reserve: int = 0) -> bool:
         """One draft step: the unfed committed nodes, then the likeliest expandable nodes above
-        ``cut`` whose children fit before ``max_pos``; False when it had nothing to run."""
+        ``cut`` whose children fit before ``max_pos``, leaving ``reserve`` of the draft's slots
+        free; False when it had nothing to run."""
         live, d = self.live, self.drafter
         catch_up = self.unfed[:d.rows]
         room = min(d.width, d.rows - len(catch_up)) if len(catch_up) == len(self.unfed) else 0
         targets = [n for n in live.expandable(room) if n.logv > cut and n.pos + 1 < max_pos]
         need = sum(n.draft_slot is None for n in catch_up + targets)
-        while targets and need > d.pool.free:
+        free = d.pool.free - reserve
+        while targets and need > free:
             need -= targets.pop().draft_slot is None
-        if not catch_up and not targets or need > d.pool.free:
+        if not catch_up and not targets or need > free:
             return False
         rows = catch_up + targets
         for node in rows:

@@ -279,15 +279,15 @@ class RoundDriver:
         of the start of the wait whatever else arrives meanwhile; ``grow()`` runs between looks at
         the link while it returns True (work ahead of need), then the wait blocks."""
         start = time.monotonic()
-        deadline, stalled, growing = start + self.round_timeout, False, True
+        deadline, stalled, growing = start + self.round_timeout, False, self.ahead_steps > 0
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise LinkLost(f"no verdict for {self.round_timeout:.0f} s")
-            growing = growing and grow()
             try:
                 msg = self._recv(0.0 if growing else min(STALL_NOTICE_S, left))
             except TimeoutError:
+                growing = growing and grow()  # nothing yet: one step ahead, then look again
                 if not stalled and time.monotonic() - start >= STALL_NOTICE_S:
                     stalled = True
                     self.on_event(LinkState("stalled", f"no verdict for {time.monotonic() - start:.0f} s; waiting"))

@@ -81,7 +81,8 @@ def open_engine(s: Settings, on_event: Callable = lambda e: None, link=None,
     drafter = None
     if k:
         dsrc = dsrc or ModelSource.open(s.draft, s.draft_revision, progress_events(on_event, "draft"))
-    layout = frame_layout(s, k, device.type == "cuda")
+    ahead = s.draft_ahead if k and link is not None and link.overlaps else 0  # local mode never waits on a wire
+    layout = frame_layout(s, k, device.type == "cuda", ahead)
     kv_len = max_context + layout.scratch  # the live nodes' scratch after the context
     hello = Hello(model=s.model, revision=s.revision, split=split, dtype=DTYPE_NAMES[dtype], max_len=kv_len,
                   n_layers=L, hidden_size=src.config.hidden_size, frames=(layout.size,), graphs=s.cuda_graphs,
@@ -117,7 +118,7 @@ def open_engine(s: Settings, on_event: Callable = lambda e: None, link=None,
                       head_pool=layout.head_pool)
     engine = RoundDriver(spec, link, policy=policy, on_event=on_event, reconnect=reconnect,
                          round_timeout=s.round_timeout, reconnect_timeout=s.reconnect_timeout,
-                         max_in_flight=s.max_in_flight, ahead_steps=s.draft_ahead if k else 0)
+                         max_in_flight=s.max_in_flight, ahead_steps=ahead)
     ready = engine.connect(hello, lambda *fields: on_event(LoadProgress("tail", *fields)))
     info = RuntimeReady(model=s.model, draft=s.draft if k else "none", split=split, n_layers=L,
                         dtype=DTYPE_NAMES[dtype], k=k, device=",".join(map(str, devices)), mode=mode,
@@ -149,18 +150,18 @@ class FrameLayout:
         return f"chain {self.size - 1}" if self.children == 1 else f"tree {self.size - 1}"
 
 
-def frame_layout(s: Settings, k: int, cuda: bool) -> FrameLayout:
+def frame_layout(s: Settings, k: int, cuda: bool, ahead: int = 0) -> FrameLayout:
     """The frame of these settings: ``--tree-budget`` drafts per frame (on a GPU, 64 under auto: a
     frame's cost is nearly flat in its nodes there; on a CPU a chain), ``--k`` expansion steps,
-    up to ``--max-in-flight`` frames in flight, ``--draft-ahead`` steps more while a verdict travels."""
+    up to ``--max-in-flight`` frames in flight, ``ahead`` steps more while a verdict travels."""
     if not k:
         return FrameLayout(1, 1, 1, 2, 2)
     budget = s.budget(cuda)
     size, width, children = (budget + 1, WIDTH, CHILDREN) if budget else (k + 1, 1, 1)
     frames = s.max_in_flight + 1
     return FrameLayout(size, width, children, head_pool=frames * size + 1,
-                       draft_pool=min((frames * k + s.draft_ahead) * width, 512) + 1 if budget
-                       else frames * (k + 1) + s.draft_ahead + 1)
+                       draft_pool=min((frames * k + ahead) * width, 512) + 1 if budget
+                       else frames * (k + 1) + ahead + 1)
 
 
 def capture_graphs(head: ModelSlice, drafter: Drafter | None, layout: FrameLayout, compile_draft: bool,

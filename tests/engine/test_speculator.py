@@ -11,6 +11,8 @@ import torch
 
 from sfchat.config import Settings
 from sfchat.engine.live import ProtocolError
+from sfchat.engine.lookup import lookup
+from sfchat.engine.speculator import LOOKUP_TOKENS
 from sfchat.engine.verifier import Verifier
 from sfchat.events import ReplyFinished
 from sfchat.node.driver import LinkError, LinkLost, RoundDriver
@@ -242,3 +244,30 @@ def test_a_tail_lost_during_the_handshake_is_waited_for(zoo):
     assert gone.closed and ready.n_layers == session.info.n_layers
     driver.begin(session.encode(PROMPT))
     assert driver.round(Sampling(), set(), 10).commit.tokens
+
+
+def test_drafting_ahead_of_a_new_root_keeps_the_prompt_lookup_branch(spec):
+    """A wait's draft step may reach a root no frame has carried yet: the continuation of the
+    context's latest repeat still hangs under it, as it would without drafting ahead."""
+    ctx = spec.tokens + spec.tokens[:8]  # ends with a repeat of the prompt's first tokens
+    spec.begin(ctx)
+    branch = lookup(ctx, LOOKUP_TOKENS)
+    assert len(branch) == LOOKUP_TOKENS
+    assert spec.grow(Sampling(), 100) and spec.live.root.expanded
+    node = spec.live.root
+    for token in branch:
+        assert token in node.children, (token, list(node.children))
+        node = node.children[token]
+    frame = spec.frame(Sampling(), None, 100)
+    assert [n.token for n in frame.nodes[:3]] == [ctx[-1]] + branch[:2]
+
+
+def test_drafting_ahead_leaves_the_next_frames_own_steps_their_room(spec):
+    """However long a verdict takes, the steps run while waiting stop short of filling the draft's
+    pool: the next frame's own steps and the catch-up of committed nodes always find slots."""
+    spec.frame(Sampling(), None, 100)
+    grown = 0
+    while spec.grow(Sampling(), 100):
+        grown += 1
+    d = spec.drafter
+    assert grown > 0 and d.pool.free >= spec.steps * d.width + d.rows
