@@ -219,9 +219,9 @@ class RoundDriver:
             frame = self.spec.frame(s, size, budget, self.policy.min_yield if self.flight else 0.0)
             if frame is None:
                 break
+            frame.sent_at = time.perf_counter()  # before it goes: the tail may start on it before send returns
             for raw in frame.frames:
                 self._send(raw)
-            frame.sent_at = time.perf_counter()
             frame.ahead = bool(self.flight)
             self.flight.append(frame)
             built += frame.draft_ms + frame.head_ms

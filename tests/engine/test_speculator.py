@@ -13,7 +13,7 @@ from sfchat.config import Settings
 from sfchat.engine.live import ProtocolError
 from sfchat.engine.lookup import lookup
 from sfchat.engine.speculator import LOOKUP_TOKENS
-from sfchat.engine.verifier import Verifier
+from sfchat.engine.verifier import TailError, Verifier
 from sfchat.events import ReplyFinished
 from sfchat.node.driver import LinkError, LinkLost, RoundDriver
 from sfchat.node.head import Head
@@ -210,6 +210,29 @@ def test_a_tails_word_about_its_compute_never_exceeds_the_time_it_took(zoo):
         lambda m: replace(m, tail_us=2 ** 32 - 1) if isinstance(m, wire.Verdict) else m))
     rounds = rounds_of(session, session.encode(PROMPT), 12)
     assert all(0 <= r.tail_ms <= r.round_ms and r.rtt_ms >= 0 for r in rounds)
+
+
+class Eager(MemoryLink):
+    """A tail whose verdict is in before ``send`` returns: a relay link's send waits for its loop
+    thread to write the frame, and on a loaded machine the verdict may be back by then."""
+
+    overlaps = True
+
+    def send(self, frame: bytes) -> None:
+        super().send(frame)
+        while self.outbox:
+            try:
+                self.verifier.handle(self.outbox.popleft(), lambda reply: self.inbox.append((time.perf_counter(), reply)))
+            except TailError:
+                pass
+
+
+def test_a_verdict_back_before_send_returns_still_counts_the_tails_compute(zoo):
+    """The clock of a frame starts before it is sent (it started after, so such a verdict seemed
+    to take no time at all: the tail's compute and the link both read 0)."""
+    session = load(zoo, draft="draft", link=Eager(Verifier(TailLoader(torch.device("cpu")))))
+    rounds = rounds_of(session, session.encode(PROMPT), 12)
+    assert all(r.tail_ms > 0 and r.rtt_ms >= 0 and r.tail_ms + r.rtt_ms <= r.round_ms for r in rounds), rounds
 
 
 def test_local_mode_never_sends_ahead(zoo):
