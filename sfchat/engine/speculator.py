@@ -13,8 +13,8 @@ of frames in flight.
   carries the context the target lacks as prefill FORWARDs before the tree FORWARD.
 * ``frame(s, size)``: the next frame of at most ``size`` nodes, or None when there is nothing to
   send (the context window or the reply's budget reached). The draft expands the tree's likeliest
-  nodes ``steps`` times (``width`` at a time; a prompt-lookup continuation is grafted under the
-  root at no draft cost; only nodes whose children could still enter this frame), the tree
+  nodes up to ``steps`` times (``width`` at a time, only nodes whose children could still enter
+  this frame; a prompt-lookup continuation is grafted under the root at no draft cost), the tree
   chooses the frame's nodes best first, the head slice runs them
   at one fixed shape, padded to ``size`` rows (each row sees the context, its ancestors in the
   head's scratch pool and itself), and the frame is encoded. Frames may be built while earlier
@@ -78,7 +78,7 @@ class Frame:
     head_ms: float
     steady: bool  # no prefill: its compute is a frame's alone
     steps: int = 0  # draft steps its build ran
-    sent_at: float = 0.0  # perf_counter when its FORWARDs went out
+    sent_at: float = 0.0  # perf_counter just before its FORWARDs were handed to the link
     ahead: bool = False  # it went out while another frame was in flight
     forward_bytes: int = field(init=False)
     sent_bytes: int = field(init=False)
