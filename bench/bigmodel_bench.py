@@ -181,7 +181,7 @@ def head_node(cfg, dcfg, segments: int, device, dtype, context: int, n: int) -> 
     drafter.sync(tokens)
     mem.sample()
     # one expansion step: ``width`` nodes of a tree below the context and one committed node to catch up
-    base = drafter.pool.n
+    base = drafter.scratch.n
     rows = [(tokens[-1], context, base, [])] + [(7 + i, context + 1, base + 1 + i, [base]) for i in range(LAYOUT.width)]
     fig = {"load_s": load_s, "draft_step_ms": timed(lambda: drafter.expand(rows, GREEDY), device, n)}
     ids = torch.tensor([tokens[-1]] + [7 + i for i in range(LAYOUT.size - 1)], device=device)

@@ -123,7 +123,7 @@ def build(target: Path, draft: Path, device: str, dtype: str, synthetic=None):
         if dev.type == "cuda":
             drafter.capture()
             head.capture(size, tree=True, span=head_pool)
-        specs[mode] = Speculator(head, drafter, max_context=MAX_CONTEXT, frame_sizes=[size], steps=K,
+        specs[mode] = Speculator(head, drafter, max_context=MAX_CONTEXT, frame_size=size, steps=K,
                                  head_pool=head_pool)
     hello = Hello(model=str(target), revision=None, split=L // 2, dtype=DTYPE_NAMES[dt], max_len=kv_len, n_layers=L,
                   hidden_size=src.config.hidden_size, frames=tuple(sorted({f for f, *_ in MODES.values()})),
@@ -133,10 +133,10 @@ def build(target: Path, draft: Path, device: str, dtype: str, synthetic=None):
 
 def run_mode(spec, inflight: int, ahead: int, link, hello, prompts, n_new: int):
     """Every prompt's whole reply in one mode: tokens, wall time, per-verdict figures, token ids."""
-    driver = RoundDriver(spec, link, policy=PipelinePolicy(spec.frame_sizes, inflight), max_in_flight=inflight,
+    driver = RoundDriver(spec, link, policy=PipelinePolicy(inflight), max_in_flight=inflight,
                          round_timeout=120, ahead_steps=ahead)
     driver.connect(hello)
-    spec.head.kv.reset()  # every mode computes the prompts' K/V itself
+    spec.head.reset()  # every mode computes the prompts' K/V itself
     stats, ids_out, wall = [], [], 0.0
     for ids in prompts:
         t0 = time.perf_counter()

@@ -91,7 +91,7 @@ def inputs(sl: ModelSlice, n_tok: int):
 def forward_ms(sl: ModelSlice, n_tok: int, end: int | None, n: int, cuda: bool) -> float:
     """ms per ``run`` of an ``n_tok`` forward whose last position is ``end - 1`` (None: all slots)."""
     x = inputs(sl, n_tok)
-    first = max((end if end is not None else sl.kv.max_len) - n_tok, 0)
+    first = max((end if end is not None else sl.max_len) - n_tok, 0)
     end = end and first + n_tok
     pos = torch.arange(first, first + n_tok, device=sl.device)
     n_logits = 1 if sl.lm_head is not None else 0
@@ -120,13 +120,13 @@ def top_kernels(sl: ModelSlice, n_tok: int, cuda: bool, top: int = 8) -> list[tu
     from torch.profiler import ProfilerActivity, profile
 
     x = inputs(sl, n_tok)
-    P = min(100, sl.kv.max_len - n_tok)  # noqa: N806
+    P = min(100, sl.max_len - n_tok)  # noqa: N806
     pos = torch.arange(P, P + n_tok, device=sl.device)
     n_logits = 1 if sl.lm_head is not None else 0
-    sl.forward(x, pos, n_logits, sl.kv.window_for(P + n_tok))
+    sl.forward(x, pos, n_logits, sl.window_for(P + n_tok))
     acts = [ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
     with profile(activities=acts) as prof:
-        sl.forward(x, pos, n_logits, sl.kv.window_for(P + n_tok))
+        sl.forward(x, pos, n_logits, sl.window_for(P + n_tok))
         if cuda:
             torch.cuda.synchronize()
     rows = []
@@ -168,7 +168,7 @@ def main() -> None:
             sl.capture(n_tok, 1 if sl.lm_head is not None else 0)
             torch.cuda.synchronize()
             row["graph_mib"] = (torch.cuda.memory_allocated() - before) / 2 ** 20
-        print(f"{label}: built and captured in {time.perf_counter() - t0:.1f} s; windows {sl.kv.windows}",
+        print(f"{label}: built and captured in {time.perf_counter() - t0:.1f} s; windows {sl.windows}",
               flush=True)
         for end in args.ends + [None]:
             row[end] = forward_ms(sl, n_tok, end, args.n, cuda)

@@ -62,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
                         f"drafts); auto (default): {AUTO_TREE_BUDGET} on a GPU, 0 on a CPU")
     g.add_argument("--split", type=int, help="first layer run by the tail (default: half the layers)")
     g.add_argument("--device", help="cpu, cuda, cuda:N, or cuda:0,cuda:1 to spread the slice over two GPUs "
-                                    "(default: cuda when available)")
+                                    "(cpu,cpu runs the same two segments on the CPU, to check such a layout's "
+                                    "answers; default: cuda when available)")
     g.add_argument("--draft-device", help="device of the draft model (default: a second GPU when two are "
                                           "visible, else --device)")
     g.add_argument("--load-in-4bit", action="store_true",

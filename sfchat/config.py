@@ -64,7 +64,7 @@ class Settings:
     max_in_flight: int = 4  # rounds sent before their verdicts come (1: one round per round trip)
     draft_ahead: int = 0  # draft steps while a verdict travels (relay mode; 0: none, not yet measured on a GPU)
     split: int | None = None  # default: half the layers
-    device: str | None = None  # default: cuda if available, else cpu; "cuda:0,cuda:1" spreads a slice
+    device: str | None = None  # default: cuda if available, else cpu; "cuda:0,cuda:1" spreads a slice ("cpu,cpu": on the CPU)
     draft_device: str | None = None  # default: a second GPU when there is one, else the head's device
     dtype: str = "auto"
     load_in_4bit: bool = False  # NF4 target slices (head and tail)

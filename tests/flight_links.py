@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from sfchat.engine.verifier import Verifier
-from sfchat.node.loading import TailLoader
+from sfchat.node.tail_loader import TailLoader
 from sfchat.node.local_link import MemoryLink
 from sfchat.protocol import wire
 from sfchat.protocol.wire import Forward, decode
@@ -30,16 +30,15 @@ class Pipelined(MemoryLink):
 
 
 class Always:
-    """A policy that always answers ``m`` frames in flight at the speculator's one frame size:
-    the mechanism under test, not the choice."""
+    """A policy that always answers ``m`` frames in flight: the mechanism under test, not the choice."""
 
     min_yield = 0.0  # every frame goes out, however unlikely its nodes
 
     def __init__(self, m: int):
         self.m, self.max_in_flight = m, m
 
-    def choose(self):
-        return None, self.m
+    def choose(self) -> int:
+        return self.m
 
     def observe(self, *args, **kw):
         pass

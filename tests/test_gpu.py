@@ -42,14 +42,13 @@ def test_graphed_slices_are_bit_identical_to_eager(zoo, dtype):
 
 def expansion_rows(drafter, context: int, n: int):
     """``n`` nodes of a small tree right after a context of ``context`` tokens: a chain of three and
-    siblings of its first node, each at a pool slot, with its ancestors' slots."""
-    base = drafter.pool.n
+    siblings of its first node, each keyed by its index, with its ancestors' keys."""
     rows = []
     for i in range(n):
         parent = rows[i - 1] if 0 < i < 3 else (rows[0] if i >= 3 else None)
         depth = 1 if parent is None else parent[4] + 1
         ancestors = [] if parent is None else parent[3] + [parent[2]]
-        rows.append((7 + 3 * i, context - 1 + depth, base + i, ancestors, depth))
+        rows.append((7 + 3 * i, context - 1 + depth, i, ancestors, depth))
     return [r[:4] for r in rows]
 
 
@@ -105,7 +104,7 @@ def test_each_attention_window_has_its_graph_and_matches_eager(zoo, monkeypatch)
     for first in (3, 20, 40, 55):  # windows 16, 32, 64, 64
         pos = torch.arange(first, first + k + 1, device=dev)
         x = hidden[first:first + k + 1]
-        window = tail.kv.window_for(first + k + 1)
+        window = tail.window_for(first + k + 1)
         eager = tail.forward(x, pos, k + 1, window).clone()
         assert torch.equal(tail.run(x, pos, k + 1, end=first + k + 1), eager)
     drafter = Drafter(ModelSlice.load(ModelSource.open(str(zoo["draft"])), 0, 2, embed=True, head=True,
@@ -152,7 +151,7 @@ def test_graphed_tree_forward_is_bit_identical_to_eager(zoo):
     hidden = torch.randn(9, 64, device=dev, dtype=torch.bfloat16)
     mask = tree_mask([0, 0, 1, 1, 2, 5, 6, 6], 20, dev)
     pos = torch.arange(20, 29, device=dev)
-    assert torch.equal(tail.forward(hidden, pos, 9, tail.kv.max_len, mask).clone(),
+    assert torch.equal(tail.forward(hidden, pos, 9, tail.max_len, mask).clone(),
                        tail.run(hidden, pos, 9, tree=mask).clone())
 
 
@@ -177,7 +176,7 @@ def test_segment_graphs_replay_bit_identically_to_eager(zoo, devices, dtype):
         one = ModelSlice.load(src, lo, hi, embed=embed, head=head, dtype=dtype, device=dev, max_len=64)
         cut = ModelSlice.load(src, lo, hi, embed=embed, head=head, dtype=dtype, device=dev, max_len=64,
                               devices=devices)
-        assert len(cut.groups) == len(devices) and [d for d, _, _ in cut.groups] == devices
+        assert cut.devices == devices
         rows = 9 if head else 0
         for sl in (one, cut):
             assert sl.capture(9, rows) and sl.capture(9, rows, tree=True) and sl.captured(9, rows)
@@ -190,7 +189,7 @@ def test_segment_graphs_replay_bit_identically_to_eager(zoo, devices, dtype):
         pos = torch.arange(20, 29, device=dev)
         mask = tree_mask([0, 0, 1, 1, 2, 5, 6, 6], 20, dev)
         for tree in (None, mask):
-            eager = cut.forward(x[20:], pos, rows, cut.kv.window_for(29), tree).clone()
+            eager = cut.forward(x[20:], pos, rows, cut.window_for(29), tree).clone()
             graphed = cut.run(x[20:], pos, rows, end=29, tree=tree).clone()
             assert torch.equal(eager, graphed)
             assert torch.equal(graphed, one.run(x[20:], pos, rows, end=29, tree=tree))
@@ -219,24 +218,31 @@ def test_graphs_sharing_a_pool_leave_each_others_results_alone(zoo):
     assert torch.equal(h, kept_h) and torch.equal(logits, kept_logits)
 
 
-def test_graphed_engine_with_segmented_halves_keeps_greedy_parity(zoo, monkeypatch):
+def test_graphed_engine_with_segmented_halves_keeps_greedy_parity(zoo, monkeypatch, tmp_path):
     """``--device`` naming the GPU twice: head and tail halves as two segments each, every segment
-    graphed, and the reply is generate()'s (fp32)."""
+    graphed, a draft whose committed paths skip likelier siblings (every segment's K/V must move),
+    and the reply is generate()'s (fp32)."""
     from transformers import AutoModelForCausalLM
 
     import sfchat.node.loading as loading
+    from test_two_machines import noisy_copy
 
     real = loading.resolve_devices
     monkeypatch.setattr(loading, "resolve_devices",
                         lambda name: [torch.device("cuda")] * 2 if name == "twice" else real(name))
     path = zoo["qwen2-tied"]
-    session = Head.open(Settings(model=str(path), draft=str(zoo["draft"]), k=4, tree_budget="auto", device="twice",
+    draft = noisy_copy(path, tmp_path / "noisy", 0.3)  # committed paths that skip likelier siblings
+    session = Head.open(Settings(model=str(path), draft=str(draft), k=4, tree_budget="auto", device="twice",
                                  dtype="float32", compile_draft=False))
     head, tail = session.engine.head, session.engine.link.verifier.model
-    assert len(head.groups) == len(tail.groups) == 2
+    assert len(head.devices) == len(tail.devices) == 2
     assert head.captured(65, tree=True) and tail.captured(65, 65, True)
+    jumps = []
+    move = head.move
+    head.move = lambda src, dst: (jumps.append(any(s != d for s, d in zip(src, dst))), move(src, dst))[1]
     ids = session.encode([{"role": "user", "content": "hello world"}])
     fin = [e for e in session.reply(ids, 32, Sampling()) if isinstance(e, ReplyFinished)][0]
+    assert any(jumps)
     model = AutoModelForCausalLM.from_pretrained(path).cuda().eval()
     ref = model.generate(torch.tensor([ids], device="cuda"), max_new_tokens=32, do_sample=False, pad_token_id=0)
     assert list(fin.token_ids) == ref[0, len(ids):].tolist()

@@ -143,3 +143,21 @@ def test_the_checker_sees_lazy_imports_and_circles(tmp_path):
     (tmp_path / "a.py").write_text("def f():\n    from pkg import b\n")
     assert imports("pkg.a", tmp_path / "a.py", {"pkg.a", "pkg.b"}) == {"pkg.b"}
     assert layer_of("sfchat.model.kv") == 4 and layer_of("sfchat.tally") == 0 and layer_of("sfchat.cli") == 8
+
+
+def reached_from(name: str) -> set[str]:
+    seen, todo = set(), [name]
+    while todo:
+        m = todo.pop()
+        if m not in seen:
+            seen.add(m)
+            todo.extend(x for x in GRAPH.get(m, ()) if x in GRAPH)
+    return seen
+
+
+def test_the_tail_process_never_reaches_the_heads_engine():
+    """``sfchat --tail`` verifies; the head's driver, speculator, draft and loading are not its code."""
+    reached = reached_from("sfchat.node.tail")
+    assert "sfchat.engine.verifier" in reached and "sfchat.node.tail_loader" in reached
+    assert reached.isdisjoint({"sfchat.node.driver", "sfchat.node.loading", "sfchat.engine.speculator",
+                               "sfchat.engine.draft", "sfchat.engine.live"})

@@ -4,18 +4,17 @@ Contract
 --------
 ``Drafter(model, width, children, pool)`` keeps the draft's KV cache in step with the committed
 context (``sync``: whatever prefix of the context is cached is reused, the rest is fed in
-chunks) and, right after it, a ``live.SlotPool`` of ``pool`` scratch slots for the live nodes it
-has run on. ``expand(rows, s)`` runs one forward of exactly ``rows`` = ``width + 1`` rows (the
+chunks) and, right after it, ``scratch``: an ``engine.scratch.Scratch`` of ``pool`` slots for the
+live nodes it has run on (whoever builds the rows takes, releases and commits them there).
+``expand(rows, s)`` runs one forward of exactly ``rows`` = ``width + 1`` rows (the
 ``width`` nodes to expand and one committed node it has not run yet, the usual catch-up after a
 verdict; padded: a padding row
-writes the pool's trash slot and sees only it): each row a node (token, position, its slot, the
-slots of its ancestors in the pool), written at its slot with the tree mask (it sees the context,
-its ancestors and itself), and returns each row's ``children`` likeliest continuations with their
+writes the scratch's trash slot and sees only it): each row a node (token, position, the node,
+its ancestors in the scratch), written at its slot with the tree mask (it sees the context, its
+ancestors and itself), and returns each row's ``children`` likeliest continuations with their
 probabilities (of the raw distribution when greedy, of the warped one when sampling: the draft
 never samples; the target's draw at each node decides, see ``sampling.picks``). One host sync
-per call. ``commit(slots, tokens)`` makes the slots of committed nodes the context's next
-positions (moving their K/V in place, and the live nodes' the context now covers); ``release``
-frees a dead node's slot.
+per call.
 
 Graphs and the CPU run the same code: the forward is a plain function of tensors (``_expand``)
 that ``model.graphs.GraphTable`` replays from a graph captured over it, one per attention window,
@@ -28,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from sfchat.engine import sampling
-from sfchat.engine.live import SlotPool
+from sfchat.engine.scratch import Scratch
 from sfchat.model.graphs import GraphTable
 from sfchat.model.kv import PREFILL_CHUNK, TreeMask
 from sfchat.model.slices import ModelSlice
@@ -44,7 +43,7 @@ class Drafter:
         self.rows = width + 1  # the nodes a step expands, and room for a committed node to catch up
         self.children = min(children, self.vocab)
         self.device = model.device
-        self.pool = SlotPool(0, pool)
+        self.scratch = Scratch(model, pool)
         self.forward = model.forward  # compiled by ``capture(compile=True)``
         self.graphs = GraphTable()  # keys: ("expand", sampled)
 
@@ -60,9 +59,9 @@ class Drafter:
         harmless here: a draft token is only a proposal, the target decides."""
         if compile:
             self.forward = torch.compile(self.model.forward, dynamic=False)
-        kv = self.model.kv
-        windows = [kv.max_len] if compile else [w for w in kv.windows if w >= self.pool.size + 1]
-        inputs = self._inputs([], 0)
+        m = self.model
+        windows = [m.max_len] if compile else [w for w in m.windows if w >= self.scratch.size + 1]
+        inputs = self._inputs([])
         knobs = sampling.Knobs.of(Sampling(temperature=1.0), self.device).tensors()
         for sampled in (False, True):
             self.graphs.capture(("expand", sampled), f"draft's {self.rows}-node step", self._expand,
@@ -81,38 +80,28 @@ class Drafter:
     def sync(self, tokens: list[int]) -> int:
         """Make ``tokens`` the draft's context (the pool starts after it, empty); returns how many
         positions were fed (the rest was cached)."""
-        kv = self.model.kv
-        start = kv.reusable(tokens)
-        window = kv.window_for(len(tokens) + self.pool.size)
+        m = self.model
+        start = m.reusable(tokens)
+        window = m.window_for(len(tokens) + self.scratch.size)
         for i in range(start, len(tokens), PREFILL_CHUNK):
             piece = tokens[i:i + PREFILL_CHUNK]
             ids = self._ids(piece)
             self.forward(ids, torch.arange(i, i + len(piece), device=self.device), 1, window)
-        kv.note(start, tokens[start:])
-        self.pool.reset(len(tokens))
+        m.note(start, tokens[start:])
+        self.scratch.reset(len(tokens))
         return len(tokens) - start
 
-    def commit(self, slots: list[int], tokens: list[int]) -> dict[int, int]:
-        """Nodes at ``slots`` (in order) were committed: their K/V become the context's next
-        positions. Returns where the live slots the context now covers went."""
-        src, dst, moved = self.pool.commit(slots)
-        self.model.kv.move(src, dst)
-        self.model.kv.note(self.pool.n - len(slots), tokens)
-        return moved
-
-    def release(self, slot: int | None) -> None:
-        self.pool.release(slot)
-
     def reset(self) -> None:
-        self.model.kv.reset()
-        self.pool.reset(0)
+        self.model.reset()
+        self.scratch.reset(0)
 
     # -- expansion ------------------------------------------------------------------------------
-    def expand(self, rows: list[tuple[int, int, int, list[int]]], s: Sampling) -> list[list[tuple[int, float]]]:
-        """``rows``: (token, position, slot, ancestor slots) of at most ``self.rows`` nodes; each
-        row's continuations, likeliest first."""
-        inputs = self._inputs(rows, self.pool.n)
-        window = self.model.kv.window_for(self.pool.n + self.pool.size)
+    def expand(self, rows: list[tuple[int, int, object, list]], s: Sampling) -> list[list[tuple[int, float]]]:
+        """``rows``: (token, position, key, ancestor keys) of at most ``self.rows`` nodes, each key
+        written at its slot in ``scratch`` (taken there if it holds none) and seeing its ancestors'
+        slots; each row's continuations, likeliest first."""
+        inputs = self._inputs(rows)
+        window = self.model.window_for(self.scratch.end)
         sampled = s.temperature > 0
         extra = sampling.Knobs.of(s, self.device).tensors() if sampled else ()
         probs, tokens = self.graphs.run(("expand", sampled), self._expand, inputs + extra, window)
@@ -120,19 +109,12 @@ class Drafter:
         c, n = self.children, len(rows)  # ^ the one host sync of the step
         return [[(int(values[n * c + r * c + j]), values[r * c + j]) for j in range(c)] for r in range(n)]
 
-    def _inputs(self, rows, base: int) -> tuple[torch.Tensor, ...]:
-        """The padded inputs of ``rows``: ids, slots, rotary positions, base, visible (width, pool)."""
-        w, size, trash = self.rows, self.pool.size, self.pool.size - 1
-        ids, slots, rope = [0] * w, [base + trash] * w, [max(base - 1, 0)] * w
-        visible = torch.zeros(w, size, dtype=torch.bool)
-        visible[:, trash] = True  # a padding row sees its own trash slot: never an empty softmax
-        for r, (token, pos, slot, ancestors) in enumerate(rows):
-            ids[r], slots[r], rope[r] = min(token, self.vocab - 1), slot, pos
-            visible[r, trash] = False
-            visible[r, [a - base for a in ancestors] + [slot - base]] = True
-        dev = self.device
-        return (torch.tensor(ids, device=dev), torch.tensor(slots, device=dev), torch.tensor(rope, device=dev),
-                torch.tensor([base], device=dev), visible.to(dev))
+    def _inputs(self, rows) -> tuple[torch.Tensor, ...]:
+        """The padded inputs of ``rows``: ids, slots, rotary positions, base, visible (rows, scratch)."""
+        slots, mask = self.scratch.tree_inputs([(pos, key, ancestors) for _, pos, key, ancestors in rows], self.rows,
+                                               self.device)
+        ids = self._ids([token for token, _, _, _ in rows] + [0] * (self.rows - len(rows)))
+        return (ids, slots, *mask.tensors())
 
     def _ids(self, tokens: list[int]) -> torch.Tensor:
         # a token the draft's (possibly smaller) vocabulary lacks can only hurt its proposals

@@ -25,9 +25,9 @@ committed tokens.
   token is the last pick (a live node when one was sent or proposed, else a new one), and every
   node not below it is dead. ``take`` feeds the calibration with each committed node's proposals.
 
-The tree owns no memory: each node carries the KV slot it holds in the draft's and the head
-slice's scratch (``draft_slot``, ``head_slot``), which the round assigns, moves and frees (see
-``SlotPool``). No models, no wire, no I/O.
+The tree owns no memory: the K/V slots its nodes hold in the draft's and the head slice's scratch
+are each scratch's to hand out, move and free (``engine.scratch.Scratch``, keyed by node).
+No models, no wire, no I/O.
 """
 
 from __future__ import annotations
@@ -102,8 +102,6 @@ class Node:
     children: dict[int, "Node"] = field(default_factory=dict)  # by token
     expanded: bool = False
     dead: bool = False
-    draft_slot: int | None = None
-    head_slot: int | None = None
     logv: float = 0.0  # log of the product of the steps since the tree's start: orders nodes for good
 
     @property
@@ -278,48 +276,3 @@ class LiveTree:
         if not child.expanded:
             self._push(self._to_expand, child)
         return list(picks), dead
-
-
-class SlotPool:
-    """Scratch KV slots for live nodes, right after a cache's context: slots ``[n, n + size - 1)``,
-    the last one kept as the trash slot that padding rows write to. ``commit`` moves the context's
-    end over the committed nodes and relocates the live ones the context now covers."""
-
-    def __init__(self, n: int, size: int) -> None:
-        self.n, self.size = n, size
-        self.used: set[int] = set()
-
-    @property
-    def trash(self) -> int:
-        return self.n + self.size - 1
-
-    @property
-    def free(self) -> int:
-        return self.size - 1 - len(self.used)
-
-    def take(self) -> int | None:
-        for slot in range(self.n, self.n + self.size - 1):
-            if slot not in self.used:
-                self.used.add(slot)
-                return slot
-        return None
-
-    def release(self, slot: int | None) -> None:
-        self.used.discard(slot)
-
-    def reset(self, n: int) -> None:
-        self.n, self.used = n, set()
-
-    def commit(self, slots: list[int]) -> tuple[list[int], list[int], dict[int, int]]:
-        """The committed nodes' slots, in order, become the context's next slots. Returns the moves
-        (sources, destinations: sources all read before any write) and where each live slot went."""
-        n = self.n + len(slots)
-        live = self.used - set(slots)
-        displaced = sorted(s for s in live if s < n)
-        spare = (s for s in range(n, n + self.size - 1) if s not in live)
-        moved = {s: next(spare) for s in displaced}
-        src = list(slots) + displaced
-        dst = list(range(self.n, n)) + [moved[s] for s in displaced]
-        self.used = (live - set(displaced)) | set(moved.values())
-        self.n = n
-        return src, dst, moved

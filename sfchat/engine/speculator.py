@@ -2,7 +2,7 @@
 
 Contract
 --------
-``Speculator(head, drafter, max_context, frame_sizes, steps, head_pool)`` holds the committed
+``Speculator(head, drafter, max_context, frame_size, steps, head_pool)`` holds the committed
 context (token ids) of one conversation, the head slice, the draft and the reply's
 ``live.LiveTree``, and does every computation of a frame, but never touches a link: a ``Frame``
 carries its encoded FORWARDs as ``bytes`` and a verdict comes back as a decoded ``wire.Verdict``.
@@ -11,13 +11,13 @@ of frames in flight.
 
 * ``begin(prompt_ids)`` makes the prompt the context and opens a new tree: its first frame
   carries the context the target lacks as prefill FORWARDs before the tree FORWARD.
-* ``frame(s, size)``: the next frame of at most ``size`` nodes, or None when there is nothing to
-  send (the context window or the reply's budget reached). The draft expands the tree's likeliest
+* ``frame(s, budget)``: the next frame of at most ``frame_size`` nodes, or None when there is
+  nothing to send (the context window or the reply's budget reached). The draft expands the tree's likeliest
   nodes up to ``steps`` times (``width`` at a time, only nodes whose children could still enter
   this frame; a prompt-lookup continuation is grafted under the root at no draft cost), the tree
   chooses the frame's nodes best first, the head slice runs them
-  at one fixed shape, padded to ``size`` rows (each row sees the context, its ancestors in the
-  head's scratch pool and itself), and the frame is encoded. Frames may be built while earlier
+  at one fixed shape, padded to ``frame_size`` rows (each row sees the context, its ancestors in
+  the head's scratch and itself), and the frame is encoded. Frames may be built while earlier
   ones are in flight: a frame's nodes hang anywhere in the live tree, under nodes of earlier
   frames whose verdicts are not known yet.
 * ``grow(s, budget)``: one expansion step ahead of need, for the driver to run while a verdict
@@ -27,8 +27,8 @@ of frames in flight.
 * ``take(frame, verdict, eos, budget)``: the verdict, checked against the frame
   (``live.ProtocolError`` for anything it cannot be), committed and cut at the first EOS, the
   token budget and the context window (``Commit``). The committed nodes' K/V become context in
-  place on the head slice and the draft (``SlotPool.commit``); nodes no longer live give their
-  slots back. A reply that ends (``finish``) closes the tree: the next ``begin`` opens another.
+  place, in every segment, on the head slice and the draft (``Scratch.commit``: the scratch of
+  each holds its nodes' slots); nodes no longer live give their slots back. A reply that ends (``finish``) closes the tree: the next ``begin`` opens another.
 * ``restart()``: the tail lost its context (a new tail): the next frame sends all of it again.
 
 Greedy output does not depend on any of it: every committed token is the target's own pick at a
@@ -43,15 +43,15 @@ import math
 import time
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from sfchat import UserError
 from sfchat.engine.lookup import lookup
 from sfchat.engine.draft import Drafter
-from sfchat.engine.live import Calibration, LiveTree, Node, ProtocolError, SlotPool
+from sfchat.engine.live import Calibration, LiveTree, Node, ProtocolError
+from sfchat.engine.scratch import Scratch
 from sfchat.model.devices import DTYPE_NAMES
-from sfchat.model.kv import PREFILL_CHUNK, TreeMask
+from sfchat.model.kv import PREFILL_CHUNK
 from sfchat.model.slices import ModelSlice
 from sfchat.protocol import wire
 
@@ -98,11 +98,11 @@ def hidden_bytes(h: torch.Tensor, what: str) -> bytes:
 
 class Speculator:
     def __init__(self, head: ModelSlice, drafter: Drafter | None, *, max_context: int,
-                 frame_sizes: list[int], steps: int, head_pool: int):
+                 frame_size: int, steps: int, head_pool: int):
         self.head, self.drafter = head, drafter
         self.max_context, self.steps = max_context, steps if drafter is not None else 0
-        self.frame_sizes = sorted(frame_sizes)
-        self.pool = SlotPool(0, head_pool)
+        self.frame_size = frame_size  # every frame runs at this one padded shape
+        self.scratch = Scratch(head, head_pool)  # the head slice's slots of the live nodes
         self.tokens: list[int] = []
         self.round_id = 0
         self.tree_id = 0
@@ -112,7 +112,6 @@ class Speculator:
         self.vocab = head.config.vocab_size
         self.wire_dtype = wire.DType[DTYPE_NAMES[head.dtype].upper()]
         self.unfed: list[Node] = []  # committed nodes the draft has not run, oldest first
-        self.owners: dict[str, dict[int, Node]] = {"head_slot": {}, "draft_slot": {}}  # slot -> its node
         self.prefill_from: int | None = None  # where the next frame's prefill starts (None: sent)
         self.tree_start = 0
 
@@ -125,7 +124,7 @@ class Speculator:
         if not prompt_ids:
             raise UserError("the prompt is empty")
         self.tokens = list(prompt_ids)
-        reused = min(self.head.kv.reusable(self.tokens), len(self.tokens) - 1)
+        reused = min(self.head.reusable(self.tokens), len(self.tokens) - 1)
         self._open()
         return reused
 
@@ -133,11 +132,10 @@ class Speculator:
         """A new tree after the committed context: its root is the last committed token."""
         self.tree_id += 1
         self.live = LiveTree(self.tokens, self.calibration)
-        self.prefill_from = min(self.head.kv.reusable(self.tokens), len(self.tokens) - 1)
+        self.prefill_from = min(self.head.reusable(self.tokens), len(self.tokens) - 1)
         self.tree_start = len(self.tokens) - 1
-        self.pool.reset(self.tree_start)
+        self.scratch.reset(self.tree_start)
         self.unfed = []
-        self.owners = {"head_slot": {}, "draft_slot": {}}
         if self.drafter is not None:
             self.drafter.sync(self.tokens[:-1])
 
@@ -148,26 +146,25 @@ class Speculator:
     def reset(self) -> None:
         """Forget the conversation (a new chat): every cached position becomes stale."""
         self.tokens, self.live = [], None
-        self.head.kv.reset()
+        self.head.reset()
         if self.drafter is not None:
             self.drafter.reset()
 
     def restart(self) -> None:
         """A new tail holds no context: the next frame sends it all again."""
-        self.head.kv.reset()
+        self.head.reset()
         self.live = None
 
     # -- a frame -------------------------------------------------------------------------------
-    def frame(self, s: wire.Sampling, size: int | None, budget: int, min_yield: float = 0.0) -> Frame | None:
-        """The next frame of at most ``size`` nodes (None: the largest size), or None when nothing may be sent (``budget``:
-        tokens the reply may still commit) or it would be expected to commit fewer than
-        ``min_yield`` tokens."""
+    def frame(self, s: wire.Sampling, budget: int, min_yield: float = 0.0) -> Frame | None:
+        """The next frame, or None when nothing may be sent (``budget``: tokens the reply may still
+        commit) or it would be expected to commit fewer than ``min_yield`` tokens."""
         if self.live is None:
             self._open()
         t0 = time.perf_counter()
-        live, size = self.live, size or self.frame_sizes[-1]
+        live = self.live
         # a node's pick is the token after it: only nodes whose picks fit the budget and the window
-        room, max_pos = min(size, self.pool.free), self._max_pos(budget)
+        room, max_pos = min(self.frame_size, self.scratch.free), self._max_pos(budget)
         steps = self._grow(s, room, max_pos)
         t1 = time.perf_counter()
         nodes = live.choose(room, max_pos)
@@ -179,12 +176,9 @@ class Speculator:
         frames.append(self._forward(nodes, s))
         t2 = time.perf_counter()
         self.round_id += 1
-        return Frame(self.round_id, self.tree_id, nodes, frames, size=self._shape(len(nodes)),
+        return Frame(self.round_id, self.tree_id, nodes, frames, size=self.frame_size,
                      expected=expected, draft_ms=(t1 - t0) * 1e3, head_ms=(t2 - t1) * 1e3,
                      steady=len(frames) == 1, steps=steps)
-
-    def _shape(self, n: int) -> int:
-        return next(f for f in self.frame_sizes if f >= n)
 
     def _max_pos(self, budget: int) -> int:
         """Nodes at this position or later are never sent: their picks would pass the reply's
@@ -230,61 +224,34 @@ class Speculator:
         catch_up = self.unfed[:d.rows]
         room = min(d.width, d.rows - len(catch_up)) if len(catch_up) == len(self.unfed) else 0
         targets = [n for n in live.expandable(room) if n.logv > cut and n.pos + 1 < max_pos]
-        need = sum(n.draft_slot is None for n in catch_up + targets)
-        free = d.pool.free - reserve
+        need = sum(n not in d.scratch for n in catch_up + targets)
+        free = d.scratch.free - reserve
         while targets and need > free:
-            need -= targets.pop().draft_slot is None
+            need -= targets.pop() not in d.scratch
         if not catch_up and not targets or need > free:
             return False
         rows = catch_up + targets
-        for node in rows:
-            if node.draft_slot is None:
-                self._own(node, "draft_slot", d.pool.take())
-        out = d.expand([(n.token, n.pos, n.draft_slot, self._ancestors(n, catch_up)) for n in rows], s)
+        out = d.expand([(n.token, n.pos, n, self._ancestors(n, catch_up)) for n in rows], s)
         if catch_up:  # their K/V is the context's now
             del self.unfed[:len(catch_up)]
-            self._draft_commit(catch_up)
+            d.scratch.commit(catch_up, [n.token for n in catch_up])
         for node, proposals in zip(targets, out[len(catch_up):]):  # a token the target lacks can never be its pick
             live.expanded(node, [(tok, q) for tok, q in proposals if tok < self.vocab])
         return True
 
-    def _ancestors(self, node: Node, catch_up: list[Node]) -> list[int]:
-        """The draft slots ``node`` attends to in the pool: its live ancestors', and the unfed
-        committed nodes' fed in the same step before it."""
-        slots = [a.draft_slot for a in node.path_to(None)[:-1] if a.draft_slot is not None]
+    def _ancestors(self, node: Node, catch_up: list[Node]) -> list[Node]:
+        """The nodes whose draft K/V ``node`` attends to in the draft's scratch: its live ancestors
+        the draft ran, and the unfed committed nodes fed in the same step before it."""
+        held = self.drafter.scratch
+        ancestors = [a for a in node.path_to(None)[:-1] if a in held]
         if node in catch_up:
-            slots += [c.draft_slot for c in catch_up[:catch_up.index(node)]]
-        elif catch_up:
-            slots += [c.draft_slot for c in catch_up]
-        return slots
-
-    def _own(self, node: Node, attr: str, slot: int) -> None:
-        setattr(node, attr, slot)
-        self.owners[attr][slot] = node
+            return ancestors + catch_up[:catch_up.index(node)]
+        return ancestors + catch_up
 
     def _release(self, node: Node) -> None:
-        if node.head_slot is not None:
-            self.owners["head_slot"].pop(node.head_slot)
-            self.pool.release(node.head_slot)
-            node.head_slot = None
-        if node.draft_slot is not None:
-            self.owners["draft_slot"].pop(node.draft_slot)
-            self.drafter.release(node.draft_slot)
-            node.draft_slot = None
-
-    def _committed(self, nodes: list[Node], attr: str, moved: dict[int, int]) -> None:
-        """``nodes``' slots became context; the live nodes whose slots moved (``moved``) follow them."""
-        owners = self.owners[attr]
-        for node in nodes:
-            owners.pop(getattr(node, attr))
-            setattr(node, attr, None)
-        movers = [(owners.pop(old), new) for old, new in moved.items()]
-        for node, new in movers:
-            self._own(node, attr, new)
-
-    def _draft_commit(self, nodes: list[Node]) -> None:
-        moved = self.drafter.commit([n.draft_slot for n in nodes], [n.token for n in nodes])
-        self._committed(nodes, "draft_slot", moved)
+        self.scratch.release(node)
+        if self.drafter is not None:
+            self.drafter.scratch.release(node)
 
     def _prefill(self) -> list[bytes]:
         """FORWARDs of the context the target lacks, before a tree's first frame."""
@@ -297,27 +264,18 @@ class Speculator:
             piece = self.tokens[i:min(i + PREFILL_CHUNK, end)]
             ids = torch.tensor(piece, dtype=torch.long, device=self.device).clamp_(max=self.vocab - 1)
             hidden = self.head.run(ids, torch.arange(i, i + len(piece), device=self.device), end=i + len(piece))
-            self.head.kv.note(i, piece)
+            self.head.note(i, piece)
             frames.append(self._encode(i, piece, hidden, None, 0, wire.Sampling()))
-        self.head.kv.note(end, [])  # positions from the root on are stale (the tail drops them too)
+        self.head.note(end, [])  # positions from the root on are stale (the tail drops them too)
         return frames
 
     def _forward(self, nodes: list[Node], s: wire.Sampling) -> bytes:
         """The head slice over the frame's nodes, padded to its shape; the tree FORWARD."""
-        size, base, trash = self._shape(len(nodes)), self.pool.n, self.pool.trash
-        for node in nodes:
-            self._own(node, "head_slot", self.pool.take())
-        ids, slots, rope = [0] * size, [trash] * size, [max(base - 1, 0)] * size
-        visible = np.zeros((size, self.pool.size), dtype=bool)
-        visible[len(nodes):, trash - base] = True  # a padding row sees its own trash slot: never an empty softmax
-        for r, node in enumerate(nodes):
-            ids[r], slots[r], rope[r] = min(node.token, self.vocab - 1), node.head_slot, node.pos
-            visible[r, [a.head_slot - base for a in node.path_to(None)]] = True
-        dev = self.device
-        mask = TreeMask(torch.tensor(rope, device=dev), torch.tensor([base], device=dev),
-                        torch.from_numpy(visible).to(dev))
-        hidden = self.head.run(torch.tensor(ids, device=dev), torch.tensor(slots, device=dev),
-                               end=base + self.pool.size, tree=mask)[:len(nodes)]
+        slots, mask = self.scratch.tree_inputs([(n.pos, n, n.path_to(None)[:-1]) for n in nodes], self.frame_size,
+                                               self.device)
+        ids = [min(n.token, self.vocab - 1) for n in nodes] + [0] * (self.frame_size - len(nodes))
+        hidden = self.head.run(torch.tensor(ids, device=self.device), slots, end=self.scratch.end,
+                               tree=mask)[:len(nodes)]
         parents = tuple(self.live.parent_id(n) for n in nodes)
         return self._encode(self.tree_start, [n.token for n in nodes], hidden, parents, nodes[0].id, s)
 
@@ -343,15 +301,13 @@ class Speculator:
         for node in dead:  # their slots go back
             self._release(node)
         if committed:
-            src, dst, moved = self.pool.commit([n.head_slot for n in committed])
-            self.head.kv.move(src, dst)
-            self.head.kv.note(self.pool.n - len(committed), [n.token for n in committed])
-            self._committed(committed, "head_slot", moved)
-            if self.drafter is not None:
-                n_fed = 0 if self.unfed else next(
-                    (i for i, n in enumerate(committed) if n.draft_slot is None), len(committed))
-                if n_fed:
-                    self._draft_commit(committed[:n_fed])
+            tokens = [n.token for n in committed]
+            self.scratch.commit(committed, tokens)
+            if self.drafter is not None:  # the draft's K/V of the nodes it ran, while none before is unfed
+                held = self.drafter.scratch
+                n_fed = 0 if self.unfed else next((i for i, n in enumerate(committed) if n not in held),
+                                                  len(committed))
+                held.commit(committed[:n_fed], tokens[:n_fed])
                 self.unfed += committed[n_fed:]
         out, finish = [], None
         for t in picks:

@@ -17,10 +17,11 @@ fill its KV cache: a tree's root position must be where they end). The tail keep
 the target's pick after it. A node of an arriving frame is live if its parent is the frontier
 and its token that pick, or its parent is a live node of the same frame; every other node is
 dead (its parent was dead, or the target picked another token after it) and is not computed. The
-live nodes run at the frame's fixed shape (``Hello.shape``: padded, each row seeing the context,
-its ancestors and itself), the target picks at each (``sampling.picks``: one host sync, which
-also checks that the logits are finite), and the walk descends from the frontier while a pick
-is a child: those nodes are committed, their K/V moves in place after the context, and the
+live nodes run at the frame's fixed shape (``Hello.shape``: padded, each row in a slot of a
+``Scratch`` that lives for the frame, seeing the context, its ancestors and itself), the target
+picks at each (``sampling.picks``: one host sync, which also checks that the logits are finite),
+and the walk descends from the frontier while a pick is a child: those nodes are committed
+(``Scratch.commit``: their K/V moves in place after the context, in every segment), and the
 frontier moves to the last of them. Every frame gets a VERDICT (the committed nodes, empty when
 none, and the picks). Frames of a tree older than the newest are dropped unread; node ids come
 in order, one frame after another.
@@ -45,7 +46,7 @@ from sfchat.protocol import wire
 from sfchat.protocol.handshake import Hello, Ready, shown
 from sfchat.protocol.messages import Failure, Progress
 from sfchat.engine import sampling
-from sfchat.model.kv import TreeMask
+from sfchat.engine.scratch import Scratch
 from sfchat.model.memory import check_graphs
 from sfchat.model.slices import ModelSlice, n_layers
 from sfchat.model.devices import DTYPE_NAMES, DTYPES
@@ -94,7 +95,7 @@ class Verifier:
         except Exception as exc:  # a check this file lacks: still an answer, and the tail stays up
             self.log(f"{UNEXPECTED}: {type(exc).__name__}: {exc}")
             if self.model is not None:
-                self.model.kv.reset()
+                self.model.reset()
             self._fail(emit, f"{UNEXPECTED} ({type(exc).__name__}); send a fresh hello", resync=True)
 
     def _handle(self, frame: bytes, emit) -> None:
@@ -142,12 +143,11 @@ class Verifier:
             except UserError as exc:
                 self._fail(emit, f"tail cannot capture the head's frame shapes: {exc}")
             for m, is_tree in hello.shapes():
-                if not self.model.captured(m, m, is_tree):
-                    self.model.capture(m, m, log=self.log, tree=is_tree)
+                if not self.model.captured(m, m, is_tree):  # a verify sees its rows' slots and the trash slot
+                    self.model.capture(m, m, log=self.log, tree=is_tree, span=m + 1 if is_tree else None)
         if not hello.graphs:
             self.model.graphs.clear()
-        for _, kv, _ in self.model.groups:  # nothing an earlier head left may reach this one's softmax
-            kv.reset(zero=True)
+        self.model.reset(zero=True)  # nothing an earlier head left may reach this one's softmax
         self.prefill_s = 0.0
         self._trees()
         ready = Ready(n_layers=n_layers(cfg), hidden_size=cfg.hidden_size, device=str(self.model.device),
@@ -190,19 +190,19 @@ class Verifier:
         m, n = self.model, len(msg.tokens)
         if self.frontier is not None:
             self._fail(emit, f"a prefill FORWARD inside tree {msg.tree}, after its nodes")
-        if msg.start_pos + n > m.kv.max_len:
-            self._fail(emit, f"positions up to {msg.start_pos + n} exceed the context of {m.kv.max_len}")
+        if msg.start_pos + n > m.max_len:
+            self._fail(emit, f"positions up to {msg.start_pos + n} exceed the context of {m.max_len}")
         self._no_hole(msg.start_pos, emit)
         t0 = time.perf_counter()
         hidden = tensor_from_bytes(msg.hidden, DTYPES[msg.dtype.name.lower()], n, msg.hidden_size, m.device)
         positions = torch.arange(msg.start_pos, msg.start_pos + n, device=m.device)
         m.run(hidden.to(m.dtype), positions, n_logits=1, end=msg.start_pos + n)
-        m.kv.note(msg.start_pos, msg.tokens)
+        m.note(msg.start_pos, msg.tokens)
         self.prefill_s += time.perf_counter() - t0
 
     def _no_hole(self, start: int, emit) -> None:
-        if start > len(self.model.kv.written):
-            self._fail(emit, f"context hole: the tail holds {len(self.model.kv.written)} positions, the head "
+        if start > self.model.held:
+            self._fail(emit, f"context hole: the tail holds {self.model.held} positions, the head "
                              f"wrote at {start} (did the tail restart?)", resync=True)
 
     def _verify(self, msg: wire.Forward, emit) -> None:
@@ -210,55 +210,76 @@ class Verifier:
         shape = self.hello.shape(n)
         if shape is None:
             self._fail(emit, f"a tree frame of {n} nodes; the hello announced at most {self.hello.frames[-1]}")
-        if msg.first_id == 1:
-            if self.frontier is not None:
-                self._fail(emit, f"tree {msg.tree} opened twice")
-            self._no_hole(msg.start_pos, emit)
-            del m.kv.written[msg.start_pos:]  # positions from the root on are the tree's
-            self.frontier, self.root_pos = (0, msg.tokens[0], msg.start_pos - 1), msg.start_pos
-        elif self.frontier is None or msg.first_id != self.next_id or msg.start_pos != self.root_pos:
-            self._fail(emit, f"a frame of tree {msg.tree} with nodes from {msg.first_id} at root {msg.start_pos}: "
-                             f"expected nodes from {self.next_id} at {self.root_pos} after an opening frame")
+        self._enter(msg, emit)
         self.next_id = msg.first_id + n
-        frontier, pick, pos = self.frontier
-        base = pos + 1  # the context: everything up to the frontier
-        live: list[int] = []  # frame indices of the live nodes, in order
-        where: dict[int, int] = {}  # node id -> its row among the live ones
-        for i, (parent, token) in enumerate(zip(msg.parents, msg.tokens)):
-            node = msg.first_id + i
-            first = parent == frontier and token == pick and not any(msg.parents[j] == frontier for j in live)
-            if first or parent in where:
-                where[node] = len(live)
-                live.append(i)
+        live, above = self._live(msg)
         self.skipped += n - len(live)
         if not live:  # nothing of this frame can be on the committed path: nothing computed
             self._answer(msg, (), (), 0.0, emit)
             return
-        if base + shape > m.kv.max_len:
-            self._fail(emit, f"a tree frame reaching slot {base + shape}, beyond the context of {m.kv.max_len}")
+        # the live rows' slots, right after the context (everything up to the frontier), and the
+        # trash slot of the padding rows: a scratch that lives for this frame (what is not committed
+        # dies with it)
+        scratch = Scratch(m, shape + 1)
+        scratch.reset(self.frontier[2] + 1)
+        if scratch.end > m.max_len:
+            self._fail(emit, f"a tree frame reaching slot {scratch.end}, beyond the context of {m.max_len}")
         t0 = time.perf_counter()
-        rows = len(live)
-        depth = [0] * rows
-        visible = torch.zeros(shape, shape, dtype=torch.bool)
-        visible[rows:, shape - 1] = True  # padding rows write and see the last slot only
-        for r, i in enumerate(live):
-            parent = msg.parents[i]
+        picks, positions = self._picks(msg, live, above, scratch, shape, emit)
+        self.computed += len(live)
+        path = self._walk(msg, live, picks)
+        scratch.commit(path, [msg.tokens[live[r]] for r in path])
+        last = path[-1]
+        self.frontier = (msg.first_id + live[last], picks[last], positions[last])
+        self._answer(msg, tuple(live[r] for r in path), tuple(picks[r] for r in path), time.perf_counter() - t0,
+                     emit)
+
+    def _enter(self, msg: wire.Forward, emit) -> None:
+        """A frame opens its tree (node 1: the root, at the end of the context) or continues it."""
+        if msg.first_id == 1:
+            if self.frontier is not None:
+                self._fail(emit, f"tree {msg.tree} opened twice")
+            self._no_hole(msg.start_pos, emit)
+            self.model.note(msg.start_pos, [])  # positions from the root on are the tree's
+            self.frontier, self.root_pos = (0, msg.tokens[0], msg.start_pos - 1), msg.start_pos
+        elif self.frontier is None or msg.first_id != self.next_id or msg.start_pos != self.root_pos:
+            self._fail(emit, f"a frame of tree {msg.tree} with nodes from {msg.first_id} at root {msg.start_pos}: "
+                             f"expected nodes from {self.next_id} at {self.root_pos} after an opening frame")
+
+    def _live(self, msg: wire.Forward) -> tuple[list[int], list[int | None]]:
+        """The frame indices of its live nodes, in order, and each one's parent's row among them
+        (None: the frontier's child)."""
+        frontier, pick, _ = self.frontier
+        live: list[int] = []
+        above: list[int | None] = []
+        where: dict[int, int] = {}  # node id -> its row among the live ones
+        for i, (parent, token) in enumerate(zip(msg.parents, msg.tokens)):
             if parent in where:
-                above = where[parent]
-                depth[r] = depth[above] + 1
-                visible[r] = visible[above]
+                up = where[parent]
+            elif parent == frontier and token == pick and None not in above:
+                up = None  # the target's pick after the frontier: the one node the walk may enter by
             else:
-                depth[r] = 1
-            visible[r, r] = True
-        positions = [pos + d for d in depth]
+                continue
+            where[msg.first_id + i] = len(live)
+            live.append(i)
+            above.append(up)
+        return live, above
+
+    def _picks(self, msg: wire.Forward, live: list[int], above: list[int | None], scratch: Scratch, shape: int,
+               emit) -> tuple[list[int], list[int]]:
+        """The live rows through the slice at the frame's shape (each row in its scratch slot, seeing
+        the context and its ancestors): the target's pick at each, and each one's position."""
+        m, rows, base = self.model, len(live), scratch.n
+        ancestors: list[list[int]] = []
+        for r in range(rows):
+            ancestors.append([] if above[r] is None else ancestors[above[r]] + [above[r]])
+        positions = [base + len(a) for a in ancestors]
+        slots, mask = scratch.tree_inputs(list(zip(positions, range(rows), ancestors)), shape, m.device)
         sent = DTYPES[msg.dtype.name.lower()]
-        hidden = tensor_from_bytes(msg.hidden, sent, n, msg.hidden_size, m.device)[live].to(m.dtype)
+        hidden = tensor_from_bytes(msg.hidden, sent, len(msg.tokens), msg.hidden_size, m.device)[live].to(m.dtype)
         if rows < shape:
             hidden = torch.cat([hidden, hidden.new_zeros(shape - rows, msg.hidden_size)])
-        slots = torch.tensor(list(range(base, base + rows)) + [base + shape - 1] * (shape - rows), device=m.device)
-        rope = torch.tensor(positions + [max(base - 1, 0)] * (shape - rows), device=m.device)
-        mask = TreeMask(rope, torch.tensor([base], device=m.device), visible.to(m.device))
-        logits = m.run(hidden, slots, n_logits=shape, end=base + shape, tree=mask)[:rows]
+        logits = m.run(hidden, slots, n_logits=shape, end=scratch.end, tree=mask)[:rows]
         chosen = sampling.picks(logits, positions, msg.sampling)
         out = torch.cat([chosen, torch.isfinite(logits).all().long()[None]]).tolist()  # the one host sync
         if not out[-1]:
@@ -266,20 +287,18 @@ class Verifier:
                              f"computed logits that are not finite in {DTYPE_NAMES[m.dtype]} (an overflow: Qwen2.5 "
                              "in float16 is known to); start the head with --dtype bfloat16 on GPUs that have it, "
                              "or --dtype float32")
-        self.computed += rows
-        path, node_row = [], 0  # the walk: from the frontier's live child, while the pick is a child
-        while True:
-            path.append(node_row)
-            child = msg.first_id + live[node_row]
-            nxt = next((r for r in range(node_row + 1, rows)
-                        if msg.parents[live[r]] == child and msg.tokens[live[r]] == out[node_row]), None)
-            if nxt is None:
-                break
-            node_row = nxt
-        m.keep([base + r for r in path], base, [msg.tokens[live[r]] for r in path])
-        last = path[-1]
-        self.frontier = (msg.first_id + live[last], out[last], positions[last])
-        self._answer(msg, tuple(live[r] for r in path), tuple(out[r] for r in path), time.perf_counter() - t0, emit)
+        return out[:-1], positions
+
+    @staticmethod
+    def _walk(msg: wire.Forward, live: list[int], picks: list[int]) -> list[int]:
+        """The committed rows: from the frontier's live child down, while the pick is a child."""
+        path, row = [], 0
+        while row is not None:
+            path.append(row)
+            child = msg.first_id + live[row]
+            row = next((r for r in range(row + 1, len(live))
+                        if msg.parents[live[r]] == child and msg.tokens[live[r]] == picks[row]), None)
+        return path
 
     def _answer(self, msg: wire.Forward, path, tokens, seconds: float, emit) -> None:
         # the frame's whole compute here, its prefill included: the head subtracts it from the round

@@ -1,8 +1,8 @@
 """Where and in what a node computes: devices from the flags, the draft's GPU, the dtype.
 
 Contract: ``resolve_device(name)`` / ``resolve_devices(name)`` turn ``--device`` into torch
-devices ("cpu", "cuda", "cuda:N", or "cuda:0,cuda:1" for a slice spread over two GPUs of the
-node), with a ``UserError`` naming the fix for a device this machine does not have;
+devices ("cpu", "cuda", "cuda:N", "cuda:0,cuda:1" for a slice spread over two GPUs of the
+node, "cpu,cpu" for the same segments on the CPU), with a ``UserError`` naming the fix for a device this machine does not have;
 ``default_draft_device`` puts the draft on a GPU the target slice does not use when there is
 one; ``pick_dtype`` chooses bf16 where the GPU has it, fp16 on older GPUs (T4), fp32 on the
 CPU, and ``runnable_dtype`` what a GPU without native bf16 computes a bf16 request in.
@@ -67,13 +67,17 @@ def no_gpu_reason() -> str:
 
 
 def resolve_devices(name: str | None) -> list[torch.device]:
-    """One device, or the GPUs of this node that one slice spreads over ("cuda:0,cuda:1")."""
+    """One device, or the GPUs of this node that one slice spreads over ("cuda:0,cuda:1"), or the
+    CPU named more than once ("cpu,cpu"): the slice then runs as that many segments on the CPU,
+    exactly the code of a slice spread over that many GPUs, so a two-GPU layout's answers can be
+    checked on a machine without GPUs."""
     devices = [resolve_device(part.strip()) for part in (name or "").split(",")] if name and "," in name \
         else [resolve_device(name)]
     if len(devices) > 1:
-        if any(d.type != "cuda" for d in devices):
-            raise UserError(f"--device {name!r}: only GPUs can share a slice (for example cuda:0,cuda:1)")
-        if len({d.index or 0 for d in devices}) != len(devices):
+        if len({d.type for d in devices}) > 1:
+            raise UserError(f"--device {name!r}: a slice is spread over GPUs (cuda:0,cuda:1) or run as segments "
+                            "on the CPU (cpu,cpu), not both")
+        if devices[0].type == "cuda" and len({d.index or 0 for d in devices}) != len(devices):
             raise UserError(f"--device {name!r} names the same GPU twice")
     return devices
 

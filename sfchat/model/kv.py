@@ -23,8 +23,8 @@ Contract
   rotary positions are the tree's ``rope``. Every field is a tensor, so the mask is an input of
   a CUDA graph. After a verdict ``move(src, dst)`` copies the accepted nodes' keys and values
   in place to the contiguous slots after the context (no reallocation; other slots untouched).
-* ``written`` records which token id sits at each slot, so ``reusable(tokens)`` can tell how
-  much of a new context is already cached (multi-turn reuse, draft catch-up).
+* Which token sits at each slot is the owning slice's record (``ModelSlice.note``), kept once
+  for all of its segments' caches.
 
 The cache knows nothing about models or rounds; it is duck-typed to what the decoder layers
 of transformers call (``update``), not a subclass of transformers' ``Cache``.
@@ -78,7 +78,6 @@ class StaticKV:
         self.mask = torch.zeros(1, 1, 1, max_len, dtype=dtype, device=device)
         self.windows = windows_for(max_len)
         self.window = max_len
-        self.written: list[int] = []
 
     # -- used by the forward that owns this cache ---------------------------------------------
     def window_for(self, end: int) -> int:
@@ -125,46 +124,8 @@ class StaticKV:
         for buf in self.keys + self.values:
             buf.index_copy_(2, d, buf.index_select(2, s))
 
-    def save(self, start: int, n: int) -> tuple[int, list[torch.Tensor]]:
-        """A copy of slots ``start .. start + n - 1`` of every layer, for ``load`` to put back
-        (the slots a round in flight may overwrite before its assumption is known to hold)."""
-        return start, [buf[:, :, start:start + n].clone() for buf in self.keys + self.values]
-
-    def load(self, saved: tuple[int, list[torch.Tensor]]) -> None:
-        start, copies = saved
-        for buf, old in zip(self.keys + self.values, copies):
-            buf[:, :, start:start + old.shape[2]].copy_(old)
-
-    # -- bookkeeping of what the slots hold ------------------------------------------------------
-    def note(self, start: int, tokens) -> None:
-        """Record that ``tokens`` were written at ``start``...; later slots become stale."""
-        del self.written[start:]
-        if len(self.written) < start:
-            raise ValueError(f"KV hole: writing at {start} but only {len(self.written)} slots are filled")
-        self.written.extend(int(t) for t in tokens)
-
-    def reusable(self, tokens) -> int:
-        """Length of the longest prefix of ``tokens`` whose KV is already in the cache.
-
-        Called every round over the whole context: prefix equality is monotone, so a binary
-        search of list-slice comparisons (done in C) replaces a Python loop over every token."""
-        tokens = list(tokens)
-        n = min(len(self.written), len(tokens))
-        if self.written[:n] == tokens[:n]:
-            return n
-        lo, hi = 0, n  # written[:lo] matches, written[:hi] does not
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if self.written[lo:mid] == tokens[lo:mid]:
-                lo = mid
-            else:
-                hi = mid
-        return lo
-
-    def reset(self, zero: bool = False) -> None:
-        """Forget what the slots hold; ``zero`` also clears them (a peer's NaN left in a slot that a
-        later forward's window covers would poison its softmax, masked or not)."""
-        self.written.clear()
-        if zero:
-            for buf in self.keys + self.values:
-                buf.zero_()
+    def clear(self) -> None:
+        """Zero every slot (a peer's NaN left in a slot that a later forward's window covers would
+        poison its softmax, masked or not)."""
+        for buf in self.keys + self.values:
+            buf.zero_()

@@ -227,7 +227,7 @@ def graphs_to_capture(model, verifies) -> Plan:
     new = [(p, tree) for p, tree in verifies if not model.captured(p, p, tree)]
     needs = slice_needs(model.config, model.lo, model.hi, embed=model.embed_tokens is not None,
                         head=model.lm_head is not None, dtype=model.dtype, quant=model.quant,
-                        max_len=model.kv.max_len, devices=[dev for dev, _, _ in model.groups], verifies=new)
+                        max_len=model.max_len, devices=model.devices, verifies=new)
     return [(f"CUDA graphs of layers [{lo}, {hi})", dev, Need(0, 0, 0, need.graphs))
             for (lo, hi), (dev, need) in zip(model.ranges, needs) if need.graphs]
 
@@ -236,8 +236,8 @@ def check_graphs(model, verifies) -> None:
     """Raise a UserError when the graphs for ``verifies`` that ``model`` has not captured yet would
     not fit in the memory free now (a second HELLO asking for new shapes, a tail's first)."""
     check_fits(graphs_to_capture(model, verifies),
-               _tail_hints(model.config, model.lo, model.quant, model.kv.max_len, model.dtype, verifies,
-                           len(model.groups) > 1))
+               _tail_hints(model.config, model.lo, model.quant, model.max_len, model.dtype, verifies,
+                           len(model.devices) > 1))
 
 
 def place_draft(config, split: int, draft: DraftPlan, **target) -> DraftPlan:

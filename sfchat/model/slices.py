@@ -5,7 +5,7 @@ Contract
 ``ModelSlice.load(source, lo, hi, embed=..., head=...)`` builds transformers' own decoder
 layers ``[lo, hi)`` (Qwen2 / Qwen2.5, Qwen3, Llama families) on the meta device, reads only
 their tensors (plus the embedding when ``embed``, the final norm and lm_head when ``head``)
-from the checkpoint's shard files, and owns a ``StaticKV`` for exactly those layers. Tied
+from the checkpoint's shard files, and owns the K/V caches of exactly those layers. Tied
 checkpoints have no ``lm_head.weight``: the embedding matrix is used for it.
 
 ``forward(x, positions, n_logits, window)``: ``x`` is token ids ``(n,)`` when the slice has the
@@ -17,10 +17,13 @@ or — for a slice with the head — logits ``(n_logits, V)`` of the last ``n_lo
 ``run(x, positions, n_logits, end=...)`` is the same forward over the smallest window holding
 ``end`` (the host-side end of ``positions``), replayed from a CUDA graph when one was captured
 for that shape (``capture`` captures one per window, with the tree's tensors as graph inputs for
-a tree forward). ``keep(src, start, tokens)`` moves the K/V of an accepted tree path to the
-slots from ``start`` on, in every KV cache of the slice, and records them. The draft model is simply the slice
-``[0, L)`` with both ends. The slice does not know which tokens are drafts, nor anything about
-the wire.
+a tree forward). The draft model is simply the slice ``[0, L)`` with both ends. The slice does
+not know which tokens are drafts, nor anything about the wire.
+
+The K/V has one owner: the slice. Its caches are private; ``note`` (which tokens the context
+slots hold), ``reusable``, ``held``, ``move`` (K/V from slots to slots), ``reset`` and the window
+queries act on every segment's cache alike, so no caller can move one segment and forget another.
+Who holds which scratch slot is ``engine.scratch.Scratch``'s, which moves them through ``move``.
 
 ``quant="nf4"`` loads the decoder layers' linear weights as 4-bit NF4 (``quant.py``), one layer
 at a time.
@@ -28,10 +31,10 @@ at a time.
 Segments. ``devices`` (two GPUs of one node) spreads the layers over them: each entry is one
 *segment*, a contiguous run of layers (``segment_runs``: as even in bytes as whole layers allow,
 the embedding counted in the first, norm + lm_head in the last, and ``reserved`` bytes per entry
-that others hold on that device: the draft), with its own KV cache
-(``groups``: device, ``StaticKV``, layers), the embedding in the first and norm + lm_head in the
-last; inputs and outputs stay on the first device (``self.device``). A device may appear more
-than once (``[cpu, cpu]``, ``[cuda:0, cuda:0]``): then one device runs several segments, which is
+that others hold on that device: the draft), with its own KV cache (``devices`` and ``ranges``
+say where each segment runs and which layers it holds), the embedding in the first and norm +
+lm_head in the last; inputs and outputs stay on the first device (``self.device``). A device may
+appear more than once (``[cpu, cpu]``, ``[cuda:0, cuda:0]``): then one device runs several segments, which is
 how the CPU tests and a one-GPU benchmark run exactly the code of a slice over two GPUs. Each
 segment's forward is a plain function of tensors and the window (``_segment``): the hidden state
 ``(n, H)`` (token ids for the first segment of a slice with the embedding), the slots, and a
@@ -47,6 +50,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -153,22 +157,23 @@ class ModelSlice(nn.Module):
             self.norm = norm_cls(config.hidden_size, eps=config.rms_norm_eps) if head else None
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False) if head else None
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        # one KV cache per segment, indexed by the layer's slot in the segment; ``self.kv`` (the
-        # first) also keeps the slice's bookkeeping of which tokens its slots hold
-        self.groups: list[tuple[torch.device, StaticKV, list[nn.Module]]] = []
+        # one K/V cache per segment, indexed by the layer's slot in the segment: private, reached
+        # only through the slice's K/V methods below, which act on every segment alike
+        self._segments: list[_Segment] = []
         self.ranges: list[tuple[int, int]] = []  # each segment's layers, as global layer indices
         for (start, stop), dev in zip(runs, devices if hi > lo else [device]):
             layers = list(self.layers[start:stop])
             for local, layer in enumerate(layers):
                 layer.self_attn.layer_idx = local
-            self.groups.append((dev, StaticKV(len(layers), config.num_key_value_heads, head_dim, max_len,
-                                              dtype, dev), layers))
+            self._segments.append(_Segment(dev, StaticKV(len(layers), config.num_key_value_heads, head_dim, max_len,
+                                                         dtype, dev), layers))
             self.ranges.append((lo + start, lo + stop))
-        self.kv = self.groups[0][1]
+        self.devices = [seg.device for seg in self._segments]  # one per segment, first to last
+        self._written: list[int] = []  # the token id at each context slot, for every segment alike
         # inv_freq is a non-persistent buffer: build the rotary embedding on each real device
         self.rotary = rotary_cls(config=config).to(device)
         self.rotaries = {dev: self.rotary if dev == device else rotary_cls(config=config).to(dev)
-                         for dev, _, _ in self.groups}
+                         for dev in self.devices}
         params = inspect.signature(layer_cls.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self.graphs = GraphTable()  # keys: (tokens, logits, tree, segment)
@@ -187,9 +192,9 @@ class ModelSlice(nn.Module):
         return names
 
     def device_of(self, module: nn.Module) -> torch.device:
-        for dev, _, layers in self.groups:
-            if any(module is layer for layer in layers):
-                return dev
+        for seg in self._segments:
+            if any(module is layer for layer in seg.layers):
+                return seg.device
         return self.last_device if module is self.norm or module is self.lm_head else self.device
 
     @classmethod
@@ -211,7 +216,7 @@ class ModelSlice(nn.Module):
         for module, _ in wanted.values():
             expected[module] = expected.get(module, 0) + 1
         layers = set(sl.layers)
-        single = len({d for d, _, _ in sl.groups} | {device}) == 1  # read straight onto the one device
+        single = len(set(sl.devices) | {device}) == 1  # read straight onto the one device
         dev = str(device) if device.type != "cuda" else f"cuda:{device.index or 0}"
         for name, tensor in source.read(names, dev if single else "cpu", progress):
             if name in wanted:
@@ -246,9 +251,9 @@ class ModelSlice(nn.Module):
         span = n_tokens if span is None else span
         if span < n_tokens:
             raise ValueError(f"a tree forward of {n_tokens} tokens cannot see only {span} slots")
-        windows = [w for w in self.kv.windows if w >= span]
+        windows = [w for w in self.windows if w >= span]
         done = []
-        for i, (dev, _, _) in enumerate(self.groups):
+        for i, dev in enumerate(self.devices):
             if i == 0 and self.embed_tokens is not None:
                 x = torch.zeros(n_tokens, dtype=torch.long, device=dev)
             else:
@@ -270,14 +275,14 @@ class ModelSlice(nn.Module):
     def captured(self, n_tokens: int, n_logits: int = 0, tree: bool = False) -> bool:
         """Whether that forward replays from graphs (one per segment)."""
         key = self._key(n_tokens, n_logits, tree)
-        return all(key + (i,) in self.graphs for i in range(len(self.groups)))
+        return all(key + (i,) in self.graphs for i in range(len(self._segments)))
 
     @torch.no_grad()
     def run(self, x: torch.Tensor, positions: torch.Tensor, n_logits: int = 0, *, end: int | None = None,
             tree: TreeMask | None = None) -> torch.Tensor:
         """``forward`` over the smallest window holding positions below ``end`` (all slots when
         None), each segment replayed from its captured graph when one fits the shape."""
-        window = self.kv.window_for(end) if end is not None else self.kv.max_len
+        window = self.window_for(end) if end is not None else self.max_len
         return self._through(x, positions, n_logits, window, tree, self._key(x.shape[0], n_logits, tree is not None))
 
     @torch.no_grad()
@@ -289,7 +294,7 @@ class ModelSlice(nn.Module):
         """The segments one after the other, each on its device: the plain functions, or (with
         ``key``) the table's graph of each that fits."""
         inputs = (x, positions, *(tree.tensors() if tree is not None else ()))
-        for i, (dev, _, _) in enumerate(self.groups):
+        for i, dev in enumerate(self.devices):
             inputs = tuple(t.to(dev) for t in inputs)  # the hidden state moves to the next segment's device
             fn = self._segment(i, n_logits, tree is not None)
             out = fn(*inputs, window) if key is None else self.graphs.run(key + (i,), fn, inputs, window)
@@ -306,7 +311,8 @@ class ModelSlice(nn.Module):
 
     def _layers(self, i: int, h: torch.Tensor, positions: torch.Tensor, n_logits: int, window: int | None,
                 tree: TreeMask | None) -> torch.Tensor:
-        dev, kv, layers = self.groups[i]
+        seg = self._segments[i]
+        dev, kv, layers = seg.device, seg.kv, seg.layers
         if i == 0:
             h = self.embed_tokens(h) if self.embed_tokens is not None else h.to(self.dtype)
         h = h[None]
@@ -318,22 +324,83 @@ class ModelSlice(nn.Module):
             h = layer(h, attention_mask=mask, position_ids=pos, position_embeddings=rope, **kw)
             if isinstance(h, tuple):  # older transformers return (hidden,)
                 h = h[0]
-        if i + 1 < len(self.groups) or self.lm_head is None:
+        if i + 1 < len(self._segments) or self.lm_head is None:
             return h[0]
         return self.lm_head(self.norm(h[0, -n_logits:])).float()
 
-    def keep(self, src: list[int], start: int, tokens: list[int]) -> None:
-        """After a tree verdict: the K/V of the accepted nodes, written at slots ``src``, move to
-        ``start, start + 1, ...`` (in every KV cache of the slice); ``tokens`` are recorded there."""
-        dst = list(range(start, start + len(src)))
-        for _, kv, _ in self.groups:
-            kv.move(src, dst)
-        self.kv.note(start, tokens)
+    # -- the K/V: every segment's cache at once -------------------------------------------------
+    @property
+    def max_len(self) -> int:
+        """Slots per cache: the context and the scratch after it."""
+        return self._segments[0].kv.max_len
 
-    def save(self, start: int, n: int) -> list:
-        """A copy of slots ``start .. start + n - 1`` in every KV cache of the slice (``restore``)."""
-        return [kv.save(start, n) for _, kv, _ in self.groups]
+    @property
+    def windows(self) -> list[int]:
+        """The attention windows a forward may run over (``kv.windows_for``)."""
+        return self._segments[0].kv.windows
 
-    def restore(self, saved: list) -> None:
-        for (_, kv, _), part in zip(self.groups, saved):
-            kv.load(part)
+    def window_for(self, end: int) -> int:
+        """The smallest window holding positions ``0 .. end - 1``."""
+        return self._segments[0].kv.window_for(end)
+
+    @property
+    def held(self) -> int:
+        """Positions of the context whose tokens the caches hold (``note``)."""
+        return len(self._written)
+
+    def cached_tokens(self) -> list[int]:
+        """The tokens whose K/V the caches hold at slots ``0 .. held - 1`` (a copy)."""
+        return list(self._written)
+
+    def note(self, start: int, tokens) -> None:
+        """Record that the K/V of ``tokens`` sits at slots ``start``... in every segment; later slots
+        become stale. Writing past the held context is a hole: a ValueError."""
+        if start > len(self._written):
+            raise ValueError(f"KV hole: writing at {start} but only {len(self._written)} slots are filled")
+        del self._written[start:]
+        self._written.extend(int(t) for t in tokens)
+
+    def reusable(self, tokens) -> int:
+        """Length of the longest prefix of ``tokens`` whose K/V the caches already hold.
+
+        Called every round over the whole context: prefix equality is monotone, so a binary
+        search of list-slice comparisons (done in C) replaces a Python loop over every token."""
+        tokens, written = list(tokens), self._written
+        n = min(len(written), len(tokens))
+        if written[:n] == tokens[:n]:
+            return n
+        lo, hi = 0, n  # written[:lo] matches, written[:hi] does not
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if written[lo:mid] == tokens[lo:mid]:
+                lo = mid
+            else:
+                hi = mid
+        return lo
+
+    def move(self, src: list[int], dst: list[int]) -> None:
+        """Copy the K/V of slots ``src`` to slots ``dst`` in every layer of every segment (sources
+        all read before any destination is written). What the moved slots hold is the caller's to
+        ``note``."""
+        for seg in self._segments:
+            seg.kv.move(src, dst)
+
+    def reset(self, zero: bool = False) -> None:
+        """Forget what the slots hold; ``zero`` also clears every segment's buffers."""
+        self._written.clear()
+        if zero:
+            for seg in self._segments:
+                seg.kv.clear()
+
+    def kv_tensors(self) -> list[torch.Tensor]:
+        """Every layer's keys, then values, segment by segment (the buffers themselves: for checks)."""
+        return [t for seg in self._segments for t in seg.kv.keys + seg.kv.values]
+
+
+@dataclass(eq=False)
+class _Segment:
+    """A run of the slice's layers on one device, with the K/V cache of those layers."""
+
+    device: torch.device
+    kv: StaticKV
+    layers: list[nn.Module]

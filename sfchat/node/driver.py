@@ -95,7 +95,7 @@ class RoundDriver:
         self.on_progress = None
         self.flight: deque[Frame] = deque()  # sent, not answered yet; oldest first
         self.flight_sampling: wire.Sampling | None = None
-        self.policy = policy or PipelinePolicy(speculator.frame_sizes, max_in_flight if link.overlaps else 1)
+        self.policy = policy or PipelinePolicy(max_in_flight if link.overlaps else 1)
 
     # what the rest of the head reads of the engine
     head = property(lambda self: self.spec.head)
@@ -206,40 +206,16 @@ class RoundDriver:
 
     def _round(self, s: wire.Sampling, eos_ids: set[int], budget: int) -> RoundOutcome:
         t0 = time.perf_counter()
-        if self.flight and self.flight_sampling != s:
+        if self.flight and self.flight_sampling != s:  # frames drawn with other settings: their tree goes
             self.flight.clear()
             self.spec.close()
         self.flight_sampling = s
-        size, m = self.policy.choose()
-        built = draft_ms = 0.0
-        steps = 0
-        waiting_before = bool(self.flight)  # the frame this verdict answers went out in an earlier call
-        t2 = t0
-        while len(self.flight) < m:
-            frame = self.spec.frame(s, size, budget, self.policy.min_yield if self.flight else 0.0)
-            if frame is None:
-                break
-            frame.sent_at = time.perf_counter()  # before it goes: the tail may start on it before send returns
-            for raw in frame.frames:
-                self._send(raw)
-            frame.ahead = bool(self.flight)
-            self.flight.append(frame)
-            built += frame.draft_ms + frame.head_ms
-            steps += frame.steps
-            if len(self.flight) == 1 and not waiting_before:
-                draft_ms, t2 = frame.draft_ms, time.perf_counter()  # it is out: what follows overlaps it
+        fill = self._fill(s, budget, t0)
         if not self.flight:  # nothing may be sent: the context window is full
             return RoundOutcome(Commit((), "context"), RoundStats(0, 0, 0.0, 0.0, 0.0, 0.0, 0.0))
         first = self.flight[0]
         t3 = time.perf_counter()
-        ahead = [0]
-
-        def grow() -> bool:  # one draft step ahead of need while the verdict travels
-            ran = ahead[0] < self.ahead_steps and self.spec.grow(s, budget)
-            ahead[0] += ran
-            return ran
-
-        verdict, arrived = self._await_verdict(first, grow)
+        verdict, arrived, ahead = self._await_verdict(first, s, budget)
         t4 = time.perf_counter()
         commit = self._checked(self.spec.take, first, verdict, eos_ids, budget)
         in_flight = len(self.flight)
@@ -252,20 +228,41 @@ class RoundDriver:
         tail_ms = min(verdict.tail_us / 1e3, elapsed_ms)  # a tail's word, never more than it took
         rtt_ms = elapsed_ms - tail_ms
         self.policy.observe(
-            first.size, tokens=len(commit.tokens), sent_bytes=first.sent_bytes, rtt_ms=rtt_ms, tail_ms=tail_ms,
+            tokens=len(commit.tokens), sent_bytes=first.sent_bytes, rtt_ms=rtt_ms, tail_ms=tail_ms,
             build_ms=first.draft_ms + first.head_ms if first.steady else None,
             # the head's own time per verdict beyond building frames: its busy time, and the time
             # from the verdict's arrival (or the start of the wait) to having it
-            overhead_ms=(t5 - t0 - (t4 - t3) + t4 - max(arrived, t3)) * 1e3 - built)
+            overhead_ms=(t5 - t0 - (t4 - t3) + t4 - max(arrived, t3)) * 1e3 - fill.built_ms)
         depth = max((n.pos for n in first.nodes), default=0) - first.nodes[0].pos + 1 if first.nodes else 0
         stats = RoundStats(
-            accepted=max(len(commit.tokens) - 1, 0), committed=len(commit.tokens), draft_ms=draft_ms,
-            head_ms=(t2 - t0) * 1e3 - draft_ms,
+            accepted=max(len(commit.tokens) - 1, 0), committed=len(commit.tokens), draft_ms=fill.draft_ms,
+            head_ms=(fill.out_at - t0) * 1e3 - fill.draft_ms,
             tail_ms=tail_ms, rtt_ms=rtt_ms, round_ms=(t5 - t0) * 1e3,
-            wait_ms=(t4 - t3) * 1e3, overlap_ms=(t3 - t2) * 1e3, speculated=first.ahead and bool(commit.tokens),
+            wait_ms=(t4 - t3) * 1e3, overlap_ms=(t3 - fill.out_at) * 1e3, speculated=first.ahead and bool(commit.tokens),
             forward_bytes=first.forward_bytes, tree_nodes=len(first.nodes), depth=depth, in_flight=in_flight,
-            draft_steps=steps, ahead_steps=ahead[0])
+            draft_steps=fill.steps, ahead_steps=ahead)
         return RoundOutcome(commit, stats)
+
+    def _fill(self, s: wire.Sampling, budget: int, t0: float) -> "_Fill":
+        """Build and send frames while fewer than the policy's number are in flight; a frame sent
+        ahead of others must be expected to commit the policy's ``min_yield``."""
+        fill = _Fill(out_at=t0)
+        waiting_before = bool(self.flight)  # the frame this verdict answers went out in an earlier call
+        m = self.policy.choose()
+        while len(self.flight) < m:
+            frame = self.spec.frame(s, budget, self.policy.min_yield if self.flight else 0.0)
+            if frame is None:
+                break
+            frame.sent_at = time.perf_counter()  # before it goes: the tail may start on it before send returns
+            for raw in frame.frames:
+                self._send(raw)
+            frame.ahead = bool(self.flight)
+            self.flight.append(frame)
+            fill.built_ms += frame.draft_ms + frame.head_ms
+            fill.steps += frame.steps
+            if len(self.flight) == 1 and not waiting_before:
+                fill.draft_ms, fill.out_at = frame.draft_ms, time.perf_counter()  # out: what follows overlaps it
+        return fill
 
     @staticmethod
     def _checked(fn, *args):
@@ -274,10 +271,19 @@ class RoundDriver:
         except ProtocolError as exc:
             raise LinkError(f"protocol error: {exc}") from None
 
-    def _await_verdict(self, frame: Frame, grow=lambda: False) -> tuple[wire.Verdict, float]:
-        """The verdict of ``frame`` and when it arrived (``perf_counter``), within ``round_timeout``
-        of the start of the wait whatever else arrives meanwhile; ``grow()`` runs between looks at
-        the link while it returns True (work ahead of need), then the wait blocks."""
+    def _await_verdict(self, frame: Frame, s: wire.Sampling, budget: int) -> tuple[wire.Verdict, float, int]:
+        """The verdict of ``frame``, when it arrived (``perf_counter``) and the draft steps run ahead
+        meanwhile, within ``round_timeout`` of the start of the wait whatever else arrives; up to
+        ``ahead_steps`` draft steps run between looks at the link while there is something to
+        expand, then the wait blocks."""
+        ahead = 0
+
+        def grow() -> bool:  # one draft step ahead of need while the verdict travels
+            nonlocal ahead
+            ran = ahead < self.ahead_steps and self.spec.grow(s, budget)
+            ahead += ran
+            return ran
+
         start = time.monotonic()
         deadline, stalled, growing = start + self.round_timeout, False, self.ahead_steps > 0
         while True:
@@ -297,7 +303,7 @@ class RoundDriver:
                     if stalled:
                         self.on_event(LinkState("connected", f"the link recovered after "
                                                              f"{time.monotonic() - start:.0f} s"))
-                    return msg, self.link.last_arrival or time.perf_counter()
+                    return msg, self.link.last_arrival or time.perf_counter(), ahead
                 if msg.round < frame.round_id:
                     continue  # a stale verdict of an abandoned frame: never applied
                 raise LinkError(f"protocol error: a verdict for frame {msg.round}, which was never sent")
@@ -305,3 +311,13 @@ class RoundDriver:
                 self._parsed(Progress, msg)
                 continue
             raise LinkError(f"protocol error: unexpected {type(msg).__name__} while waiting for a verdict")
+
+
+@dataclass
+class _Fill:
+    """What one call's frame building did: when the verdict's frame was out, the draft's share."""
+
+    out_at: float
+    built_ms: float = 0.0
+    draft_ms: float = 0.0
+    steps: int = 0

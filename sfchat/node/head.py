@@ -87,7 +87,7 @@ class Head:
         reused = self.engine.begin(prompt_ids)
         yield ReplyStarted(len(prompt_ids), reused, len(prompt_ids) - reused)
         stream = TextStream(self.tokenizer)
-        tally = Tally(max(self.engine.spec.frame_sizes) - 1)  # a verdict commits at most a frame's nodes
+        tally = Tally(self.engine.spec.frame_size - 1)  # a verdict commits at most a frame's nodes
         tokens, finish = [], None
         while finish is None:
             if cancelled():

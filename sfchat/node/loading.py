@@ -14,18 +14,16 @@ restarted tail resumes its pairing) and returns ``(RoundDriver, RuntimeReady)``,
 ``LoadProgress`` as it goes; ``policy`` replaces the pipeline policy.
 Token ids only: no tokenizer is needed (benchmarks use random-weight checkpoints).
 ``check_devices(settings)`` refuses a device this machine lacks, for a caller to run before it
-fetches anything. ``TailLoader`` is the tail's: a callable the ``Verifier`` is given, which loads the slice a
-HELLO names. Every failure a user can fix is a ``UserError``.
+fetches anything. Local mode's tail loads its slice through ``node.tail_loader.TailLoader``, as
+``sfchat --tail`` does. Every failure a user can fix is a ``UserError``.
 """
 
 from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable
 
-import torch
 
 from sfchat import UserError
 from sfchat.config import Settings
@@ -33,14 +31,14 @@ from sfchat.engine.draft import CHILDREN, WIDTH, Drafter
 from sfchat.engine.speculator import Speculator
 from sfchat.engine.verifier import Verifier
 from sfchat.events import LoadProgress, RuntimeReady
-from sfchat.model.devices import DTYPE_NAMES, default_draft_device, pick_dtype, resolve_device, resolve_devices, runnable_dtype
-from sfchat.model.memory import DraftPlan, check_head, check_tail, head_reserve, place_draft, unequal_free
+from sfchat.model.devices import DTYPE_NAMES, default_draft_device, pick_dtype, resolve_device, resolve_devices
+from sfchat.model.memory import DraftPlan, check_head, head_reserve, place_draft
 from sfchat.model.slices import ModelSlice, n_layers
 from sfchat.model.source import ModelSource
 from sfchat.node.connect import HeadDialer
 from sfchat.node.driver import RoundDriver
 from sfchat.node.local_link import MemoryLink
-from sfchat.protocol import wire
+from sfchat.node.tail_loader import TailLoader
 from sfchat.protocol.handshake import Hello
 
 
@@ -114,7 +112,7 @@ def open_engine(s: Settings, on_event: Callable = lambda e: None, link=None,
     if link is None:
         link = MemoryLink(Verifier(TailLoader(device, devices)))
     reconnect = (redial or HeadDialer(s, on_event)) if s.relay else None
-    spec = Speculator(head, drafter, max_context=max_context, frame_sizes=[layout.size], steps=k,
+    spec = Speculator(head, drafter, max_context=max_context, frame_size=layout.size, steps=k,
                       head_pool=layout.head_pool)
     engine = RoundDriver(spec, link, policy=policy, on_event=on_event, reconnect=reconnect,
                          round_timeout=s.round_timeout, reconnect_timeout=s.reconnect_timeout,
@@ -182,53 +180,3 @@ def check_same_tokenizer(s: Settings, target_tok, draft_tok) -> None:
     if target_tok.get_vocab() != draft_tok.get_vocab():
         raise UserError(f"the draft {s.draft!r} uses a different tokenizer than {s.model!r}: "
                         "pick a draft from the same model family, or --draft none")
-
-
-class TailLoader:
-    """The tail's slice loader, handed to its ``Verifier``: opens the model a HELLO names (hub ids,
-    and local directories inside ``models_dirs`` only; anywhere when None, as in local mode,
-    whose names the user typed), checks the memory it needs, loads layers [split, L) with the
-    norm and lm_head on ``device`` (spread over ``devices``, balanced so that every GPU is left the
-    same headroom: ``memory.unequal_free``)."""
-
-    def __init__(self, device: torch.device, devices: list[torch.device] | None = None,
-                 models_dirs: list[Path] | None = None, log: Callable[[str], None] | None = None):
-        self.device, self.devices = device, list(devices or [device])
-        self.models_dirs = models_dirs
-        self.log = log or (lambda message: None)
-
-    def __call__(self, hello: Hello, progress: Callable) -> ModelSlice:
-        def report(stage, done, total, detail):
-            if stage == "download" and total == 0 and detail:  # a shard starts: worth a line on the tail too
-                self.log(f"fetching {detail}")
-            progress(stage, done, total, detail)
-
-        try:
-            src = ModelSource.open(hello.model, hello.revision, report, allowed_dirs=self.models_dirs)
-        except UserError as exc:
-            if str(exc).startswith("model directory"):  # the head runs a local copy: so must the tail
-                raise UserError(f"{exc} on the tail machine (the head named a local directory: give the "
-                                "head a hub id, or the same directory on both machines)") from None
-            raise
-        L = n_layers(src.config)
-        split = hello.split
-        if not 0 <= split <= L:
-            raise UserError(f"split {split} out of range 0..{L}")
-        limit = (getattr(src.config, "max_position_embeddings", 0) or 1 << 20) + wire.MAX_SCRATCH
-        if hello.max_len > limit:  # a head must not make the tail allocate without bound
-            raise UserError(f"a context of {hello.max_len} positions exceeds the model's {limit}")
-        asked = pick_dtype(self.device, hello.dtype)
-        dtype = runnable_dtype(self.device, asked)
-        if dtype != asked:
-            self.log(f"{self.device} has no native {DTYPE_NAMES[asked]}: computing in {DTYPE_NAMES[dtype]} "
-                     f"(the head's hidden states are converted; replies may differ slightly from an "
-                     f"all-{DTYPE_NAMES[asked]} run)")
-        quant = hello.quant
-        where = ",".join(map(str, self.devices))
-        check_tail(src.config, split, devices=self.devices, dtype=dtype, quant=quant, max_len=hello.max_len,
-                   verifies=hello.shapes(), graphs=hello.graphs)
-        self.log(f"loading {hello.model} layers [{split}, {L}) as {DTYPE_NAMES[dtype]}"
-                 f"{' with NF4 weights' if quant == 'nf4' else ''} on {where}")
-        return ModelSlice.load(src, split, L, embed=False, head=True, dtype=dtype, device=self.device,
-                               max_len=hello.max_len, progress=report, quant=quant, devices=self.devices,
-                               reserved=unequal_free(self.devices))

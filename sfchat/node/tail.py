@@ -37,7 +37,7 @@ from sfchat.link.relay import RelayLink
 from sfchat.link.resume import ResumeFile
 from sfchat.model.devices import resolve_devices
 from sfchat.engine.verifier import TailError, Verifier
-from sfchat.node.loading import TailLoader
+from sfchat.node.tail_loader import TailLoader
 from sfchat.protocol.messages import Failure
 from sfchat.link.secure import IntegrityError, PlaintextPeer, SecureLink
 

@@ -93,13 +93,6 @@ class DType(enum.IntEnum):
     def itemsize(self) -> int:
         return 4 if self is DType.FLOAT32 else 2
 
-    @classmethod
-    def from_name(cls, name: str) -> "DType":
-        try:
-            return {"float32": cls.FLOAT32, "float16": cls.FLOAT16, "bfloat16": cls.BFLOAT16}[name]
-        except KeyError:
-            raise WireError(f"unsupported dtype {name!r}") from None
-
 
 JSON_TYPES = {MsgType.HELLO, MsgType.READY, MsgType.PROGRESS, MsgType.ERROR, MsgType.BYE}
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from sfchat.engine.live import Calibration, LiveTree, ProtocolError, SlotPool
+from sfchat.engine.live import Calibration, LiveTree, ProtocolError
 
 VOCAB = 100
 
@@ -133,15 +133,3 @@ def test_a_lookup_continuation_hangs_under_the_root_and_shares_nodes():
     assert tree.root.children[10].q == 0.9  # shared with the draft's proposal
     leaf = tree.root.children[10].children[11].children[12]
     assert leaf.q is None and leaf.step == tree.calibration.step(None)
-
-
-def test_the_slot_pool_moves_committed_nodes_into_the_context_and_relocates_the_rest():
-    pool = SlotPool(10, 6)  # slots 10..14, 15 the trash slot
-    slots = [pool.take() for _ in range(5)]
-    assert slots == [10, 11, 12, 13, 14] and pool.take() is None and pool.trash == 15
-    pool.release(13)
-    src, dst, moved = pool.commit([12, 14])  # two committed nodes: 10 and 11 are live and in the way
-    assert pool.n == 12 and dst[:2] == [10, 11] and src[:2] == [12, 14]
-    assert set(moved) == {10, 11} and all(12 <= s < 17 for s in moved.values())
-    assert pool.used == set(moved.values()) and len(set(src)) == len(src) and len(set(dst)) == len(dst)
-    assert 17 == pool.trash and pool.free == 3

@@ -35,7 +35,7 @@ from sfchat.engine import verifier as tail_module
 from sfchat.node.local_link import MemoryLink
 from sfchat.node.head import Head
 from sfchat.engine.verifier import Verifier
-from sfchat.node.loading import TailLoader
+from sfchat.node.tail_loader import TailLoader
 from sfchat.protocol.wire import Sampling
 
 REPO = Path(__file__).resolve().parents[2]

@@ -17,7 +17,7 @@ from sfchat.engine.verifier import TailError, Verifier
 from sfchat.events import ReplyFinished
 from sfchat.node.driver import LinkError, LinkLost, RoundDriver
 from sfchat.node.head import Head
-from sfchat.node.loading import TailLoader
+from sfchat.node.tail_loader import TailLoader
 from sfchat.node.local_link import MemoryLink
 from sfchat.protocol import wire
 from sfchat.protocol.wire import Sampling
@@ -57,39 +57,39 @@ def verdict(frame, path, tokens, **kw) -> wire.Verdict:
 
 def test_a_trees_first_frame_sends_the_missing_context_then_the_root_and_its_chain(spec):
     n = len(spec.tokens)
-    frame = spec.frame(Sampling(), None, 100)
+    frame = spec.frame(Sampling(), 100)
     msgs = [wire.decode(f) for f in frame.frames]
     assert [m.verify for m in msgs] == [False] * (len(msgs) - 1) + [True]
     assert msgs[0].start_pos == 0 and sum(len(m.tokens) for m in msgs[:-1]) == n - 1  # prefill up to the root
     tree = msgs[-1]
     assert tree.start_pos == n - 1 and tree.first_id == 1 and tree.tokens[0] == spec.tokens[-1]
     assert tree.parents == tuple(range(K + 1)) and len(tree.tokens) == K + 1  # the root, then a chain of K
-    assert spec.head.kv.written == spec.tokens[:-1]  # the nodes sit in scratch, not in the context
-    again = spec.frame(Sampling(), None, 100)
+    assert spec.head.cached_tokens() == spec.tokens[:-1]  # the nodes sit in scratch, not in the context
+    again = spec.frame(Sampling(), 100)
     nxt = wire.decode(again.frames[-1])
     assert len(again.frames) == 1 and nxt.first_id == K + 2 and nxt.parents[0] == K + 1  # below the first
 
 
 def test_a_verdict_commits_the_picks_and_the_context_grows_by_the_committed_nodes(spec):
     n = len(spec.tokens)
-    frame = spec.frame(Sampling(), None, 100)
+    frame = spec.frame(Sampling(), 100)
     nodes = frame.nodes
     picks = [m.token for m in nodes[1:3]] + [(nodes[3].token + 1) % spec.vocab]  # two accepted, then another
     commit = spec.take(frame, verdict(frame, [0, 1, 2], picks), set(), 100)
     assert commit.tokens == tuple(picks) and commit.finish is None and spec.tokens[n:] == picks
-    assert spec.head.kv.written == spec.tokens[:-1]  # the committed nodes' K/V moved into the context
+    assert spec.head.cached_tokens() == spec.tokens[:-1]  # the committed nodes' K/V moved into the context
     assert spec.live.root.token == picks[-1] and not spec.live.root.sent
-    frame = spec.frame(Sampling(), None, 100)
+    frame = spec.frame(Sampling(), 100)
     assert wire.decode(frame.frames[-1]).parents[0] == nodes[2].id  # the new root hangs under the last committed
 
 
 def test_a_reply_is_cut_at_eos_budget_and_window(spec):
-    frame = spec.frame(Sampling(), None, 100)
+    frame = spec.frame(Sampling(), 100)
     picks = [m.token for m in frame.nodes[1:]] + [3]
     commit = spec.take(frame, verdict(frame, range(K + 1), picks), {picks[1]}, 100)
     assert commit.tokens == tuple(picks[:2]) and commit.finish == "eos" and spec.live is None
     spec.begin(spec.tokens)
-    frame = spec.frame(Sampling(), None, 2)  # a budget of two tokens: nodes beyond it are not sent
+    frame = spec.frame(Sampling(), 2)  # a budget of two tokens: nodes beyond it are not sent
     assert len(frame.nodes) == 2
     commit = spec.take(frame, verdict(frame, [0, 1], [frame.nodes[1].token, 7]), set(), 2)
     assert len(commit.tokens) == 2 and commit.finish == "length"
@@ -106,25 +106,28 @@ def test_a_reply_is_cut_at_eos_budget_and_window(spec):
     (lambda f, v: verdict(f, [0], [1], tree=f.tree + 1), "of tree"),
 ])
 def test_an_impossible_verdict_is_a_protocol_error_and_commits_nothing(spec, case, message):
-    frame = spec.frame(Sampling(), None, 100)
-    before, written = list(spec.tokens), list(spec.head.kv.written)
+    frame = spec.frame(Sampling(), 100)
+    before, written = list(spec.tokens), list(spec.head.cached_tokens())
     with pytest.raises(ProtocolError, match=message):
         spec.take(frame, case(frame, spec.vocab), set(), 100)
-    assert spec.tokens == before and spec.head.kv.written == written
+    assert spec.tokens == before and spec.head.cached_tokens() == written
 
 
 def test_a_frame_built_ahead_hedges_and_its_nodes_die_with_the_outcome_it_lost(zoo):
     session = load(zoo, draft="draft", tree_budget=8)  # an unrelated draft: a tree of 8
     spec = session.engine.spec
     spec.begin(session.encode(PROMPT))
-    first = spec.frame(Sampling(), None, 100)
-    second = spec.frame(Sampling(), None, 100)  # before the first's verdict
+    first = spec.frame(Sampling(), 100)
+    second = spec.frame(Sampling(), 100)  # before the first's verdict
     assert {n.parent for n in second.nodes} & set(first.nodes)  # hangs under the first frame's nodes
-    used = set(spec.pool.used)
+    held = spec.scratch.free
+    assert all(n in spec.scratch for n in first.nodes + second.nodes)
     other = next(t for t in range(spec.vocab) if t not in first.nodes[0].children)
     spec.take(first, verdict(first, [0], [other]), set(), 100)  # the target picked what nobody proposed
     assert spec.live.root.token == other and not spec.live.root.sent
-    assert spec.pool.used < used  # every node of both frames died: their slots came back
+    # every node of both frames died (the root's K/V became context): their slots came back
+    assert not any(n in spec.scratch for n in first.nodes + second.nodes)
+    assert spec.scratch.free == spec.scratch.size - 1 > held
     assert spec.take(second, verdict(second, [], []), set(), 100).tokens == ()
 
 
@@ -281,16 +284,16 @@ def test_drafting_ahead_of_a_new_root_keeps_the_prompt_lookup_branch(spec):
     for token in branch:
         assert token in node.children, (token, list(node.children))
         node = node.children[token]
-    frame = spec.frame(Sampling(), None, 100)
+    frame = spec.frame(Sampling(), 100)
     assert [n.token for n in frame.nodes[:3]] == [ctx[-1]] + branch[:2]
 
 
 def test_drafting_ahead_leaves_the_next_frames_own_steps_their_room(spec):
     """However long a verdict takes, the steps run while waiting stop short of filling the draft's
     pool: the next frame's own steps and the catch-up of committed nodes always find slots."""
-    spec.frame(Sampling(), None, 100)
+    spec.frame(Sampling(), 100)
     grown = 0
     while spec.grow(Sampling(), 100):
         grown += 1
     d = spec.drafter
-    assert grown > 0 and d.pool.free >= spec.steps * d.width + d.rows
+    assert grown > 0 and d.scratch.free >= spec.steps * d.width + d.rows

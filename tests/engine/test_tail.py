@@ -13,7 +13,7 @@ from sfchat.engine.speculator import hidden_bytes
 from sfchat.model.slices import ModelSlice
 from sfchat.model.source import ModelSource
 from sfchat.engine.verifier import TailError, Verifier
-from sfchat.node.loading import TailLoader
+from sfchat.node.tail_loader import TailLoader
 from sfchat.protocol.wire import PROTOCOL_VERSION, Control, DType, Forward, MsgType, Verdict, decode, encode
 from test_wire import frame
 
@@ -186,7 +186,7 @@ def test_runnable_dtype_swaps_bf16_for_fp16_only_on_a_gpu_without_bf16(monkeypat
 def test_a_tail_computing_in_another_dtype_converts_the_heads_hidden_states(tail_case, monkeypatch):
     """A bf16 head and a tail whose GPU lacks bf16: the tail loads in its own dtype (here float32,
     standing in for a T4's float16), says so, and converts every FORWARD's bf16 hidden states."""
-    import sfchat.node.loading as tail_module
+    import sfchat.node.tail_loader as tail_module
 
     good, _, ref, fwd = tail_case
     monkeypatch.setattr(tail_module, "runnable_dtype",
@@ -221,7 +221,7 @@ def test_tail_walks_a_tree_down_the_targets_picks_and_answers_its_path(tail_case
     assert replies(v, pre, fails=False) == []
     (verdict,) = replies(v, fwd, fails=False)
     assert verdict.path == (0, 2, 3, 5) and list(verdict.tokens) == ref[:4]
-    assert v.model.kv.written == PROMPT + ref[:3]  # the path moved to the positions after the context
+    assert v.model.cached_tokens() == PROMPT + ref[:3]  # the path moved to the positions after the context
     assert v.frontier == (6, ref[3], len(PROMPT) + 2)
 
 
@@ -246,7 +246,7 @@ def test_a_later_frame_continues_the_walk_and_its_dead_nodes_are_never_computed(
     (v2,) = replies(v, fwd2, fails=False)
     assert v.skipped - skipped == 3 and v.computed - computed == 3  # 4, 6 (under 4) and 8 (under the old 2) died
     assert v2.path == (1, 3, 5) and list(v2.tokens) == full[3:6]
-    assert v.model.kv.written == PROMPT + full[:5]
+    assert v.model.cached_tokens() == PROMPT + full[:5]
     third = [(3, 5)]  # under a node long committed past: dead, nothing computed, an empty verdict
     (fwd3,) = tree_frames(good, PROMPT, third, first_id=10, rnd=3, known=known, prefill=False)
     (v3,) = replies(v, fwd3, fails=False)
@@ -259,12 +259,12 @@ def test_frames_of_an_older_tree_are_dropped_unread_and_node_ids_come_in_order(t
     replies(v, hello_for(good), fails=False)
     for raw in fwd:
         replies(v, raw, fails=False)
-    written = list(v.model.kv.written)
+    written = list(v.model.cached_tokens())
     newer = [encode(replace(decode(raw), tree=2, round=5)) for raw in fwd]
     for raw in newer:
         replies(v, raw, fails=False)
     assert replies(v, fwd[1], fails=False) == [] and v.dropped == 1  # tree 1 is over: dropped, no reply
-    assert v.model.kv.written == written
+    assert v.model.cached_tokens() == written
     out_of_order = encode(replace(decode(newer[1]), first_id=9, parents=tuple(p + 8 for p in decode(newer[1]).parents)))
     assert "expected nodes from 5" in replies(v, out_of_order, fails=True)  # K + 1 = 4 nodes came first
     unopened = encode(replace(decode(fwd[1]), tree=3, first_id=2, parents=tuple(p + 1 for p in decode(fwd[1]).parents)))
@@ -282,7 +282,7 @@ def test_a_heads_nan_states_never_reach_the_next_head(tail_case):
     replies(v, hello_for(good), fails=False)
     nan = torch.full((40, 64), float("nan")).numpy().tobytes()
     replies(v, encode(Forward(1, 1, 0, tuple(range(40)), nan, DType.FLOAT32, 64)), fails=False)
-    assert not all(torch.isfinite(k).all() for k in v.model.kv.keys)
+    assert not all(torch.isfinite(k).all() for k in v.model.kv_tensors())
     check_serves(v, good, ref, fwd)
 
 

@@ -19,7 +19,7 @@ import torch
 from sfchat.protocol import wire
 from sfchat.model import source
 from sfchat.engine.verifier import UNEXPECTED, TailError, Verifier
-from sfchat.node.loading import TailLoader
+from sfchat.node.tail_loader import TailLoader
 from sfchat.protocol.wire import FORWARD_FIXED, HEADER, MAGIC, PROTOCOL_VERSION, MsgType
 from test_tail import K, check_serves, hello_for, tail_case  # noqa: F401  (the tail_case fixture)
 
@@ -66,8 +66,8 @@ class Fuzzer:
 
     def forward_frame(self, v: Verifier) -> bytes:
         rng = self.rng
-        written = len(v.model.kv.written) if v.model is not None else 0
-        max_len = v.model.kv.max_len if v.model is not None else 64
+        written = len(v.model.cached_tokens()) if v.model is not None else 0
+        max_len = v.model.max_len if v.model is not None else 64
         tree = rng.random() < 0.75
         tree_id = v.tree + rng.choice([0, 0, 0, 0, 1, 1, -1, 5]) if rng.random() < 0.97 else rng.getrandbits(32)
         tree_id = max(tree_id, 0)

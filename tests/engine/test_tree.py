@@ -12,6 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from sfchat.engine.scratch import Scratch
+
 from sfchat.config import Settings
 from sfchat.engine.lookup import lookup
 from sfchat.node.head import Head
@@ -105,18 +107,20 @@ def test_tree_attention_equals_each_path_run_as_a_chain(whole):
 def test_moving_the_accepted_path_leaves_the_cache_of_a_causal_prefill(whole):
     context, parents, nodes = [3, 9, 27, 81], [0, 0, 2, 2, 3], [50, 51, 52, 53, 54]
     n = len(context)
-    whole.kv.reset()
+    whole.reset()
     whole.forward(torch.tensor(context[:-1]), torch.arange(n - 1))
-    whole.kv.note(0, context[:-1])
+    whole.note(0, context[:-1])
     whole.forward(torch.tensor(context[-1:] + nodes), torch.arange(n - 1, n + 5), 1, tree=tree_mask(parents, n - 1))
-    whole.kv.note(n - 1, context[-1:])
-    path = [2, 3]  # t0 -> node 2 (51) -> node 3 (52)
-    whole.keep([n - 1 + i for i in path], n, [51, 52])
-    assert whole.kv.written == context + [51, 52]
-    keys = [k[:, :, :n + 2].clone() for k in whole.kv.keys]
-    whole.kv.reset()
+    whole.note(n - 1, context[-1:])
+    scratch = Scratch(whole, len(nodes) + 1)  # the nodes were written at slots n, n + 1, ...
+    scratch.reset(n)
+    assert [scratch.take(i) for i in range(1, len(nodes) + 1)] == list(range(n, n + len(nodes)))
+    scratch.commit([2, 3], [51, 52])  # t0 -> node 2 (51) -> node 3 (52)
+    assert whole.cached_tokens() == context + [51, 52]
+    keys = [k[:, :, :n + 2].clone() for k in whole.kv_tensors()]
+    whole.reset()
     whole.forward(torch.tensor(context + [51, 52]), torch.arange(n + 2))
-    for got, k in zip(keys, whole.kv.keys):
+    for got, k in zip(keys, whole.kv_tensors()):
         torch.testing.assert_close(got, k[:, :, :n + 2], rtol=1e-4, atol=1e-4)
 
 

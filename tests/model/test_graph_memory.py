@@ -84,9 +84,8 @@ def test_graphs_a_hello_adds_to_a_loaded_tail_are_counted_and_checked(gpus):
     """A tail holding graphs for one HELLO's shapes: the same shapes again add nothing; a HELLO with
     new shapes adds theirs, and is refused when they do not fit in what is free now."""
     have = {(9, False)}
-    kv = SimpleNamespace(max_len=4096 + 257)
     tail = SimpleNamespace(config=qwen7b(), lo=14, hi=28, embed_tokens=None, lm_head=object(), dtype=torch.float16,
-                           quant="none", kv=kv, groups=[(torch.device("cuda:0"), None, None)], ranges=[(14, 28)],
+                           quant="none", max_len=4096 + 257, devices=[torch.device("cuda:0")], ranges=[(14, 28)],
                            captured=lambda m, logits, tree: (m, tree) in have)
     assert graphs_to_capture(tail, [(9, False)]) == []
     check_graphs(tail, [(9, False)])  # nothing to add: no check at all

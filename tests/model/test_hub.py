@@ -16,7 +16,7 @@ from sfchat.protocol import wire
 from sfchat.model import source
 from sfchat.model.source import ModelSource
 from sfchat.engine.verifier import TailError, Verifier
-from sfchat.node.loading import TailLoader
+from sfchat.node.tail_loader import TailLoader
 
 import tinymodels
 

@@ -242,7 +242,7 @@ def test_device_lists_and_the_default_draft_device(gpus):
     assert resolve_devices("cuda:0,cuda:1") == [torch.device("cuda:0"), torch.device("cuda:1")]
     with pytest.raises(UserError, match="names the same GPU twice"):
         resolve_devices("cuda:0,cuda:0")
-    with pytest.raises(UserError, match="only GPUs can share a slice"):
+    with pytest.raises(UserError, match=r"spread over GPUs \(cuda:0,cuda:1\) or run as segments on the CPU"):
         resolve_devices("cpu,cuda:0")
     with pytest.raises(UserError, match=r"device 'cuda:2' does not exist \(2 GPUs visible\)"):
         resolve_devices("cuda:0,cuda:2")
@@ -263,9 +263,9 @@ def test_a_slice_spread_over_two_devices(zoo):
     two = [torch.device("cpu"), torch.device("cpu:0")]
     model = ModelSlice.load(src, 0, 4, embed=True, head=True, dtype=torch.float32, device=two[0], max_len=32,
                             devices=two)
-    assert [dev for dev, _, _ in model.groups] == two and model.ranges == [(0, 2), (2, 4)]
+    assert model.devices == two and model.ranges == [(0, 2), (2, 4)]
     assert model.last_device == two[1]
-    assert [len(kv.keys) for _, kv, _ in model.groups] == [2, 2]
+    assert len(model.kv_tensors()) == 2 * 4  # keys and values of each layer, in its segment's cache
     assert [layer.self_attn.layer_idx for layer in model.layers] == [0, 1, 0, 1]
     assert model.capture(9, 9, log=lambda m: None) is False
     ids = [1, 17, 42, 99, 5, 250, 7, 300]
@@ -274,7 +274,7 @@ def test_a_slice_spread_over_two_devices(zoo):
     out = model(torch.tensor(ids[:5]), torch.arange(5), n_logits=5)
     out = torch.cat([out, model(torch.tensor(ids[5:]), torch.arange(5, 8), n_logits=3)])
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
-    assert model.groups[1][1].keys[0][0, :, :8].abs().sum() > 0  # the second device's cache was written
+    assert model.kv_tensors()[4][0, :, :8].abs().sum() > 0  # the second segment's first keys were written
 
 
 def test_engine_parity_with_a_spread_target(zoo, monkeypatch):
@@ -286,7 +286,7 @@ def test_engine_parity_with_a_spread_target(zoo, monkeypatch):
                         lambda name: [torch.device("cpu"), torch.device("cpu:0")] if name == "two" else real(name))
     monkeypatch.setattr(session_mod, "resolve_device", lambda name: torch.device("cpu"))
     session = Head.open(Settings(model=str(path), draft=str(zoo["draft"]), k=3, device="two"))
-    assert len(session.engine.head.groups) == 2 and len(session.engine.link.verifier.model.groups) == 2
+    assert len(session.engine.head.devices) == 2 and len(session.engine.link.verifier.model.devices) == 2
     ids = session.encode([{"role": "user", "content": "hello world"}])
     fin = [e for e in session.reply(ids, 16, Sampling()) if isinstance(e, ReplyFinished)][0]
     ref = AutoModelForCausalLM.from_pretrained(path).eval().generate(torch.tensor([ids]), max_new_tokens=16,

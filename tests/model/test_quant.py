@@ -18,7 +18,7 @@ from sfchat.node.head import Head
 from sfchat.model.slices import ModelSlice
 from sfchat.model.source import ModelSource
 from sfchat.engine.verifier import TailError, Verifier
-from sfchat.node.loading import TailLoader
+from sfchat.node.tail_loader import TailLoader
 from sfchat.protocol.wire import Sampling
 
 CPU = torch.device("cpu")

@@ -1,22 +1,18 @@
 """Slices cut into segments: the code of a slice spread over two GPUs, run on the CPU by giving one
 device several segments. Every output is compared bit for bit (torch.equal, fp32) with the same
-slice in one segment: chain and tree forwards, windows, K/V kept, saved and restored; and the
-whole engine with segmented head and tail slices keeps greedy parity with generate()."""
+slice in one segment: chain and tree forwards, windows, a committed path's K/V moved in every
+segment. The whole engine with segmented halves: ``tests/node/test_segmented_parity.py``."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
-from sfchat.config import Settings
+from sfchat.engine.scratch import Scratch
 from tree_masks import tree_mask
-from sfchat.events import ReplyFinished
 from sfchat.model import kv as kv_module
 from sfchat.model.slices import ModelSlice, layer_bytes, segment_runs, spread
 from sfchat.model.source import ModelSource
-from sfchat.node.head import Head
-from sfchat.protocol.wire import Sampling
 
 CPU = torch.device("cpu")
 IDS = [3, 17, 42, 99, 5, 250, 7, 11, 13, 19, 23, 31, 37, 41]
@@ -30,9 +26,17 @@ def load(path, lo, hi, segments, *, embed, head, max_len=64):
 
 def same_cache(a: ModelSlice, b: ModelSlice) -> bool:
     """Every layer's keys and values equal, whatever segment holds them."""
-    keys_a = [t for _, kv, _ in a.groups for t in kv.keys] + [t for _, kv, _ in a.groups for t in kv.values]
-    keys_b = [t for _, kv, _ in b.groups for t in kv.keys] + [t for _, kv, _ in b.groups for t in kv.values]
-    return len(keys_a) == len(keys_b) and all(torch.equal(x, y) for x, y in zip(keys_a, keys_b))
+    def layers(sl):  # each layer's keys and values, in layer order, from the slice's segment-by-segment list
+        tensors, out, i = sl.kv_tensors(), [], 0
+        for lo, hi in sl.ranges:
+            n = hi - lo
+            out += list(zip(tensors[i:i + n], tensors[i + n:i + 2 * n]))
+            i += 2 * n
+        return out
+
+    pairs_a, pairs_b = layers(a), layers(b)
+    return len(pairs_a) == len(pairs_b) and all(torch.equal(x, y) for p, q in zip(pairs_a, pairs_b)
+                                                for x, y in zip(p, q))
 
 
 def test_layers_are_cut_into_runs_as_even_in_bytes_as_whole_layers_allow():
@@ -82,10 +86,9 @@ def test_segments_own_their_layers_and_caches(zoo, segments):
     runs = segment_runs(sl.config, 0, 4, embed=True, head=True, dtype=torch.float32, quant="none", segments=segments)
     assert len(runs) == segments and runs[0][0] == 0 and runs[-1][1] == 4
     assert sl.ranges == runs
-    assert [len(layers) for _, _, layers in sl.groups] == [b - a for a, b in runs]
-    assert [len(kv.keys) for _, kv, _ in sl.groups] == [b - a for a, b in runs]
-    for _, _, layers in sl.groups:
-        assert [layer.self_attn.layer_idx for layer in layers] == list(range(len(layers)))
+    assert sl.devices == [CPU] * segments and len(sl.kv_tensors()) == 2 * 4  # a key and a value cache per layer
+    for a, b in runs:  # each segment's layers fill its own cache from slot 0
+        assert [layer.self_attn.layer_idx for layer in sl.layers[a:b]] == list(range(b - a))
     assert sl.capture(5, 5, log=lambda m: None) is False  # no CUDA: every segment runs its plain code
 
 
@@ -101,7 +104,7 @@ def test_chain_forwards_equal_the_unsegmented_slice(zoo, family, segments, monke
     for lo, hi, embed, head in [(0, 2, True, False), (0, 4, True, True), (1, 4, False, True)]:
         one = load(path, lo, hi, 1, embed=embed, head=head)
         cut = load(path, lo, hi, segments if hi - lo > 1 else 2, embed=embed, head=head)
-        assert len(cut.groups) > 1 and cut.kv.windows == [8, 16, 32, 64]
+        assert len(cut.devices) > 1 and cut.windows == [8, 16, 32, 64]
         x = ids if embed else torch.randn(len(IDS), 64, generator=torch.Generator().manual_seed(lo))
         rows = 6 if head else 0
         a = one.run(x[:6], torch.arange(6), rows, end=6)
@@ -118,10 +121,10 @@ def test_chain_forwards_equal_the_unsegmented_slice(zoo, family, segments, monke
 
 
 @pytest.mark.parametrize("segments", [2, 3])
-def test_tree_forwards_keep_save_and_restore_equal_the_unsegmented_slice(zoo, segments):
-    """A tree frame after a context (the mask and rotary positions from the tree), the accepted
-    path's K/V moved into place by ``keep``, the next forward on top; and slots saved, overwritten
-    and restored in every segment's cache."""
+def test_tree_forwards_and_a_committed_path_equal_the_unsegmented_slice(zoo, segments):
+    """A tree frame after a context (the mask and rotary positions from the tree), the committed
+    path's K/V moved into place by the slice's scratch (``Scratch.commit``) in every segment's
+    cache, a sibling that stays live moved out of the context's way, the next forward on top."""
     path = zoo["llama-untied"]
     one = load(path, 0, 4, 1, embed=True, head=True)
     cut = load(path, 0, 4, segments, embed=True, head=True)
@@ -129,7 +132,7 @@ def test_tree_forwards_keep_save_and_restore_equal_the_unsegmented_slice(zoo, se
     n = 6
     for sl in (one, cut):
         sl.run(ids[:n], torch.arange(n), 1, end=n)
-        sl.kv.note(0, IDS[:n])
+        sl.note(0, IDS[:n])
     frame = torch.tensor([IDS[n]] + [41, 7, 99, 250, 3, 5, 17])  # t0 and seven nodes
     slots = torch.arange(n, n + len(frame))
     t = tree_mask(PARENTS, n, CPU)
@@ -137,45 +140,20 @@ def test_tree_forwards_keep_save_and_restore_equal_the_unsegmented_slice(zoo, se
     b = cut.run(frame, slots, len(frame), end=n + len(frame), tree=t)
     assert torch.equal(a, b)
     assert same_cache(one, cut)
+    path_nodes = [0, 1, 4, 6]  # t0, node 1, its child 4, 4's child 6
     for sl in (one, cut):
-        sl.kv.note(n, frame[:1].tolist())
-
-    saved = [sl.save(n + 1, 4) for sl in (one, cut)]
-    path_nodes = [1, 4, 6]  # node 1, its child 4, 4's child 6
-    for sl in (one, cut):
-        sl.keep([n + i for i in path_nodes], n + 1, frame[path_nodes].tolist())
-    assert same_cache(one, cut) and one.kv.written == cut.kv.written == IDS[:n + 1] + frame[path_nodes].tolist()
-    after = [sl.run(torch.tensor([13, 29]), torch.arange(n + 4, n + 6), 2, end=n + 6) for sl in (one, cut)]
+        scratch = Scratch(sl, len(frame) + 1)
+        scratch.reset(n)
+        assert [scratch.take(i) for i in range(len(frame))] == slots.tolist()
+        for i in (3, 5):  # dead nodes give their slots back; 2 (a sibling of 1) stays live
+            scratch.release(i)
+        scratch.commit(path_nodes, frame[path_nodes].tolist())
+        assert scratch.slot(2) >= n + len(path_nodes)  # it was in the way: moved out of the context
+    assert same_cache(one, cut) and one.cached_tokens() == cut.cached_tokens() == IDS[:n] + frame[path_nodes].tolist()
+    m = n + len(path_nodes)
+    after = [sl.run(torch.tensor([13, 29]), torch.arange(m, m + 2), 2, end=m + 2) for sl in (one, cut)]
     assert torch.equal(*after)
-    fresh = load(path, 0, 4, 1, embed=True, head=True)  # the kept path equals a plain chain forward
-    context = IDS[:n + 1] + frame[path_nodes].tolist() + [13, 29]
+    fresh = load(path, 0, 4, 1, embed=True, head=True)  # the committed path equals a plain chain forward
+    context = IDS[:n] + frame[path_nodes].tolist() + [13, 29]
     chain = fresh.forward(torch.tensor(context), torch.arange(len(context)), 2)
     torch.testing.assert_close(after[0], chain, rtol=1e-5, atol=1e-5)
-
-    for sl, part in zip((one, cut), saved):
-        assert len(part) == len(sl.groups)
-        sl.restore(part)
-    assert same_cache(one, cut)
-    a = one.run(frame, slots, len(frame), end=n + len(frame), tree=t)
-    assert torch.equal(a, cut.run(frame, slots, len(frame), end=n + len(frame), tree=t))
-
-
-@pytest.mark.parametrize("tree_budget", [0, 6])
-def test_engine_with_segmented_head_and_tail_keeps_greedy_parity(zoo, monkeypatch, tree_budget):
-    """``--device`` naming one device twice: the head's and the tail's halves both run as two
-    segments (local mode, as on one 2xT4 notebook), chains or trees, and the reply is generate()'s."""
-    import sfchat.node.loading as loading
-
-    real = loading.resolve_devices
-    monkeypatch.setattr(loading, "resolve_devices", lambda name: [CPU, CPU] if name == "two" else real(name))
-    monkeypatch.setattr(loading, "resolve_device", lambda name: CPU)
-    path = zoo["qwen2-tied"]
-    session = Head.open(Settings(model=str(path), draft=str(zoo["draft"]), k=3, device="two",
-                                 tree_budget=tree_budget))
-    head, tail = session.engine.head, session.engine.link.verifier.model
-    assert len(head.groups) == 2 and len(tail.groups) == 2
-    ids = session.encode([{"role": "user", "content": "hello world, how are you?"}])
-    fin = [e for e in session.reply(ids, 24, Sampling()) if isinstance(e, ReplyFinished)][0]
-    ref = AutoModelForCausalLM.from_pretrained(path).eval().generate(torch.tensor([ids]), max_new_tokens=24,
-                                                                      do_sample=False, pad_token_id=0)
-    assert list(fin.token_ids) == ref[0, len(ids):].tolist()

@@ -196,27 +196,43 @@ def test_static_kv_writes_masks_and_bookkeeping():
     assert values.data_ptr() == kv.values[1].data_ptr()
     assert torch.equal(keys[0, 0, :3], k[0, 0]) and torch.equal(values[0, 0, :3], -k[0, 0])
     assert not keys[0, 0, 3:].any() and not kv.keys[0].any()
-    kv.note(0, [10, 11, 12])
-    assert [kv.reusable(t) for t in ([10, 11, 12, 13], [10, 11, 99], [10], [], [9])] == [3, 2, 1, 0, 0]
 
-    # rewind: rewrite position 1; slot 2 keeps its stale values (never cleared) but is no longer reusable
+    # rewind: rewrite position 1; slot 2 keeps its stale values (never cleared)
     kv.begin(torch.tensor([1]))
     kv.update(torch.full((1, 1, 1, 2), 7.0), torch.full((1, 1, 1, 2), 7.0), 1)
     assert torch.equal(kv.keys[1][0, 0, 1], torch.tensor([7.0, 7.0]))
     assert torch.equal(kv.keys[1][0, 0, 2], k[0, 0, 2])
-    kv.note(1, [21])
-    assert kv.written == [10, 21]
-    assert kv.reusable([10, 11, 12]) == 1 and kv.reusable([10, 21, 12]) == 2
+    kv.clear()
+    assert not any(t.any() for t in kv.keys + kv.values)
 
+
+@pytest.mark.parametrize("segments", [1, 2])
+def test_a_slices_record_of_its_context_is_one_for_every_segment(segments):
+    """What the context slots hold, reuse and holes are the slice's, kept once for all its segments
+    (built on the meta device: no weights needed)."""
+    from tinymodels import config_for
+
+    sl = ModelSlice(config_for("qwen2", 64), 0, 4, embed=True, head=False, dtype=torch.float32, device=CPU,
+                    max_len=8, devices=[CPU] * segments)
+    assert len(sl.devices) == segments and sl.held == 0
+    sl.note(0, [10, 11, 12])
+    assert [sl.reusable(t) for t in ([10, 11, 12, 13], [10, 11, 99], [10], [], [9])] == [3, 2, 1, 0, 0]
+    sl.note(1, [21])  # a rewind: slot 2 is stale now
+    assert sl.cached_tokens() == [10, 21] and sl.held == 2
+    assert sl.reusable([10, 11, 12]) == 1 and sl.reusable([10, 21, 12]) == 2
     with pytest.raises(ValueError, match="KV hole: writing at 4 but only 2 slots are filled"):
-        kv.note(4, [1])
-    assert kv.written == [10, 21]  # a refused note changes nothing
-    kv.note(2, [30, 31])  # right at the end is fine
-    assert kv.written == [10, 21, 30, 31]
-    kv.reset()
-    assert kv.reusable([10, 21]) == 0
+        sl.note(4, [1])
+    assert sl.cached_tokens() == [10, 21]  # a refused note changes nothing
+    sl.note(2, [30, 31])  # right at the end is fine
+    assert sl.cached_tokens() == [10, 21, 30, 31]
+    for t in sl.kv_tensors():
+        t.fill_(1.0)
+    sl.reset()
+    assert sl.reusable([10, 21]) == 0 and all(t.eq(1).all() for t in sl.kv_tensors())  # forgotten, not cleared
+    sl.reset(zero=True)
+    assert len(sl.kv_tensors()) == 2 * 4 and not any(t.any() for t in sl.kv_tensors())  # every segment's
     with pytest.raises(ValueError, match="KV hole"):
-        kv.note(1, [5])
+        sl.note(1, [5])
 
 
 def test_forward_after_rewind_equals_a_fresh_slice(zoo):
@@ -225,11 +241,11 @@ def test_forward_after_rewind_equals_a_fresh_slice(zoo):
     second = IDS[:5] + [70, 80, 90]
     slice_ = load(path, 0, L, embed=True, head=True)
     slice_(torch.tensor(first), torch.arange(len(first)), n_logits=1)
-    slice_.kv.note(0, first)
-    start = slice_.kv.reusable(second)
+    slice_.note(0, first)
+    start = slice_.reusable(second)
     assert start == 5
     out = slice_(torch.tensor(second[start:]), torch.arange(start, len(second)), n_logits=3)
-    assert slice_.kv.keys[0][0, :, len(second):len(first)].abs().sum() > 0  # stale slots are still there
+    assert slice_.kv_tensors()[0][0, :, len(second):len(first)].abs().sum() > 0  # stale slots are still there
 
     fresh = load(path, 0, L, embed=True, head=True)
     torch.testing.assert_close(out, fresh(torch.tensor(second), torch.arange(len(second)), n_logits=3),
@@ -239,7 +255,7 @@ def test_forward_after_rewind_equals_a_fresh_slice(zoo):
         expected = model(torch.tensor([second])).logits[0, -3:]
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
     # one token at a time after a second rewind, as the decode loop does
-    slice_.kv.note(start, second[start:])
+    slice_.note(start, second[start:])
     third = second[:6] + [11]
     step = slice_(torch.tensor([third[-1]]), torch.tensor([6]), n_logits=1)
     with torch.no_grad():
@@ -353,7 +369,7 @@ def test_a_windowed_forward_equals_the_full_one(zoo, family, monkeypatch):
     monkeypatch.setattr(kv_module, "MIN_WINDOW", 8)
     src = ModelSource.open(str(zoo[family]))
     full = ModelSlice.load(src, 0, 4, embed=True, head=True, dtype=torch.float64, device=CPU, max_len=64)
-    assert full.kv.windows == [8, 16, 32, 64]
+    assert full.windows == [8, 16, 32, 64]
     ids = torch.tensor([3, 17, 42, 99, 5, 250, 7, 11, 13, 19, 23])
     ref = full.forward(ids, torch.arange(11), 11)
     assert full.lm_head.weight.dtype == torch.float64

@@ -1,0 +1,127 @@
+"""Scratch K/V slots after a slice's context, and who holds each. Torch-free.
+
+Contract
+--------
+A slice (the head's, the draft, the tail's) holds its committed context in slots ``0 .. n - 1``
+of its K/V and computes the nodes it has not committed yet in the ``size`` slots right after it:
+``[n, n + size - 1)`` for them, the last one (``trash``) for the padding rows of a fixed-shape
+forward. ``Scratch(model, size)`` is the one place that knows which key (a live tree node, a
+tail's row) holds which of those slots, and the one that moves them:
+
+* ``take(key)``: the lowest free slot, now held by ``key`` (its own when it holds one already);
+  None when none is free. ``slot(key)`` tells which it holds (None: none), ``release(key)``
+  gives it back.
+* ``commit(keys, tokens)``: the keys' slots, in order, become the context's next positions
+  ``n, n + 1, ...``: their K/V moves there in every segment of the slice (``model.move``), the
+  tokens are recorded there (``model.note``) and the keys let go; a live key whose slot the
+  context now covers moves, K/V and all, to a free slot after it (sources are all read before
+  any destination is written). Nobody else needs to hear of it: ``slot(key)`` answers the new slot.
+* ``reset(n)``: the scratch after a context of ``n`` positions, every slot free.
+* ``tree_inputs(rows, shape, device)``: the inputs of a fixed-shape tree forward over the scratch
+  (the head's frame, the draft's expansion step, the tail's verify all build theirs here): each
+  row a key's (position, key, the keys of the ancestors it attends to), written at the key's slot
+  (taken if it holds none), seeing the context, its ancestors' slots and its own; the rows padded
+  to ``shape``, a padding row writing and seeing only the trash slot (never an empty softmax).
+
+The model is duck-typed: ``move(src, dst)`` and ``note(start, tokens)`` (``model.slices.ModelSlice``).
+Knows nothing about trees, rounds or the wire.
+"""
+
+from __future__ import annotations
+
+import heapq
+from typing import Hashable
+
+import numpy as np
+import torch
+
+from sfchat.model.kv import TreeMask
+
+
+class Scratch:
+    def __init__(self, model, size: int) -> None:
+        if size < 2:
+            raise ValueError(f"a scratch needs at least one slot besides the trash slot, not {size} slots")
+        self.model, self.size = model, size
+        self.n = 0
+        self._slots: dict[Hashable, int] = {}
+        self._free: list[int] = []
+        self.reset(0)
+
+    @property
+    def trash(self) -> int:
+        """The slot padding rows write to (and see): never held by a key."""
+        return self.n + self.size - 1
+
+    @property
+    def free(self) -> int:
+        """Slots not held by any key (the trash slot not counted)."""
+        return self.size - 1 - len(self._slots)
+
+    @property
+    def end(self) -> int:
+        """One past the last scratch slot: a forward over the scratch attends over ``end`` slots."""
+        return self.n + self.size
+
+    def reset(self, n: int) -> None:
+        self.n = n
+        self._slots.clear()
+        self._free = list(range(n, n + self.size - 1))  # ascending: already a heap
+
+    def take(self, key: Hashable) -> int | None:
+        if key in self._slots:
+            return self._slots[key]
+        if not self._free:
+            return None
+        slot = self._slots[key] = heapq.heappop(self._free)
+        return slot
+
+    def slot(self, key: Hashable) -> int | None:
+        return self._slots.get(key)
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._slots
+
+    def release(self, key: Hashable) -> None:
+        slot = self._slots.pop(key, None)
+        if slot is not None:
+            heapq.heappush(self._free, slot)
+
+    def commit(self, keys: list[Hashable], tokens: list[int]) -> None:
+        """The keys' slots become the context's next positions, in order (see the contract)."""
+        if len(keys) != len(tokens):
+            raise ValueError(f"{len(keys)} slots committed with {len(tokens)} tokens")
+        if not keys:
+            return
+        start = self.n
+        sources = [self._slots.pop(key) for key in keys]
+        n = start + len(sources)
+        held = set(self._slots.values())
+        covered = sorted((slot, i) for i, slot in enumerate(self._slots.values()) if slot < n)
+        spare = (s for s in range(n, n + self.size - 1) if s not in held)
+        owners = list(self._slots)
+        moves = [(slot, next(spare), owners[i]) for slot, i in covered]
+        for _, new, key in moves:
+            self._slots[key] = new
+        self.model.move(sources + [old for old, _, _ in moves], list(range(start, n)) + [new for _, new, _ in moves])
+        self.model.note(start, tokens)
+        self.n = n
+        held = set(self._slots.values())
+        self._free = [s for s in range(n, n + self.size - 1) if s not in held]
+
+    def tree_inputs(self, rows: list[tuple[int, Hashable, list[Hashable]]], shape: int, device
+                    ) -> tuple[torch.Tensor, TreeMask]:
+        """The slots a tree forward of ``rows`` = (position, key, ancestor keys) writes, padded to
+        ``shape`` rows, and its mask over the scratch (see the contract)."""
+        if len(rows) > shape:
+            raise ValueError(f"{len(rows)} rows do not fit a forward of {shape}")
+        base, trash = self.n, self.trash
+        slots, rope = [trash] * shape, [max(base - 1, 0)] * shape
+        visible = np.zeros((shape, self.size), dtype=bool)
+        visible[len(rows):, trash - base] = True
+        for r, (pos, key, ancestors) in enumerate(rows):
+            slots[r], rope[r] = self.take(key), pos
+            visible[r, [self._slots[a] - base for a in ancestors] + [slots[r] - base]] = True
+        mask = TreeMask(torch.tensor(rope, device=device), torch.tensor([base], device=device),
+                        torch.from_numpy(visible).to(device))
+        return torch.tensor(slots, device=device), mask

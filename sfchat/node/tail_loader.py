@@ -1,0 +1,72 @@
+"""The tail's slice loader: what a HELLO may make a tail open, check and load.
+
+Contract: ``TailLoader(device, devices, models_dirs, log)`` is the callable a ``Verifier`` is
+given (by ``sfchat --tail`` and by local mode alike): it opens the model a HELLO names, refuses
+what this tail may not open or cannot hold (a ``UserError``, answered to the head as an ERROR)
+and loads the tail's slice. It knows nothing of the head's engine.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from sfchat import UserError
+from sfchat.model.devices import DTYPE_NAMES, pick_dtype, runnable_dtype
+from sfchat.model.memory import check_tail, unequal_free
+from sfchat.model.slices import ModelSlice, n_layers
+from sfchat.model.source import ModelSource
+from sfchat.protocol import wire
+from sfchat.protocol.handshake import Hello
+
+
+class TailLoader:
+    """The tail's slice loader, handed to its ``Verifier``: opens the model a HELLO names (hub ids,
+    and local directories inside ``models_dirs`` only; anywhere when None, as in local mode,
+    whose names the user typed), checks the memory it needs, loads layers [split, L) with the
+    norm and lm_head on ``device`` (spread over ``devices``, balanced so that every GPU is left the
+    same headroom: ``memory.unequal_free``)."""
+
+    def __init__(self, device: torch.device, devices: list[torch.device] | None = None,
+                 models_dirs: list[Path] | None = None, log: Callable[[str], None] | None = None):
+        self.device, self.devices = device, list(devices or [device])
+        self.models_dirs = models_dirs
+        self.log = log or (lambda message: None)
+
+    def __call__(self, hello: Hello, progress: Callable) -> ModelSlice:
+        def report(stage, done, total, detail):
+            if stage == "download" and total == 0 and detail:  # a shard starts: worth a line on the tail too
+                self.log(f"fetching {detail}")
+            progress(stage, done, total, detail)
+
+        try:
+            src = ModelSource.open(hello.model, hello.revision, report, allowed_dirs=self.models_dirs)
+        except UserError as exc:
+            if str(exc).startswith("model directory"):  # the head runs a local copy: so must the tail
+                raise UserError(f"{exc} on the tail machine (the head named a local directory: give the "
+                                "head a hub id, or the same directory on both machines)") from None
+            raise
+        L = n_layers(src.config)
+        split = hello.split
+        if not 0 <= split <= L:
+            raise UserError(f"split {split} out of range 0..{L}")
+        limit = (getattr(src.config, "max_position_embeddings", 0) or 1 << 20) + wire.MAX_SCRATCH
+        if hello.max_len > limit:  # a head must not make the tail allocate without bound
+            raise UserError(f"a context of {hello.max_len} positions exceeds the model's {limit}")
+        asked = pick_dtype(self.device, hello.dtype)
+        dtype = runnable_dtype(self.device, asked)
+        if dtype != asked:
+            self.log(f"{self.device} has no native {DTYPE_NAMES[asked]}: computing in {DTYPE_NAMES[dtype]} "
+                     f"(the head's hidden states are converted; replies may differ slightly from an "
+                     f"all-{DTYPE_NAMES[asked]} run)")
+        quant = hello.quant
+        where = ",".join(map(str, self.devices))
+        check_tail(src.config, split, devices=self.devices, dtype=dtype, quant=quant, max_len=hello.max_len,
+                   verifies=hello.shapes(), graphs=hello.graphs)
+        self.log(f"loading {hello.model} layers [{split}, {L}) as {DTYPE_NAMES[dtype]}"
+                 f"{' with NF4 weights' if quant == 'nf4' else ''} on {where}")
+        return ModelSlice.load(src, split, L, embed=False, head=True, dtype=dtype, device=self.device,
+                               max_len=hello.max_len, progress=report, quant=quant, devices=self.devices,
+                               reserved=unequal_free(self.devices))
