@@ -105,7 +105,8 @@ def gemm_ms(sl: ModelSlice, n_tok: int, n: int, cuda: bool) -> tuple[float, floa
 
     def run():
         for w in weights:
-            torch.nn.functional.linear(xs[w.shape[1]], w)
+            out = torch.nn.functional.linear(xs[w.shape[1]], w)
+        return out  # a graph keeps (and hands back a copy of) what its function returns
 
     fn = run
     if cuda:

@@ -33,7 +33,9 @@ import platformdirs
 from sfchat import UserError
 from sfchat.link.probe import SESSION_NAME
 from sfchat.protocol.handshake import MAX_LAYERS
-from sfchat.protocol.wire import MAX_NODES as MAX_TREE_BUDGET
+from sfchat.protocol.wire import MAX_NODES
+
+MAX_TREE_BUDGET = MAX_NODES - 1  # a frame holds the root and its drafts: at most MAX_NODES nodes on the wire
 
 APP = "sfchat"
 GPU_MODEL, GPU_DRAFT = "Qwen/Qwen2.5-7B-Instruct", "Qwen/Qwen2.5-0.5B-Instruct"
@@ -43,8 +45,8 @@ CPU_MODEL = "SmolLM2-135M-Instruct"  # built by ``sfchat-model smollm2`` on firs
 # slower on a CPU than the dense model does.
 CPU_DRAFT = "none"
 MAX_K = 32
-AUTO_K = 8  # the deepest --k auto drafts (the reference pair's K)
-AUTO_TREE_BUDGET = 64  # the tree --tree-budget auto offers on a GPU (7 KiB per node at 7B: 455 KiB)
+AUTO_K = 8  # the draft's expansion steps per frame under --k auto (the reference pair's K)
+AUTO_TREE_BUDGET = 64  # drafts per frame under --tree-budget auto on a GPU (7 KiB per node at 7B: 455 KiB)
 MAX_IN_FLIGHT = 16
 MAX_DRAFT_AHEAD = 64
 MAX_CONTEXT = 1 << 20  # tokens; the model's own window caps it further
@@ -59,9 +61,9 @@ class Settings:
     draft: str | None = None  # "none": no speculation; None: the default for the model in use
     revision: str | None = None
     draft_revision: str | None = None
-    k: int | str = "auto"  # drafts per round (the deepest a tree grows); "auto": chosen each round, up to AUTO_K
-    tree_budget: int | str = "auto"  # nodes of a token tree; 0: chains only; "auto": AUTO_TREE_BUDGET on a GPU
-    max_in_flight: int = 4  # rounds sent before their verdicts come (1: one round per round trip)
+    k: int | str = "auto"  # the draft's expansion steps per frame (a chain frame: K drafts); "auto": AUTO_K
+    tree_budget: int | str = "auto"  # drafts per frame, best first over the live tree; 0: chain frames; "auto": AUTO_TREE_BUDGET on a GPU
+    max_in_flight: int = 4  # the most frames in flight, the policy picks how many (relay mode; 1: one per round trip)
     draft_ahead: int = 0  # draft steps while a verdict travels (relay mode; 0: none, not yet measured on a GPU)
     split: int | None = None  # default: half the layers
     device: str | None = None  # default: cuda if available, else cpu; "cuda:0,cuda:1" spreads a slice ("cpu,cpu": on the CPU)
@@ -91,11 +93,11 @@ class Settings:
 
     @property
     def depth(self) -> int:
-        """The deepest a round drafts: K, or AUTO_K under --k auto."""
+        """The draft's expansion steps per frame: K, or AUTO_K under --k auto."""
         return AUTO_K if self.k == "auto" else self.k
 
     def budget(self, cuda: bool) -> int:
-        """Tree nodes a round may verify: --tree-budget, or under auto AUTO_TREE_BUDGET on a GPU
+        """Drafts per frame (the frame holds the root too): --tree-budget, or under auto AUTO_TREE_BUDGET on a GPU
         (a tree costs a CPU compute in proportion to its size, so none there)."""
         if self.tree_budget == "auto":
             return AUTO_TREE_BUDGET if cuda else 0

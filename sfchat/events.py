@@ -36,9 +36,9 @@ class RuntimeReady:
     max_context: int
     quant: str = "none"  # "nf4" when the target's layers are 4-bit
     tail_dtype: str = ""  # what the tail computes in ("" when it is ``dtype``)
-    tree_budget: int = 0  # draft tokens of a round's token tree (0: chains only)
-    shapes: tuple[str, ...] = ()  # the round shapes rounds choose from ("chain 8", "tree 64, depth 8")
-    max_in_flight: int = 1  # the most rounds sent before their verdicts
+    tree_budget: int = 0  # drafts per frame (--tree-budget); 0: chain frames of K drafts, or no draft
+    shapes: tuple[str, ...] = ()  # the one frame shape in use ("chain 8", "tree 64")
+    max_in_flight: int = 1  # the most frames in flight (the policy's bound; 1 in local mode)
 
 
 @dataclass(frozen=True)
@@ -51,23 +51,23 @@ class LinkState:
 
 @dataclass(frozen=True)
 class RoundStats:
-    """Figures of one speculative round."""
+    """Figures of one verdict: the frame it answers, and the time since the verdict before."""
 
-    accepted: int  # drafts accepted (0..k)
-    committed: int  # tokens committed by the round (after EOS / limit truncation)
+    accepted: int  # drafts accepted (0 .. the frame size - 1)
+    committed: int  # tokens committed by the verdict (after EOS / limit truncation)
     draft_ms: float
     head_ms: float
     tail_ms: float  # tail compute time, as reported by the tail
     rtt_ms: float  # from sending to the verdict's arrival, less the tail's compute
     round_ms: float
     wait_ms: float = 0.0  # waiting for the verdict (after any frames built under the wait; draft steps ahead included)
-    overlap_ms: float = 0.0  # rounds speculated while the verdict travelled
-    speculated: bool = False  # this round's frame went out before the verdict it assumed, which held
+    overlap_ms: float = 0.0  # building further frames after this verdict's frame went out
+    speculated: bool = False  # this verdict's frame went out while another was in flight, and it committed tokens
     forward_bytes: int = 0  # size of the verify FORWARD frame
-    tree_nodes: int = 0  # nodes of the round's token tree (0: a chain)
-    depth: int = 0  # how deep the round's drafts reached (k for a chain)
-    in_flight: int = 1  # frames sent and not answered when this round's verdict came
-    draft_steps: int = 0  # draft steps of the frames built for this verdict
+    tree_nodes: int = 0  # nodes of the frame, the root counted (a chain's too; 0: no frame could be sent)
+    depth: int = 0  # positions the frame spans, from its first node to its deepest
+    in_flight: int = 1  # frames sent and not answered when this verdict came
+    draft_steps: int = 0  # draft steps of the frames built since the verdict before
     ahead_steps: int = 0  # draft steps run while the verdict travelled (--draft-ahead)
 
 
@@ -107,9 +107,9 @@ class ReplyFinished:
     tail_ms: float
     wait_ms: float = 0.0
     overlap_ms: float = 0.0
-    hit_rate: float = 0.0  # share of rounds after the first whose frame was sent before the verdict it assumed
+    hit_rate: float = 0.0  # share of verdicts after the first whose frame went out while another was in flight and committed tokens
     in_flight_mean: float = 1.0  # frames in flight when a verdict came, on average
-    tree_budget: int = 0  # nodes per token tree (0: chains)
+    tree_budget: int = 0  # drafts per frame (0: chain frames)
     depth_mean: float = 0.0  # mean depth the rounds' drafts reached
     forward_bytes: float = 0.0  # mean size of a verify FORWARD
 

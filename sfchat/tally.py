@@ -5,8 +5,8 @@ Contract: ``Tally(k)`` takes every round of one reply (``add(stats, elapsed_s)``
 ``tps`` (committed tokens per second of the rounds after the first, whose time is the prompt's
 prefill; of all rounds while there is only one), ``ttft_s``, ``prefill_s``, ``tokens_per_round``,
 ``histogram`` (rounds that accepted 0, 1, ... drafts), the mean of any ``RoundStats`` field
-(``mean``), ``hit_rate`` (rounds after the first whose frame went out before the verdict it
-assumed, and held) and ``figures()``: all of them as the fields of ``events.ReplyFinished``.
+(``mean``), ``hit_rate`` (verdicts after the first whose frame went out while another was in
+flight, and committed tokens) and ``figures()``: all of them as the fields of ``events.ReplyFinished``.
 The head builds its ``ReplyFinished`` from a tally; the panel keeps one over the same events,
 so both show the same numbers while the reply streams and after. Plain Python, torch-free.
 """
@@ -29,7 +29,7 @@ class Tally:
             self.ttft_s = elapsed_s
         self.stats.append(stats)
         self.tokens += stats.committed
-        if stats.accepted >= len(self.histogram):  # a runtime whose K grew: widen, never drop
+        if stats.accepted >= len(self.histogram):  # a verdict deeper than the tally was made for (a tree's path): widen, never drop
             self.histogram.extend([0] * (stats.accepted + 1 - len(self.histogram)))
         self.histogram[stats.accepted] += 1
 

@@ -71,7 +71,9 @@ def test_good_values_are_taken_as_the_setting_holds_them(tmp_path):
     ("round_timeout", math.inf, "--round-timeout must be a number above 0 and at most 86400, not inf"),
     ("top_k", 99999999999, "--top-k must be a whole number between 0 and 1048576, not 99999999999"),
     ("k", "-1", "--k must be auto or a whole number between 0 and 32, not -1"),
-    ("tree_budget", "lots", "--tree-budget must be auto or a whole number between 0 and 256, not 'lots'"),
+    ("tree_budget", "lots", "--tree-budget must be auto or a whole number between 0 and 255, not 'lots'"),
+    # a frame is the root and its drafts: 256 drafts would be a frame the tail refuses (257 nodes)
+    ("tree_budget", 256, "--tree-budget must be auto or a whole number between 0 and 255, not 256"),
 ])
 def test_flags_go_through_the_same_check(flag, value, wanted):
     with pytest.raises(UserError) as caught:

@@ -6,10 +6,9 @@ Contract
 context (``sync``: whatever prefix of the context is cached is reused, the rest is fed in
 chunks) and, right after it, ``scratch``: an ``engine.scratch.Scratch`` of ``pool`` slots for the
 live nodes it has run on (whoever builds the rows takes, releases and commits them there).
-``expand(rows, s)`` runs one forward of exactly ``rows`` = ``width + 1`` rows (the
-``width`` nodes to expand and one committed node it has not run yet, the usual catch-up after a
-verdict; padded: a padding row
-writes the scratch's trash slot and sees only it): each row a node (token, position, the node,
+``expand(rows, s)`` runs one forward padded to ``rows`` = ``width + 1`` rows (the committed
+nodes it has not run yet first, the catch-up after a verdict, then up to ``width`` nodes to
+expand; a padding row writes the scratch's trash slot and sees only it): each row a node (token, position, the node,
 its ancestors in the scratch), written at its slot with the tree mask (it sees the context, its
 ancestors and itself), and returns each row's ``children`` likeliest continuations with their
 probabilities (of the raw distribution when greedy, of the warped one when sampling: the draft

@@ -15,10 +15,10 @@ committed tokens.
 * ``expandable(width)``: the likeliest live nodes the draft has not expanded yet (the root first);
   ``expanded(node, proposals)`` records the draft's ranked ``(token, probability)`` continuations
   of one as candidates; ``graft(tokens)`` hangs a prompt-lookup continuation under the root.
-* ``choose(budget)``: the frame: the root if it was not sent yet, then the likeliest candidates
+* ``choose(budget, max_pos)``: the frame: the root if it was not sent yet, then the likeliest candidates
   whose parents are sent or chosen, best first (a path's value never rises, so the best nodes'
   ancestors are among them); ``send(nodes)`` gives each the next id.
-* ``take(frame, verdict)``: the verdict of one frame, checked (``ProtocolError`` for anything the
+* ``take(frame, path, picks, vocab)``: the verdict of one frame, checked (``ProtocolError`` for anything the
   frame cannot have produced): its path must start at the root, if the root was in that frame, and
   go down the frame's nodes, each the target's pick at the one before. Returns the committed
   tokens and the nodes that died; the root moves to the child of the last committed node whose

@@ -10,14 +10,14 @@ of the frame layout):
   the frames (frames of different byte counts, prefill ones among them, show its throughput);
 * compute: the head's time to build a frame (draft and head slice, steady frames only: no
   prefill), the tail's, and the head's own overhead per verdict (taking it, the link);
-* yield: the tokens a verdict committed (the tree's own estimate of a frame's yield decides
-  whether a frame goes out while others are in flight at all: ``MIN_YIELD``).
+* ``min_yield``: the bar the driver holds the tree's own estimate of a frame's yield to before it
+  sends that frame while others are in flight (``MIN_YIELD``).
 
 A frame spends ``T`` = build + overhead + base + bytes x cost + tail from being built to its
 verdict. The head, the tail and the link each serve one frame at a time, so with ``m`` frames in
 flight verdicts come every ``max(build + overhead, tail, link, T / m)``: the smallest ``m`` that
-keeps that spacing at the slowest stage's is enough (more frames only wait in a queue); before
-the first verdict, one. Knows nothing about models or links.
+keeps that spacing at the slowest stage's is enough (more frames only wait in a queue); one
+until a frame without prefill has been measured. Knows nothing about models or links.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ class PipelinePolicy:
     def __init__(self, max_in_flight: int = 1):
         self.max_in_flight = max(1, max_in_flight)
         self.build: float | None = None
-        self.tail = self.bytes = self.tokens = 0.0
+        self.tail = self.bytes = 0.0
         self.overhead = 0.0
         self.verdicts = 0
         self._x = self._y = self._xx = self._xy = None  # link fit: bytes, latency ms
@@ -49,7 +49,6 @@ class PipelinePolicy:
         self.verdicts += 1
         self.tail = tail_ms if first else _ema(self.tail, tail_ms)
         self.bytes = float(sent_bytes) if first else _ema(self.bytes, float(sent_bytes))
-        self.tokens = float(tokens) if first else _ema(self.tokens, float(tokens))
         if build_ms is not None:
             self.build = _ema(self.build, build_ms)
         if overhead_ms is not None:
@@ -75,11 +74,6 @@ class PipelinePolicy:
         """Frames enough to keep the slowest stage busy over one frame's round trip."""
         total, stage = self.timing()
         return max(1, min(self.max_in_flight, math.ceil(total / stage - 1e-9)))
-
-    def rate(self) -> float:
-        """Expected tokens per ms with ``in_flight()`` frames."""
-        total, stage = self.timing()
-        return self.tokens / max(stage, total / self.in_flight())
 
     # -- the choice ----------------------------------------------------------------------------
     def choose(self) -> int:

@@ -83,7 +83,7 @@ def warp(logits: Tensor, s: Sampling | Knobs) -> Tensor:
 
 
 def exponentials(shape, generator: torch.Generator | None, device=None) -> Tensor:
-    """Exp(1) noise for ``race``: drawn outside a graph, handed to it as an input."""
+    """Exp(1) noise for ``race``, from ``generator``."""
     return torch.empty(shape, device=device if generator is None else generator.device).exponential_(
         generator=generator)
 
@@ -124,7 +124,7 @@ def _mix64(x: int) -> int:
 
 
 def round_seed(seed: int, start_pos: int, role: Role) -> int:
-    """64-bit seed of one round's random stream (for re-seeding a graph-registered generator)."""
+    """64-bit seed of the stream of (seed, position, role)."""
     x = 0
     for part in (seed, start_pos, _ROLE_IDS[role]):
         x = _mix64(((x ^ part) + 0x9E3779B97F4A7C15) & _MASK64)
@@ -133,9 +133,9 @@ def round_seed(seed: int, start_pos: int, role: Role) -> int:
 
 def round_generator(seed: int, start_pos: int, role: Role,
                     device: torch.device | str = "cpu") -> torch.Generator:
-    """A fresh generator for the round starting at ``start_pos``, on ``device``.
+    """A fresh generator for the node at position ``start_pos``, on ``device``.
 
-    The draft (``choose``) and the verifier (``verify``) must use different roles: the same
-    stream on both sides would correlate the drafted tokens with their acceptance tests.
+    Only the verifier draws (the draft proposes, never samples); a role keeps any other stream
+    apart from the verifier's, which the same stream would correlate with its draws.
     """
     return torch.Generator(device=device).manual_seed(round_seed(seed, start_pos, role))

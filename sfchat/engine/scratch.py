@@ -1,4 +1,4 @@
-"""Scratch K/V slots after a slice's context, and who holds each. Torch-free.
+"""Scratch K/V slots after a slice's context, and who holds each.
 
 Contract
 --------

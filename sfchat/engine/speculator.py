@@ -11,8 +11,9 @@ of frames in flight.
 
 * ``begin(prompt_ids)`` makes the prompt the context and opens a new tree: its first frame
   carries the context the target lacks as prefill FORWARDs before the tree FORWARD.
-* ``frame(s, budget)``: the next frame of at most ``frame_size`` nodes, or None when there is
-  nothing to send (the context window or the reply's budget reached). The draft expands the tree's likeliest
+* ``frame(s, budget, min_yield)``: the next frame of at most ``frame_size`` nodes, or None when
+  nothing may be sent (the context window or the reply's budget reached) or the frame would be
+  expected to commit fewer than ``min_yield`` tokens. The draft expands the tree's likeliest
   nodes up to ``steps`` times (``width`` at a time, only nodes whose children could still enter
   this frame; a prompt-lookup continuation is grafted under the root at no draft cost), the tree
   chooses the frame's nodes best first, the head slice runs them

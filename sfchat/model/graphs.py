@@ -1,4 +1,4 @@
-"""CUDA-graph capture of fixed-shape forwards (the draft's K steps, the K+1-token verifies).
+"""CUDA-graph capture of fixed-shape forwards (the draft's expansion step, the frames' forwards).
 
 Contract
 --------
@@ -28,7 +28,7 @@ the graph of the smallest captured window that holds a forward's positions.
 ``GraphTable`` is the one place where the choice between a graph and the plain code is made,
 for the slices and the draft alike: ``capture(key, what, fn, inputs, windows)`` captures
 ``fn(*inputs, window)`` once per window under ``key`` (a shape: a slice's tokens, logits and
-segment, the draft's depth and whether it samples); ``run(key, fn, inputs, window)`` replays the
+segment, the draft's ``("expand", sampled)``); ``run(key, fn, inputs, window)`` replays the
 graph that fits and otherwise calls ``fn(*inputs, window)`` itself: the CPU, and any shape not
 captured, run exactly the code a graph replays. Keys are the owner's own; nothing else reads them
 (``key in table`` tells whether one was captured, ``keys()`` lists them).

@@ -7,7 +7,7 @@ hints)`` adds them up per CUDA device (``plan``: ``(what, device, Need)``, added
 ``footprint.device_bytes``: one workspace and one graph pool per device), compares each sum
 with what is free there (``torch.cuda.mem_get_info`` plus what torch's allocator holds unused) and
 raises a ``UserError`` naming the device, the figures and ``hints`` (the fixes that apply to the
-caller: 4-bit, a shorter context, fewer round shapes, another split, another device). CPU devices
+caller: 4-bit, a shorter context, a smaller --tree-budget, another split, another device). CPU devices
 are not checked. ``SFCHAT_NO_MEMORY_CHECK=1`` skips every check (the estimate may be wrong for a
 new GPU or driver).
 
@@ -160,7 +160,7 @@ def head_plan(config, split: int, *, devices: list[torch.device], dtype: torch.d
               verifies, draft: DraftPlan | None = None, local: bool = False, graphs: bool = True,
               head_span: int = 0) -> Plan:
     """The head's needs: its slice over ``devices`` (graphs for ``verifies``, the (positions, tree)
-    of every round shape, each seeing ``head_span`` slots, its scratch pool; its layers balanced by
+    of the frame shape, each seeing ``head_span`` slots, its scratch pool; its layers balanced by
     ``head_reserve``), the draft and, in local mode,
     the tail's slice on the same devices (balanced around the head's, as ``TailLoader`` balances
     it around the memory free once the head is loaded)."""

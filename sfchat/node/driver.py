@@ -14,16 +14,16 @@ the context; each ``round(s, eos_ids, budget)`` returns the outcome of one verdi
 Frames in flight: a frame may be built before the verdicts of the frames before it are known;
 its nodes hang anywhere in the reply's live tree (``engine.live``), so a verdict that is not the
 likeliest outcome costs only the nodes below the outcomes that did not happen, never the frames
-behind it. The frame size and ``m`` come from the policy (``engine.policy.PipelinePolicy``
-unless one is handed in; ``max_in_flight`` bounds ``m``; 1 is one frame per round trip), fed
-every verdict; a frame goes out while others are in flight only if the tree expects it to commit
-at least the policy's ``min_yield`` tokens. Nothing is in flight over a link whose tail computes
-inside ``recv`` (local mode's ``MemoryLink``, ``overlaps = False``). Output never depends on any
+behind it. Every frame has the layout's one size; ``m`` comes from the policy
+(``engine.policy.PipelinePolicy`` unless one is handed in; ``max_in_flight`` bounds ``m``; 1 is one
+frame per round trip), fed every verdict; a frame goes out while others are in flight only if the tree expects it to commit
+at least the policy's ``min_yield`` tokens. At most one frame is in flight over a link whose
+tail computes inside ``recv`` (local mode's ``MemoryLink``, ``overlaps = False``). Output never depends on any
 of it (see ``engine.speculator``).
 
 Each ``RoundOutcome`` has honest figures, measured where they happen: ``draft_ms`` and ``head_ms``
-(head slice, frame building and sending) of the frames built in this call, ``overlap_ms`` the
-frames built while verdicts travel, ``wait_ms`` the time blocked on the verdict after that,
+(head slice, frame building and sending) of the frame this verdict answers when this call built
+it (else 0), ``overlap_ms`` from then to the wait (building further frames), ``wait_ms`` the time blocked on the verdict after that,
 ``tail_ms`` the tail's own compute (from the verdict, never more than the time it took) and
 ``rtt_ms`` the time from sending the frame to its verdict's arrival less the tail's compute. The
 parts add up to ``round_ms``, the time between two verdicts taken. ``speculated`` marks a verdict
@@ -72,7 +72,7 @@ class LinkLost(LinkError):
 
 @dataclass(frozen=True)
 class RoundOutcome:
-    commit: Commit  # what the verdict committed (tokens after truncation, drafts accepted, why it ended)
+    commit: Commit  # what the verdict committed (tokens after truncation, why it ended)
     stats: RoundStats
 
 
@@ -97,7 +97,7 @@ class RoundDriver:
         self.flight_sampling: wire.Sampling | None = None
         self.policy = policy or PipelinePolicy(max_in_flight if link.overlaps else 1)
 
-    # what the rest of the head reads of the engine
+    # the engine's parts, for benchmarks and tests that look inside
     head = property(lambda self: self.spec.head)
     drafter = property(lambda self: self.spec.drafter)
     tokens = property(lambda self: self.spec.tokens)

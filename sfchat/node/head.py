@@ -8,10 +8,8 @@ else), its tokenizer and the draft's (which must be the same; a refused default 
 as the default, with ``--draft none`` as the way out), then the engine (``loading.open_engine``:
 draft, head slice, graphs, the tail's handshake). A relay link is dialled by the caller (a
 ``connect.HeadDialer``, handed in as ``redial`` too, to reconnect with) and handed in; without
-one the tail runs in this process; ``policy`` replaces the one that picks frame sizes and frames
-in flight (``engine.policy.PipelinePolicy``). ``open`` reports ``LoadProgress``, ``LinkState``
-and ``RuntimeReady`` through ``on_event``.
-``open`` reports ``LoadProgress``, ``LinkState`` and ``RuntimeReady`` through ``on_event``.
+one the tail runs in this process; ``policy`` replaces the one that picks frames in flight
+(``engine.policy.PipelinePolicy``). ``open`` reports ``LoadProgress``, ``LinkState`` and ``RuntimeReady`` through ``on_event``.
 
 * ``encode(messages)``: a conversation's prompt ids under the one system prompt rule
   (``prompts.with_system``) and the chat template setting.

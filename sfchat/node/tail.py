@@ -152,5 +152,5 @@ def _serve_link(link: RelayLink, verifier: Verifier, once: bool) -> None:
         if now - last_stats >= STATS_EVERY_S:
             done = verifier.rounds - rounds_then
             if done:
-                log(f"{done} rounds verified in the last {now - last_stats:.0f} s")
+                log(f"{done} frames verified in the last {now - last_stats:.0f} s")
             last_stats, rounds_then = now, verifier.rounds
