@@ -26,7 +26,8 @@ Models:
     drawn once per token from ``--ranks`` (a real pair's histogram), the other places decoys:
     alternatives that carry information as a real draft's do.
 
-The table: tok/s, tokens per verdict, frames in flight, and where a verdict's time went (draft,
+The table: tok/s, tokens per verdict (and what the tree's values predicted a frame would commit:
+the nodes on the committed path against the expectation), frames in flight, and where a verdict's time went (draft,
 head slice and frame, the tail's compute, the network, the rest on the head), the draft steps
 per verdict of the frames' own builds and of the steps run ahead; the greedy token ids of every
 reply are compared across modes and RTTs (``identical``).
@@ -55,7 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import harness  # noqa: E402
 from harness import QWEN25_05B, QWEN25_7B, TINY_DRAFT, TINY_TARGET, head_link, relay_and_tail  # noqa: E402
-from sfchat.engine.draft import Drafter  # noqa: E402
+from sfchat.engine.draft import GPU_WIDTH, Drafter  # noqa: E402
 from sfchat.engine.policy import PipelinePolicy  # noqa: E402
 from sfchat.engine.speculator import Speculator  # noqa: E402
 from sfchat.model.devices import DTYPE_NAMES, DTYPES  # noqa: E402
@@ -71,36 +72,50 @@ GREEDY = Sampling()
 AHEAD = 16
 # name: (nodes per frame, nodes the draft expands per step, continuations kept per node, frames in flight,
 #        draft steps while a verdict travels)
-MODES = {"chain": (K + 1, 1, 1, 1, 0), "tree": (65, 8, 8, 1, 0), "auto": (65, 8, 8, 8, 0),
-         "tree-ahead": (65, 8, 8, 1, AHEAD), "auto-ahead": (65, 8, 8, 8, AHEAD)}
-FIELDS = ("draft_ms", "head_ms", "tail_ms", "rtt_ms", "wait_ms", "overlap_ms", "round_ms", "draft_steps", "ahead_steps")
+W = GPU_WIDTH  # the GPU default: a step expands 32 nodes
+MODES = {"chain": (K + 1, 1, 1, 1, 0), "tree": (65, W, 8, 1, 0), "auto": (65, W, 8, 8, 0),
+         "tree-ahead": (65, W, 8, 1, AHEAD), "auto-ahead": (65, W, 8, 8, AHEAD)}
+FIELDS = ("draft_ms", "head_ms", "tail_ms", "rtt_ms", "wait_ms", "overlap_ms", "round_ms", "draft_steps", "ahead_steps",
+          "expected")
+
+
+def draw_ranks(ranks: list[int], n: int, seed: int = 7) -> list[int]:
+    """For each of ``n`` tokens, the rank at which the draft proposes the target's next token, drawn
+    from the whole histogram ``ranks`` (the last entry: not proposed at all), the same for every
+    mode: a rank at or past a frame's width means that mode's draft does not propose it."""
+    rng = random.Random(seed)
+    return [rng.choices(range(len(ranks)), ranks)[0] for _ in range(n)]
+
+
+def synthetic_proposals(token: int, perm: list[int], rank: list[int], q: list[float], children: int
+                        ) -> list[tuple[int, float]]:
+    """The ``children`` proposals after ``token``: the target's next token ``perm[token]`` at its
+    drawn rank when that rank is below ``children``, decoys elsewhere; confidences ``q`` per rank."""
+    true = perm[token] if token < len(perm) else 0
+    at = rank[token] if token < len(perm) else children
+    seed = random.Random(token * 7919 + 1)
+    props = [seed.randrange(len(perm)) for _ in range(children)]
+    props = [p if p != true else (p + 1) % len(perm) for p in props]
+    if at < children:
+        props[at] = true
+    return list(zip(props, q))
 
 
 class SyntheticDrafter(Drafter):
     """A draft whose proposals after token t put the target's next token perm[t] at a rank drawn
-    once per t from a real pair's rank histogram; the model still runs, so the cost is real."""
+    once per t from a real pair's rank histogram (``draw_ranks``); the model still runs, so the
+    cost is real."""
 
     def __init__(self, *args, perm: torch.Tensor, ranks: list[int], **kw):
         super().__init__(*args, **kw)
-        self.perm, rng = perm.tolist(), random.Random(7)
-        weights = ranks[:self.children] + [ranks[-1]]  # ranks 0..C-1, then "not proposed"
-        self.rank = [rng.choices(range(len(weights)), weights)[0] for _ in self.perm]
+        self.perm = perm.tolist()
+        self.rank = draw_ranks(ranks, len(self.perm))
         total = sum(ranks)
         self.q = [max(r / total, 1e-3) for r in ranks[:self.children]]  # a confidence per rank, like the pair's
 
     def expand(self, rows, s):
         super().expand(rows, s)
-        out = []
-        for token, *_ in rows:
-            true = self.perm[token] if token < len(self.perm) else 0
-            rank = self.rank[token] if token < len(self.perm) else self.children
-            seed = random.Random(token * 7919 + 1)
-            props = [seed.randrange(len(self.perm)) for _ in range(self.children)]
-            props = [p if p != true else (p + 1) % len(self.perm) for p in props]
-            if rank < self.children:
-                props[rank] = true
-            out.append(list(zip(props, self.q)))
-        return out
+        return [synthetic_proposals(token, self.perm, self.rank, self.q, self.children) for token, *_ in rows]
 
 
 def build(target: Path, draft: Path, device: str, dtype: str, synthetic=None):
@@ -228,15 +243,15 @@ def main() -> None:
 
 
 def print_table(res, rtts, modes, ranks) -> None:
-    print("\n| RTT ms | mode | tok/s | vs chain | tokens/verdict | in flight | draft | head | tail | net | wait | "
-          "overlap | rest (ms per verdict) | draft steps: frames, ahead |")
+    print("\n| RTT ms | mode | tok/s | vs chain | tokens/verdict (predicted) | in flight | draft | head | tail | net | "
+          "wait | overlap | rest (ms per verdict) | draft steps: frames, ahead |")
     print("|" + " --- |" * 14)
     for rtt in rtts:
         base = res[("chain", rtt)]["tps"] if ("chain", rtt) in res else None
         for mode in modes:
             r = res[(mode, rtt)]
             ratio = f"{r['tps'] / base:.2f}x" if base else ""
-            print(f"| {rtt} | {mode} | {r['tps']:.1f} | {ratio} | {r['tokens_per_verdict']:.2f} | {r['in_flight']:.2f} | "
+            print(f"| {rtt} | {mode} | {r['tps']:.1f} | {ratio} | {r['tokens_per_verdict']:.2f} ({r['expected']:.2f}) | {r['in_flight']:.2f} | "
                   f"{r['draft_ms']:.1f} | {r['head_ms']:.1f} | {r['tail_ms']:.1f} | {r['rtt_ms']:.1f} | "
                   f"{r['wait_ms']:.1f} | {r['overlap_ms']:.1f} | {r['rest_ms']:.1f} | "
                   f"{r['draft_steps']:.1f}, {r['ahead_steps']:.1f} |")

@@ -68,6 +68,7 @@ class RoundStats:
     depth: int = 0  # positions the frame spans, from its first node to its deepest
     in_flight: int = 1  # frames sent and not answered when this verdict came
     draft_steps: int = 0  # draft steps of the frames built since the verdict before
+    expected: float = 0.0  # the tree's estimate of the tokens the frame would commit (its nodes' values)
     ahead_steps: int = 0  # draft steps run while the verdict travelled (--draft-ahead)
 
 

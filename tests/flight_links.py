@@ -40,5 +40,8 @@ class Always:
     def choose(self) -> int:
         return self.m
 
+    def step_gain(self) -> float:
+        return 0.0  # every frame runs all its draft steps
+
     def observe(self, *args, **kw):
         pass

@@ -32,7 +32,10 @@ from sfchat.model.kv import PREFILL_CHUNK, TreeMask
 from sfchat.model.slices import ModelSlice
 from sfchat.protocol.wire import Sampling
 
-WIDTH = 8  # nodes the draft runs per forward
+WIDTH = 8  # nodes the draft expands per step on a CPU, where a step's cost grows with its rows
+# on a GPU a small draft's step is launch-bound: 33 rows cost what 9 do (H200, 0.5B: 4.1 against
+# 4.0 ms, bench/frame_cost.py), so a step there expands four times the nodes
+GPU_WIDTH = 32
 CHILDREN = 8  # continuations kept per node
 
 

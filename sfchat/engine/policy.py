@@ -11,7 +11,10 @@ of the frame layout):
 * compute: the head's time to build a frame (draft and head slice, steady frames only: no
   prefill), the tail's, and the head's own overhead per verdict (taking it, the link);
 * ``min_yield``: the bar the driver holds the tree's own estimate of a frame's yield to before it
-  sends that frame while others are in flight (``MIN_YIELD``).
+  sends that frame while others are in flight (``MIN_YIELD``);
+* ``step_gain()``: what a draft step must add to a frame's expected yield to be worth its time:
+  the tokens the pipeline commits per ms (per verdict, over the time between verdicts) times the
+  measured ms of a step; 0 (every step runs) until both were measured.
 
 A frame spends ``T`` = build + overhead + base + bytes x cost + tail from being built to its
 verdict. The head, the tail and the link each serve one frame at a time, so with ``m`` frames in
@@ -35,6 +38,9 @@ class PipelinePolicy:
         self.max_in_flight = max(1, max_in_flight)
         self.build: float | None = None
         self.tail = self.bytes = 0.0
+        self.tokens: float | None = None  # committed per verdict
+        self.spacing: float | None = None  # ms between verdicts
+        self.step_ms: float | None = None  # one draft expansion step
         self.overhead = 0.0
         self.verdicts = 0
         self._x = self._y = self._xx = self._xy = None  # link fit: bytes, latency ms
@@ -42,9 +48,11 @@ class PipelinePolicy:
 
     # -- learning ------------------------------------------------------------------------------
     def observe(self, *, tokens: int, sent_bytes: int, rtt_ms: float, tail_ms: float,
-                build_ms: float | None = None, overhead_ms: float | None = None) -> None:
+                build_ms: float | None = None, overhead_ms: float | None = None, round_ms: float | None = None,
+                step_ms: float | None = None) -> None:
         """One verdict of a frame that committed ``tokens``, sent ``sent_bytes``, came back ``rtt_ms``
-        after sending (the tail's ``tail_ms`` excluded); ``build_ms`` of a steady frame."""
+        after sending (the tail's ``tail_ms`` excluded); ``build_ms`` of a steady frame; ``round_ms``
+        since the verdict before; ``step_ms`` of the frame's draft steps, when it ran any."""
         first = self.verdicts == 0
         self.verdicts += 1
         self.tail = tail_ms if first else _ema(self.tail, tail_ms)
@@ -53,6 +61,10 @@ class PipelinePolicy:
             self.build = _ema(self.build, build_ms)
         if overhead_ms is not None:
             self.overhead = _ema(self.overhead, max(0.0, overhead_ms))
+        if round_ms is not None and round_ms > 0:
+            self.tokens, self.spacing = _ema(self.tokens, float(tokens)), _ema(self.spacing, round_ms)
+        if step_ms is not None:
+            self.step_ms = _ema(self.step_ms, step_ms)
         self._fit(float(sent_bytes), max(0.0, rtt_ms))
 
     def _fit(self, x: float, y: float) -> None:
@@ -74,6 +86,12 @@ class PipelinePolicy:
         """Frames enough to keep the slowest stage busy over one frame's round trip."""
         total, stage = self.timing()
         return max(1, min(self.max_in_flight, math.ceil(total / stage - 1e-9)))
+
+    def step_gain(self) -> float:
+        """Tokens a draft step must add to a frame's expected yield to pay for its time."""
+        if not self.spacing or self.step_ms is None or self.tokens is None:
+            return 0.0
+        return self.step_ms * self.tokens / self.spacing
 
     # -- the choice ----------------------------------------------------------------------------
     def choose(self) -> int:

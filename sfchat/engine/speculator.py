@@ -157,16 +157,18 @@ class Speculator:
         self.live = None
 
     # -- a frame -------------------------------------------------------------------------------
-    def frame(self, s: wire.Sampling, budget: int, min_yield: float = 0.0) -> Frame | None:
+    def frame(self, s: wire.Sampling, budget: int, min_yield: float = 0.0, step_gain: float = 0.0
+              ) -> Frame | None:
         """The next frame, or None when nothing may be sent (``budget``: tokens the reply may still
-        commit) or it would be expected to commit fewer than ``min_yield`` tokens."""
+        commit) or it would be expected to commit fewer than ``min_yield`` tokens; its own draft
+        steps stop once one added less than ``step_gain`` to the frame's expected yield."""
         if self.live is None:
             self._open()
         t0 = time.perf_counter()
         live = self.live
         # a node's pick is the token after it: only nodes whose picks fit the budget and the window
         room, max_pos = min(self.frame_size, self.scratch.free), self._max_pos(budget)
-        steps = self._grow(s, room, max_pos)
+        steps = self._grow(s, room, max_pos, step_gain)
         t1 = time.perf_counter()
         nodes = live.choose(room, max_pos)
         expected = sum(live.value(n) for n in nodes)
@@ -204,17 +206,26 @@ class Speculator:
             if branch:
                 live.graft(branch)
 
-    def _grow(self, s: wire.Sampling, size: int, max_pos: int) -> int:
+    def _grow(self, s: wire.Sampling, size: int, max_pos: int, step_gain: float) -> int:
         """The draft's expansions for a frame of ``size`` nodes, after the committed nodes it has
-        not run: at most ``steps``, and only of nodes whose children could enter the frame (a child
+        not run: at most ``steps``, only of nodes whose children could enter the frame (a child
         is never likelier than its parent, so a node no likelier than the frame's last candidate
-        adds nothing to it; the bar is taken once, before the steps raise it). Returns the steps run."""
+        adds nothing to it; the bar is taken once, before the steps raise it), and no more once a
+        step added less than ``step_gain`` tokens to the frame's expected yield (the tree was
+        mostly grown already: ahead of need, or under earlier frames). Returns the steps run."""
         self._graft()
-        chosen = self.live.choose(size, max_pos)
+        live = self.live
+        chosen = live.choose(size, max_pos)
         cut = chosen[-1].logv if chosen and len(chosen) >= size else -math.inf
+        value = sum(live.value(n) for n in chosen)
         for step in range(self.steps):
             if not self._step(s, max_pos, cut):
                 return step
+            if step_gain > 0:
+                now = sum(live.value(n) for n in live.choose(size, max_pos))
+                if now - value < step_gain:
+                    return step + 1
+                value = now
         return self.steps
 
     def _step(self, s: wire.Sampling, max_pos: int, cut: float, reserve: int = 0) -> bool:

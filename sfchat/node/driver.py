@@ -17,7 +17,8 @@ likeliest outcome costs only the nodes below the outcomes that did not happen, n
 behind it. Every frame has the layout's one size; ``m`` comes from the policy
 (``engine.policy.PipelinePolicy`` unless one is handed in; ``max_in_flight`` bounds ``m``; 1 is one
 frame per round trip), fed every verdict; a frame goes out while others are in flight only if the tree expects it to commit
-at least the policy's ``min_yield`` tokens. At most one frame is in flight over a link whose
+at least the policy's ``min_yield`` tokens, and its own draft steps stop once one adds less than
+the policy's ``step_gain()`` to its expected yield. At most one frame is in flight over a link whose
 tail computes inside ``recv`` (local mode's ``MemoryLink``, ``overlaps = False``). Output never depends on any
 of it (see ``engine.speculator``).
 
@@ -105,14 +106,18 @@ class RoundDriver:
     # -- handshake -----------------------------------------------------------------------------
     def connect(self, hello: Hello, on_progress=None) -> Ready:
         """Send HELLO and wait for READY (PROGRESS frames go to ``on_progress(stage, done, total,
-        detail)``); a tail lost meanwhile is waited for and reconnected like one lost mid-reply."""
+        detail)``; verdicts of frames sent before it are dropped); a tail lost meanwhile is waited
+        for and reconnected like one lost mid-reply. The tail holds none of the context after it."""
         self.hello, self.on_progress = hello, on_progress
+        self.flight.clear()
         try:
-            return self._handshake()
+            ready = self._handshake()
         except LinkLost as exc:
             if self.reconnect is None:
                 raise
             return self._recover(exc)
+        self.spec.restart()  # a HELLO leaves the tail without our context: the next frame sends it again
+        return ready
 
     def _handshake(self) -> Ready:
         self._send(self.hello.to_frame())
@@ -128,6 +133,8 @@ class RoundDriver:
                 if self.on_progress is not None:
                     self.on_progress(progress.stage, progress.done, progress.total, progress.detail)
                 continue
+            if isinstance(msg, wire.Verdict):  # the tail answers in order: this one is for a frame sent
+                continue  # before the HELLO (frames in flight when a reply ended), never applied
             raise LinkError(f"protocol error: unexpected {type(msg).__name__} while waiting for the tail to be ready")
 
     def _recover(self, cause: LinkLost) -> Ready:
@@ -232,7 +239,8 @@ class RoundDriver:
             build_ms=first.draft_ms + first.head_ms if first.steady else None,
             # the head's own time per verdict beyond building frames: its busy time, and the time
             # from the verdict's arrival (or the start of the wait) to having it
-            overhead_ms=(t5 - t0 - (t4 - t3) + t4 - max(arrived, t3)) * 1e3 - fill.built_ms)
+            overhead_ms=(t5 - t0 - (t4 - t3) + t4 - max(arrived, t3)) * 1e3 - fill.built_ms,
+            round_ms=(t5 - t0) * 1e3, step_ms=first.draft_ms / first.steps if first.steps else None)
         depth = max((n.pos for n in first.nodes), default=0) - first.nodes[0].pos + 1 if first.nodes else 0
         stats = RoundStats(
             accepted=max(len(commit.tokens) - 1, 0), committed=len(commit.tokens), draft_ms=fill.draft_ms,
@@ -240,7 +248,7 @@ class RoundDriver:
             tail_ms=tail_ms, rtt_ms=rtt_ms, round_ms=(t5 - t0) * 1e3,
             wait_ms=(t4 - t3) * 1e3, overlap_ms=(t3 - fill.out_at) * 1e3, speculated=first.ahead and bool(commit.tokens),
             forward_bytes=first.forward_bytes, tree_nodes=len(first.nodes), depth=depth, in_flight=in_flight,
-            draft_steps=fill.steps, ahead_steps=ahead)
+            draft_steps=fill.steps, ahead_steps=ahead, expected=first.expected)
         return RoundOutcome(commit, stats)
 
     def _fill(self, s: wire.Sampling, budget: int, t0: float) -> "_Fill":
@@ -250,7 +258,7 @@ class RoundDriver:
         waiting_before = bool(self.flight)  # the frame this verdict answers went out in an earlier call
         m = self.policy.choose()
         while len(self.flight) < m:
-            frame = self.spec.frame(s, budget, self.policy.min_yield if self.flight else 0.0)
+            frame = self.spec.frame(s, budget, self.policy.min_yield if self.flight else 0.0, self.policy.step_gain())
             if frame is None:
                 break
             frame.sent_at = time.perf_counter()  # before it goes: the tail may start on it before send returns

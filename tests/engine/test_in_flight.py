@@ -140,3 +140,22 @@ def test_a_verdict_for_a_frame_the_head_left_is_never_applied(zoo):
     fin = finished(session, ids, 16)
     assert list(fin.token_ids) == reference(zoo[TARGET], ids, 16, eos=-1)
     assert session.engine.link.lies > 0
+
+
+def test_a_hello_after_a_reply_that_ended_with_frames_in_flight_takes_the_tails_ready(zoo):
+    """A reply ends (its budget) with frames still in flight; their verdicts come back in order,
+    before the READY of a HELLO sent after them (a new handshake on the same link, as a benchmark
+    switching modes does): they are dropped unapplied, not taken for a broken tail."""
+    session = in_flight(zoo, 4, draft="draft")  # an unrelated draft: a verdict commits a token or two
+    ids = session.encode(PROMPT)
+    ref = reference(zoo[TARGET], ids, 24, eos=-1)
+    session.eos = {ref[10]}  # the reply ends there, far from its budget: frames below it are in flight
+    assert finished(session, ids, 24).finish_reason == "eos"
+    session.eos = set()
+    driver = session.engine
+    link = driver.link
+    assert link.outbox or link.inbox  # frames, or their verdicts, that the head left behind
+    ready = driver.connect(driver.hello)
+    assert ready.reused and driver.flight == type(driver.flight)()
+    fin = finished(session, ids, 24)
+    assert list(fin.token_ids) == ref

@@ -1,0 +1,175 @@
+"""What one frame costs the head, part by part: the draft's expansion step and the head slice's tree forward.
+
+Random-weight slices in the shapes of Qwen2.5-7B (the head's half: layers [0, 14) with the
+embedding) and Qwen2.5-0.5B (the whole draft) are built on the GPU (no checkpoint), a context is
+prefilled, and every figure is the mean of many calls (CUDA-synchronised wall time):
+
+  * the draft's expansion step (``Drafter.expand``: one forward of ``width + 1`` rows over its
+    scratch, the top-8 continuations of each row, one host sync), replayed from its CUDA graph, at
+    widths 8, 16 and 32, and with the forward compiled by torch.compile under the graph;
+  * the head slice's tree forward over its scratch at 9, 33 and 65 rows, replayed from its graph;
+    the same rows as a plain causal forward (no tree mask, no scratch: the attention over the
+    context alone); the 65-row forward's matrix multiplications alone; the host's parts of a frame
+    (building the tree's inputs, the hidden states to bytes, the wire encoding);
+  * the kernels that take the most time in one eager 65-row tree forward (torch.profiler).
+
+Run from the repository root:  python3 bench/frame_cost.py [--tiny] [--context 500] [--no-compile]
+(--tiny: CPU, tiny shapes: checks the script, measures nothing)
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from verify_breakdown import SHAPES, TINY, gemm_ms, random_slice  # noqa: E402
+from sfchat.engine.draft import Drafter  # noqa: E402
+from sfchat.engine.scratch import Scratch  # noqa: E402
+from sfchat.engine.speculator import hidden_bytes  # noqa: E402
+from sfchat.protocol import wire  # noqa: E402
+from sfchat.protocol.wire import Sampling  # noqa: E402
+
+HEAD_POOL = 9 * 65 + 1  # the GPU default's head scratch: 8 frames in flight and one being built, 65 nodes each
+DRAFT_POOL = 513
+
+
+def timed(fn, n: int, cuda: bool) -> float:
+    for _ in range(3):
+        fn()
+    if cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    if cuda:
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t0) * 1e3 / n
+
+
+def tree_rows(n: int, base: int) -> list[tuple[int, int, list[int]]]:
+    """A best-first-like tree of ``n`` nodes below a root at ``base - 1``: (position, key, ancestors);
+    each node's parent is node (i - 1) // 4 (four children each), as a 64-node frame looks."""
+    rows, ancestors = [], {}
+    for i in range(n):
+        up = [] if i == 0 else ancestors[(i - 1) // 4] + [(i - 1) // 4]
+        ancestors[i] = up
+        rows.append((base + len(up), i, up))
+    return rows
+
+
+def draft_rows(width: int, context: int):
+    """An expansion step: one committed node catching up and ``width`` nodes below it."""
+    return [(5, context, "c", [])] + [(7 + i, context + 1, i, ["c"]) for i in range(width)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--context", type=int, default=500)
+    ap.add_argument("--no-compile", action="store_true")
+    ap.add_argument("--calls", type=int, default=50)
+    args = ap.parse_args()
+    cuda = not args.tiny and torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    shapes = TINY if args.tiny else SHAPES
+    (head_name, head_shape), (draft_name, draft_shape) = list(shapes.items())
+    head_shape = dict(head_shape, embed=True)
+    ctx, n = args.context, args.calls if cuda else 3
+    print(f"\n{'device' if cuda else 'CPU (tiny shapes: nothing measured)'}: "
+          f"{torch.cuda.get_device_name() if cuda else 'cpu'}, {dtype}, context {ctx}, {n} calls per figure\n")
+    print("| what | ms | notes |\n| --- | --- | --- |")
+
+    class Rows(list):
+        def append(self, row):  # printed as it comes: a run cut short still shows what it measured
+            print(f"| {row[0]} | {row[1]:.2f} | {row[2]} |", flush=True)
+
+    rows_out = Rows()
+
+    # -- the draft's expansion step ------------------------------------------------------------
+    draft = random_slice(draft_shape, dtype, device, max_len=2048 + DRAFT_POOL)
+    tokens = [int(t) for t in torch.randint(0, 300, (ctx,))]
+    for compiled in ([False] if args.no_compile or not cuda else [False, True]):
+        for width in (8, 16, 32):
+            d = Drafter(draft, width=width, children=8, pool=DRAFT_POOL)
+            t0 = time.perf_counter()
+            if cuda:
+                d.capture(compile=compiled)
+            setup = time.perf_counter() - t0
+            d.sync(tokens)
+            rows = draft_rows(width, ctx)
+            ms = timed(lambda: d.expand(rows, Sampling()), n, cuda)
+            rows_out.append((f"{draft_name} expansion step, {width + 1} rows{' (compiled)' if compiled else ''}",
+                             ms, f"{ms / width:.2f} ms per node expanded; capture {setup:.1f} s"))
+            d.scratch.reset(ctx)
+            draft.reset()
+    del draft
+    if cuda:
+        torch.cuda.empty_cache()
+
+    # -- the head slice's tree forward -----------------------------------------------------------
+    head = random_slice(head_shape, dtype, device, max_len=2048 + HEAD_POOL)
+    ids = torch.randint(0, 300, (ctx,), device=device)
+    head.run(ids[:ctx - 1], torch.arange(ctx - 1, device=device), end=ctx - 1)
+    head.note(0, ids[:ctx - 1].tolist())
+    base = ctx - 1
+    scratch = Scratch(head, HEAD_POOL)
+    for r in (9, 33, 65):
+        if cuda:
+            head.capture(r, tree=True, span=HEAD_POOL)
+            head.capture(r)
+        scratch.reset(base)
+        rows = tree_rows(r, base)
+        slots, mask = scratch.tree_inputs(rows, r, device)
+        x = torch.randint(0, 300, (r,), device=device)
+        tree_ms = timed(lambda: head.run(x, slots, end=scratch.end, tree=mask), n, cuda)
+        pos = torch.arange(base, base + r, device=device)
+        plain_ms = timed(lambda: head.run(x, pos, end=base + r), n, cuda)
+        rows_out.append((f"{head_name}: {r}-row tree forward over {HEAD_POOL} scratch slots", tree_ms,
+                         f"plain causal forward of the same rows: {plain_ms:.2f} ms"))
+        if r == 65:
+            g, gb = gemm_ms(head, r, n, cuda)
+            rows_out.append((f"{head_name}: its GEMMs alone at {r} rows", g, f"{gb:.1f} GB of weights, "
+                             f"{gb / g:.2f} TB/s"))
+            host = timed(lambda: (scratch.reset(base), scratch.tree_inputs(rows, r, device)), n, cuda)
+            hidden = head.run(x, slots, end=scratch.end, tree=mask)
+            to_bytes = timed(lambda: hidden_bytes(hidden, "x"), n, cuda)
+            raw = hidden_bytes(hidden, "x")
+            enc = timed(lambda: wire.encode(wire.Forward(
+                round=1, tree=1, start_pos=base, tokens=tuple(range(r)), hidden=raw, dtype=wire.DType.BFLOAT16
+                if cuda else wire.DType.FLOAT32, hidden_size=hidden.shape[-1], parents=(0,) + tuple(1 + (i - 1) // 4 for i in range(1, r)), first_id=1,
+                sampling=Sampling())), n, False)
+            rows_out.append(("host: a frame's tree inputs (Scratch.tree_inputs)", host, ""))
+            rows_out.append(("host: hidden states to bytes (device to host)", to_bytes, f"{len(raw) / 1e3:.0f} kB"))
+            rows_out.append(("host: wire encoding of the FORWARD", enc, ""))
+
+    from torch.profiler import ProfilerActivity, profile
+
+    scratch.reset(base)
+    rows = tree_rows(65, base)
+    slots, mask = scratch.tree_inputs(rows, 65, device)
+    x = torch.randint(0, 300, (65,), device=device)
+    head.forward(x, slots, window=head.window_for(scratch.end), tree=mask)
+    with profile(activities=[ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]) as prof:
+        head.forward(x, slots, window=head.window_for(scratch.end), tree=mask)
+        if cuda:
+            torch.cuda.synchronize()
+    kernels = []
+    for e in prof.key_averages():
+        us = e.device_time_total if cuda else e.cpu_time_total
+        if us > 0 and (cuda or e.key.startswith("aten::")):
+            kernels.append((e.key[:70], us, e.count))
+    print("\nkernels of one eager 65-row tree forward, most time first:\n\n| kernel | µs | calls |\n| --- | --- | --- |")
+    for name, us, calls in sorted(kernels, key=lambda k: -k[1])[:12]:
+        print(f"| {name} | {us:.0f} | {calls} |")
+
+
+if __name__ == "__main__":
+    main()
