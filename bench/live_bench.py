@@ -74,7 +74,9 @@ AHEAD = 16
 #        draft steps while a verdict travels)
 W = GPU_WIDTH  # the GPU default: a step expands 32 nodes
 MODES = {"chain": (K + 1, 1, 1, 1, 0), "tree": (65, W, 8, 1, 0), "auto": (65, W, 8, 8, 0),
-         "tree-ahead": (65, W, 8, 1, AHEAD), "auto-ahead": (65, W, 8, 8, AHEAD)}
+         "tree-ahead": (65, W, 8, 1, AHEAD), "auto-ahead": (65, W, 8, 8, AHEAD),
+         # the same with steps of 8 nodes (the CPU's width)
+         "tree-w8": (65, 8, 8, 1, 0), "auto-w8": (65, 8, 8, 8, 0), "auto-ahead-w8": (65, 8, 8, 8, AHEAD)}
 FIELDS = ("draft_ms", "head_ms", "tail_ms", "rtt_ms", "wait_ms", "overlap_ms", "round_ms", "draft_steps", "ahead_steps",
           "expected")
 
@@ -229,8 +231,8 @@ def main() -> None:
         with relay_and_tail(rtt, target.parent, session=f"live-{rtt}") as url:
             link = head_link(url, f"live-{rtt}")
             for mode in args.modes.split(","):
-                res[(mode, rtt)] = run_mode(specs[mode], *MODES[mode][3:], link, hello, prompts, args.new)
-                print(f"rtt {rtt} {mode}: {res[(mode, rtt)]['tps']:.1f} tok/s", file=sys.stderr, flush=True)
+                res[(mode, rtt)] = r = run_mode(specs[mode], *MODES[mode][3:], link, hello, prompts, args.new)
+                print(f"rtt {rtt} {mode}: " + row(r, None), file=sys.stderr, flush=True)  # a run cut short keeps it
             link.close()
     modes = args.modes.split(",")
     trees = [m for m in ("auto", "auto-ahead", "tree", "tree-ahead") if m in modes]
@@ -242,6 +244,15 @@ def main() -> None:
         args.save.write_text(json.dumps([{"mode": m, "rtt": r, **v} for (m, r), v in res.items()]))
 
 
+def row(r: dict, base: float | None) -> str:
+    """One mode's figures as the table's cells from tok/s on."""
+    ratio = f"{r['tps'] / base:.2f}x" if base else ""
+    return (f"{r['tps']:.1f} | {ratio} | {r['tokens_per_verdict']:.2f} ({r['expected']:.2f}) | {r['in_flight']:.2f} | "
+            f"{r['draft_ms']:.1f} | {r['head_ms']:.1f} | {r['tail_ms']:.1f} | {r['rtt_ms']:.1f} | "
+            f"{r['wait_ms']:.1f} | {r['overlap_ms']:.1f} | {r['rest_ms']:.1f} | "
+            f"{r['draft_steps']:.1f}, {r['ahead_steps']:.1f} |")
+
+
 def print_table(res, rtts, modes, ranks) -> None:
     print("\n| RTT ms | mode | tok/s | vs chain | tokens/verdict (predicted) | in flight | draft | head | tail | net | "
           "wait | overlap | rest (ms per verdict) | draft steps: frames, ahead |")
@@ -249,12 +260,7 @@ def print_table(res, rtts, modes, ranks) -> None:
     for rtt in rtts:
         base = res[("chain", rtt)]["tps"] if ("chain", rtt) in res else None
         for mode in modes:
-            r = res[(mode, rtt)]
-            ratio = f"{r['tps'] / base:.2f}x" if base else ""
-            print(f"| {rtt} | {mode} | {r['tps']:.1f} | {ratio} | {r['tokens_per_verdict']:.2f} ({r['expected']:.2f}) | {r['in_flight']:.2f} | "
-                  f"{r['draft_ms']:.1f} | {r['head_ms']:.1f} | {r['tail_ms']:.1f} | {r['rtt_ms']:.1f} | "
-                  f"{r['wait_ms']:.1f} | {r['overlap_ms']:.1f} | {r['rest_ms']:.1f} | "
-                  f"{r['draft_steps']:.1f}, {r['ahead_steps']:.1f} |")
+            print(f"| {rtt} | {mode} | " + row(res[(mode, rtt)], base))
     replies = [r["ids"] for r in res.values()]
     same = sum(all(rep[i] == replies[0][i] for rep in replies) for i in range(len(replies[0])))
     print(f"\nidentical greedy replies across every mode and RTT: {same} of {len(replies[0])}")

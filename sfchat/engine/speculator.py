@@ -196,7 +196,7 @@ class Speculator:
             return False
         self._graft()
         d = self.drafter
-        return self._step(s, self._max_pos(budget), -math.inf, reserve=self.steps * d.width + d.rows)
+        return self._step(s, self._max_pos(budget), -math.inf, reserve=self.steps * d.width + d.rows) is not None
 
     def _graft(self) -> None:
         """Under a root not sent yet, the prompt-lookup continuation (once, before the draft's)."""
@@ -211,27 +211,25 @@ class Speculator:
         not run: at most ``steps``, only of nodes whose children could enter the frame (a child
         is never likelier than its parent, so a node no likelier than the frame's last candidate
         adds nothing to it; the bar is taken once, before the steps raise it), and no more once a
-        step added less than ``step_gain`` tokens to the frame's expected yield (the tree was
-        mostly grown already: ahead of need, or under earlier frames). Returns the steps run."""
+        step's new candidates that could enter the frame were worth less than ``step_gain`` tokens
+        (the tree was mostly grown already: ahead of need, or under earlier frames). Returns the
+        steps run."""
         self._graft()
-        live = self.live
-        chosen = live.choose(size, max_pos)
+        chosen = self.live.choose(size, max_pos)
         cut = chosen[-1].logv if chosen and len(chosen) >= size else -math.inf
-        value = sum(live.value(n) for n in chosen)
         for step in range(self.steps):
-            if not self._step(s, max_pos, cut):
+            gain = self._step(s, max_pos, cut)
+            if gain is None:
                 return step
-            if step_gain > 0:
-                now = sum(live.value(n) for n in live.choose(size, max_pos))
-                if now - value < step_gain:
-                    return step + 1
-                value = now
+            if gain < step_gain:
+                return step + 1
         return self.steps
 
-    def _step(self, s: wire.Sampling, max_pos: int, cut: float, reserve: int = 0) -> bool:
+    def _step(self, s: wire.Sampling, max_pos: int, cut: float, reserve: int = 0) -> float | None:
         """One draft step: the unfed committed nodes, then the likeliest expandable nodes above
         ``cut`` whose children fit before ``max_pos``, leaving ``reserve`` of the draft's slots
-        free; False when it had nothing to run."""
+        free. Returns the summed values of the new candidates above ``cut`` (what the step may add
+        to a frame; infinite for a step of catch-up alone), None when it had nothing to run."""
         live, d = self.live, self.drafter
         catch_up = self.unfed[:d.rows]
         room = min(d.width, d.rows - len(catch_up)) if len(catch_up) == len(self.unfed) else 0
@@ -241,15 +239,17 @@ class Speculator:
         while targets and need > free:
             need -= targets.pop() not in d.scratch
         if not catch_up and not targets or need > free:
-            return False
+            return None
         rows = catch_up + targets
         out = d.expand([(n.token, n.pos, n, self._ancestors(n, catch_up)) for n in rows], s)
         if catch_up:  # their K/V is the context's now
             del self.unfed[:len(catch_up)]
             d.scratch.commit(catch_up, [n.token for n in catch_up])
+        gain = 0.0 if targets else math.inf
         for node, proposals in zip(targets, out[len(catch_up):]):  # a token the target lacks can never be its pick
             live.expanded(node, [(tok, q) for tok, q in proposals if tok < self.vocab])
-        return True
+            gain += sum(live.value(c) for c in node.children.values() if c.logv > cut and not c.sent)
+        return gain
 
     def _ancestors(self, node: Node, catch_up: list[Node]) -> list[Node]:
         """The nodes whose draft K/V ``node`` attends to in the draft's scratch: its live ancestors
