@@ -32,10 +32,11 @@ from sfchat.model.kv import PREFILL_CHUNK, TreeMask
 from sfchat.model.slices import ModelSlice
 from sfchat.protocol.wire import Sampling
 
-WIDTH = 8  # nodes the draft expands per step on a CPU, where a step's cost grows with its rows
-# on a GPU a small draft's step is launch-bound: 33 rows cost what 9 do (H200, 0.5B: 4.1 against
-# 4.0 ms, bench/frame_cost.py), so a step there expands four times the nodes
-GPU_WIDTH = 32
+# nodes the draft expands per step. On a GPU a 0.5B draft's step of 33 rows costs what one of 9
+# does (H200: 4.1 against 4.0 ms, bench/frame_cost.py), but the host's work on 32 nodes' proposals
+# made a 64-node frame's draft time 45 ms against 32 with 8 (bench/live_bench.py, RESULTS.md
+# 2026-12-02): 8 it stays
+WIDTH = 8
 CHILDREN = 8  # continuations kept per node
 
 

@@ -27,7 +27,7 @@ from typing import Callable
 
 from sfchat import UserError
 from sfchat.config import Settings
-from sfchat.engine.draft import CHILDREN, GPU_WIDTH, WIDTH, Drafter
+from sfchat.engine.draft import CHILDREN, WIDTH, Drafter
 from sfchat.engine.speculator import Speculator
 from sfchat.engine.verifier import Verifier
 from sfchat.events import LoadProgress, RuntimeReady
@@ -155,7 +155,7 @@ def frame_layout(s: Settings, k: int, cuda: bool, ahead: int = 0) -> FrameLayout
     if not k:
         return FrameLayout(1, 1, 1, 2, 2)
     budget = s.budget(cuda)
-    size, width, children = (budget + 1, GPU_WIDTH if cuda else WIDTH, CHILDREN) if budget else (k + 1, 1, 1)
+    size, width, children = (budget + 1, WIDTH, CHILDREN) if budget else (k + 1, 1, 1)
     frames = s.max_in_flight + 1
     return FrameLayout(size, width, children, head_pool=frames * size + 1,
                        draft_pool=min((frames * k + ahead) * width, 512) + 1 if budget
