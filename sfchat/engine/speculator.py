@@ -108,7 +108,8 @@ class Speculator:
         self.round_id = 0
         self.tree_id = 0
         self.live: LiveTree | None = None
-        self.calibration = Calibration(drafter.children if drafter is not None else 1)
+        self.branching = drafter.children if drafter is not None else 1  # proposals kept per node (1: chain frames)
+        self.calibration = Calibration(self.branching)
         self.device = head.device
         self.vocab = head.config.vocab_size
         self.wire_dtype = wire.DType[DTYPE_NAMES[head.dtype].upper()]
@@ -160,15 +161,16 @@ class Speculator:
     def frame(self, s: wire.Sampling, budget: int, min_yield: float = 0.0, step_gain: float = 0.0
               ) -> Frame | None:
         """The next frame, or None when nothing may be sent (``budget``: tokens the reply may still
-        commit) or it would be expected to commit fewer than ``min_yield`` tokens; its own draft
-        steps stop once one added less than ``step_gain`` to the frame's expected yield."""
+        commit) or it would be expected to commit fewer than ``min_yield`` tokens; a tree frame's
+        own draft steps stop once one added less than ``step_gain`` to its expected yield (a chain
+        frame always runs its K: ``--k`` is its length)."""
         if self.live is None:
             self._open()
         t0 = time.perf_counter()
         live = self.live
         # a node's pick is the token after it: only nodes whose picks fit the budget and the window
         room, max_pos = min(self.frame_size, self.scratch.free), self._max_pos(budget)
-        steps = self._grow(s, room, max_pos, step_gain)
+        steps = self._grow(s, room, max_pos, step_gain if self.branching > 1 else 0.0)
         t1 = time.perf_counter()
         nodes = live.choose(room, max_pos)
         expected = sum(live.value(n) for n in nodes)
