@@ -110,6 +110,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds without a verdict before the head reconnects (default 60)")
     g.add_argument("--reconnect-timeout", type=float,
                    help="seconds the head keeps trying to get a tail back before giving up (default 300)")
+    g = p.add_argument_group("the chat screen on another machine")
+    g.add_argument("--offer-chat", action="store_true",
+                   help="head: offer this head's chat screen, through --relay, to one `sfchat --remote` on your own "
+                        "machine (a notebook has no terminal); prints a chat code and the command to run there")
+    g.add_argument("--chat-session", help="--offer-chat: the relay session of the chat screen (default: --session "
+                                          "with -chat added)")
+    g.add_argument("--remote", action="store_true",
+                   help="only the chat screen, driving a head that runs elsewhere with --offer-chat: needs no torch "
+                        "and no model; --relay and --session as that head printed them, its chat code when asked "
+                        "(or SFCHAT_CODE)")
     g = p.add_argument_group("OpenAI-compatible server")
     g.add_argument("--serve", action="store_true", help="serve the model over HTTP (OpenAI chat completions API)")
     g.add_argument("--host", help="--serve: address to listen on (default 127.0.0.1)")
@@ -236,7 +246,17 @@ def with_models(s: Settings) -> Settings:
 def run(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     s = settings_from(args)
+    if getattr(args, "remote", False):
+        from sfchat.remote.cli import remote_chat
+
+        return remote_chat(s)
     check_relay(s, getattr(args, "tail", False))
+    if getattr(args, "offer_chat", False):
+        from sfchat.node.worker import RuntimeWorker
+        from sfchat.remote.cli import offer_chat
+
+        s = with_models(ask_secret(s, False))
+        return offer_chat(s, getattr(args, "chat_session", None), RuntimeWorker(s))
     if getattr(args, "tail", False):
         from sfchat.node.tail import serve
 
