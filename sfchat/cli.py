@@ -227,9 +227,23 @@ def one_shot(s: Settings, prompt: str, as_json: bool) -> int:
     return 0
 
 
+def need_model_side() -> None:
+    """A head, a tail or a server runs a model: without the ``[model]`` extra that is one line, not a traceback."""
+    import importlib.util
+
+    try:
+        found = importlib.util.find_spec("torch") is not None and importlib.util.find_spec("transformers") is not None
+    except ImportError:
+        found = False
+    if not found:
+        raise UserError("this sfchat has no model side installed (torch, transformers): pip install 'sfchat[model]' "
+                        "(see the README); `sfchat --remote` drives a head that runs elsewhere without them")
+
+
 def with_models(s: Settings) -> Settings:
     """The models to run: the user's, else this machine's defaults; the CPU default model is
     built on first use, and said so in one line."""
+    need_model_side()
     import torch
 
     chosen = machine_defaults(s, torch.cuda.is_available())
@@ -258,6 +272,7 @@ def run(argv: list[str] | None) -> int:
         s = with_models(ask_secret(s, False))
         return offer_chat(s, getattr(args, "chat_session", None), RuntimeWorker(s))
     if getattr(args, "tail", False):
+        need_model_side()
         from sfchat.node.tail import serve
 
         return serve(ask_secret(s, True))
