@@ -198,7 +198,12 @@ def one_shot(s: Settings, prompt: str, as_json: bool) -> int:
         print(f"sfchat: link {ev.state}: {plain(ev.detail)}", file=sys.stderr, flush=True)
 
     dial = HeadDialer(s, report)
-    head = Head.open(s, report, dial(), redial=dial)
+    try:
+        link = dial(s.reconnect_timeout)  # nobody serves the session: bounded, as every later wait is
+    except TimeoutError:
+        raise UserError(f"no tail joined session {s.session!r} at {s.relay} within {s.reconnect_timeout:g} s "
+                        "(--reconnect-timeout): is `sfchat --tail` running with this --session?") from None
+    head = Head.open(s, report, link, redial=dial)
     sampling = make_sampling(s.temperature, s.top_k, s.top_p, s.seed)
     final = None
     for ev in head.ask([{"role": "user", "content": prompt}], s.max_new_tokens, sampling):
@@ -257,9 +262,31 @@ def with_models(s: Settings) -> Settings:
     return chosen
 
 
+# flags a tail cannot use: the head's hello decides what the tail loads, and the reply is the head's
+HEAD_ONLY = ("model", "draft", "revision", "draft_revision", "k", "tree_budget", "split", "dtype", "load_in_4bit",
+             "draft_load_in_4bit", "max_context", "draft_device", "max_in_flight", "draft_ahead", "prompt",
+             "max_new_tokens", "temperature", "top_k", "top_p", "seed", "system", "serve", "offer_chat", "remote")
+
+
+def refuse_ignored(args: argparse.Namespace, s: Settings) -> None:
+    """Inputs that would be ignored are refused, and a setting from the environment is named as such."""
+    if getattr(args, "tail", False):
+        ignored = [f"--{name.replace('_', '-')}" for name in HEAD_ONLY if name in vars(args)]
+        if ignored:
+            raise UserError(f"--tail takes no {', '.join(ignored)}: the head tells its tail which model, revision, "
+                            "split, dtype and quantisation to load and how to generate; give them to the head")
+    model = os.environ.get("SFCHAT_MODEL")
+    if model and "model" not in vars(args) and s.model == model and not getattr(args, "tail", False):
+        path = Path(model).expanduser()
+        if (model.startswith((".", "/", "~")) or model.count("/") > 1) and not path.exists():
+            raise UserError(f"SFCHAT_MODEL={model!r} (set in the environment) names a model directory that does not "
+                            "exist: point it at a model, unset it, or give --model")
+
+
 def run(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     s = settings_from(args)
+    refuse_ignored(args, s)
     if getattr(args, "remote", False):
         from sfchat.remote.cli import remote_chat
 
