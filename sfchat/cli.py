@@ -49,7 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"sfchat {__version__}")
     g = p.add_argument_group("models")
     g.add_argument("--model", help=f"target model: hub id or local directory (or SFCHAT_MODEL; default {GPU_MODEL} "
-                                   f"with a CUDA GPU, else {CPU_MODEL}, built locally on first use)")
+                                   f"with a CUDA GPU or with --relay, else {CPU_MODEL}, a small model to try sfchat "
+                                   "out with, built locally on first use)")
     g.add_argument("--draft", help=f"draft model, or 'none' for no speculation (default {GPU_DRAFT}; "
                                    f"{CPU_DRAFT} with the CPU default model)")
     g.add_argument("--revision", help="hub revision of the target model")
@@ -227,7 +228,8 @@ def one_shot(s: Settings, prompt: str, as_json: bool) -> int:
         print(json.dumps(out))
     else:
         print()
-        print(f"[{len(final.token_ids)} tokens, {final.rounds} rounds, {final.tokens_per_round:.2f} tokens/round, "
+        per_round = f"{final.tokens_per_round:.2f} tokens/round, " if info.draft != "none" else ""
+        print(f"[{len(final.token_ids)} tokens, {final.rounds} rounds, {per_round}"
               f"{final.tps:.1f} tok/s, ttft {final.ttft_s:.2f} s]", file=sys.stderr)
     return 0
 
@@ -257,8 +259,8 @@ def with_models(s: Settings) -> Settings:
 
         ensure_smollm2(Path(chosen.model))
         draft = "without a draft (the fastest on a CPU)" if chosen.draft == "none" else f"draft {chosen.draft}"
-        print(f"sfchat: no CUDA GPU and no --model: using {CPU_MODEL} from {chosen.model}, {draft}; "
-              f"--model picks another", file=sys.stderr)
+        print(f"sfchat: no CUDA GPU and no --model: using {CPU_MODEL}, a small model to try sfchat out with (its "
+              f"answers are a toy's), {draft}; --model picks another", file=sys.stderr)
     return chosen
 
 
