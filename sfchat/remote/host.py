@@ -23,7 +23,8 @@ a fresh start: the reply in progress is cancelled and no more of it is sent (its
 to no request of the new client), and the host's state is sent first (the model once ready or
 the loading progress, the link, a pending question for the tail's code, a fatal failure).
 
-Bounds: at most ``MAX_KEPT`` updates are kept for a client; past that, the updates it has not
+Bounds: at most ``MAX_REPLIES`` of a client's replies are pending (more are refused with a
+``RuntimeFailed``); at most ``MAX_KEPT`` updates are kept for a client; past that, the updates it has not
 been sent yet are folded (rounds of one reply merged, superseded progress and link states
 dropped), and a client that still has more unacknowledged is forgotten (its next attach starts
 afresh). Frames that are not chat messages are refused with a line in the log, never a crash;
@@ -50,6 +51,7 @@ from sfchat.remote.outbox import Outbox
 
 POLL_S = 1.0  # how often the receiving loop looks whether the host was closed
 MAX_KEPT = 4096  # updates kept for a client that has not acknowledged them
+MAX_REPLIES = 2  # replies of the client given to the runtime or held, at most (the screen asks for one at a time)
 REDIAL_S = (0.5, 10.0)  # backoff of a lost relay connection: first wait, longest wait
 ORPHAN = 0  # the request of a reply no attached client asked for
 
@@ -146,7 +148,10 @@ class ChatHost:
     def _command(self, msg) -> None:
         match msg:
             case chat.Submit():
-                if ORPHAN in self._requests:
+                if sum(r != ORPHAN for r in self._requests) + len(self._waiting) >= MAX_REPLIES:
+                    self.log(f"refused a reply request: {MAX_REPLIES} of this chat client's are pending already")
+                    self._keep(msg.request, RuntimeFailed("the head is still busy with your earlier messages"))
+                elif ORPHAN in self._requests:
                     self._waiting.append(msg)
                 else:
                     self._forward(msg)

@@ -14,7 +14,7 @@ import pytest
 from relay_process import TOKEN, start_relay
 
 from sfchat.events import (
-    CodeWanted, LinkState, ReplyFinished, ReplyStarted, RoundStats, RuntimeReady, TokensCommitted,
+    CodeWanted, LinkState, ReplyFinished, ReplyStarted, RoundStats, RuntimeFailed, RuntimeReady, TokensCommitted,
 )
 from sfchat.history import History
 from sfchat.link.pairing import Passcode
@@ -22,7 +22,8 @@ from sfchat.link.relay import RelayLink
 from sfchat.link.resume import Resumption
 from sfchat.link.secure import SecureLink
 from sfchat.remote.client import RemoteRuntime
-from sfchat.remote.host import ChatHost
+from sfchat.protocol import chat
+from sfchat.remote.host import ChatHost, fold
 from sfchat.tally import Tally
 from sfchat.ui import SfchatApp
 from sfchat.ui.chat import ReplyMessage
@@ -322,3 +323,40 @@ async def test_a_second_client_starts_afresh_and_the_first_ones_reply_is_not_sen
         assert shown_reply(app) == REPLY
     host.close()
     assert streamed(second) == REPLY  # nothing of the first client's reply
+
+
+class Wire:
+    """A link that keeps what the host sends."""
+
+    def __init__(self) -> None:
+        self.sent: list = []
+
+    def send(self, frame: bytes) -> None:
+        self.sent.append(chat.decode(frame))
+
+
+def test_a_client_cannot_queue_replies_without_bound_and_unseen_rounds_fold():
+    head = ScriptedHead()
+    host = ChatHost(head, dial=lambda: None, log=lambda line: None)
+    head.listener = host._on_event
+    wire = Wire()
+    host._take(chat.Attach("ab" * 16, "", 0), wire)
+    for n in range(1, 11):  # a client asking for ten replies at once
+        host._take(chat.Submit(n, n, (("user", "hi"),), chat.Params()), wire)
+    assert len(head.submitted) == 2
+    refused = [u for u in host.updates._items if isinstance(u.event, RuntimeFailed)]
+    assert len(refused) == 8
+    host.updates.detach()  # nobody attached: what comes now is seen by no one yet
+    before = len(host.updates)
+    for i in range(100):
+        host._on_event(TokensCommitted("x", (i,), RoundStats(0, 1, 1.0, 1.0, 1.0, 80.0, 90.0), 0.1))
+    host._on_event(LinkState("reconnecting", "a"))
+    host._on_event(LinkState("connected", "b"))
+    kept = host.updates.rewrite_unsent(fold)
+    rounds = [u for u in host.updates._items if isinstance(u.event, TokensCommitted)]
+    assert len(rounds) == 1 and rounds[0].event.text == "x" * 100 and rounds[0].event.stats.committed == 100
+    assert [u.event.state for u in host.updates._items if isinstance(u.event, LinkState)] == ["connected"]
+    assert kept == before + 2
+    seqs = [u.seq for u in host.updates._items]
+    assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))  # still numbered one after another
+    host.updates.close()
