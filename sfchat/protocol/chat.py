@@ -31,7 +31,8 @@ rebuild the events. Texts are bounded (cut to their bound by the encoder where a
 would be refused) and kept as sent: whoever shows one to a person passes it through
 ``plaintext.plain`` (or ``reply_text`` for a reply's text, which keeps its line breaks) first.
 ``decode`` raises ``ChatError`` (a ``wire.WireError``) for anything else, never another
-exception. Torch-free; imports nothing of sfchat but the wire's error and the events.
+exception. Torch-free; imports nothing of sfchat but the wire's error, the events and
+``plaintext``.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The remote chat screen in a process where torch cannot be imported, driving a real head (the
+"""The remote chat screen in a process where torch (and nothing of the ``[model]`` extra) can be imported, driving a real head (the
 runtime thread with tiny models on the CPU) through a real relay: what a laptop without torch does."""
 
 from __future__ import annotations
@@ -31,10 +31,13 @@ N = 16
 NO_TORCH = textwrap.dedent("""
     import importlib.abc, sys
 
+    MODEL_EXTRA = ("torch", "transformers", "tokenizers", "safetensors", "huggingface_hub", "numpy", "tqdm",
+                   "bitsandbytes", "starlette", "uvicorn", "prometheus_client", "gguf")  # pyproject's [model]
+
     class NoTorch(importlib.abc.MetaPathFinder):
         def find_spec(self, name, path=None, target=None):
-            if name == "torch" or name.startswith("torch."):
-                raise ImportError("torch is not installed on this machine")
+            if name.split(".")[0] in MODEL_EXTRA:
+                raise ImportError(name + " is not installed on this machine (no [model] extra)")
 
     sys.meta_path.insert(0, NoTorch())
 """)
