@@ -49,7 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"sfchat {__version__}")
     g = p.add_argument_group("models")
     g.add_argument("--model", help=f"target model: hub id or local directory (or SFCHAT_MODEL; default {GPU_MODEL} "
-                                   f"with a CUDA GPU, else {CPU_MODEL}, built locally on first use)")
+                                   f"with a CUDA GPU or with --relay, else {CPU_MODEL}, a small model to try sfchat "
+                                   "out with, built locally on first use)")
     g.add_argument("--draft", help=f"draft model, or 'none' for no speculation (default {GPU_DRAFT}; "
                                    f"{CPU_DRAFT} with the CPU default model)")
     g.add_argument("--revision", help="hub revision of the target model")
@@ -111,6 +112,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds without a verdict before the head reconnects (default 60)")
     g.add_argument("--reconnect-timeout", type=float,
                    help="seconds the head keeps trying to get a tail back before giving up (default 300)")
+    g = p.add_argument_group("the chat screen on another machine")
+    g.add_argument("--offer-chat", action="store_true",
+                   help="head: offer this head's chat screen, through --relay, to one `sfchat --remote` on your own "
+                        "machine (a notebook has no terminal); prints a chat code and the command to run there")
+    g.add_argument("--chat-session", help="--offer-chat: the relay session of the chat screen (default: --session "
+                                          "with -chat added)")
+    g.add_argument("--remote", action="store_true",
+                   help="only the chat screen, driving a head that runs elsewhere with --offer-chat: needs no torch "
+                        "and no model; --relay and --session as that head printed them, its chat code when asked "
+                        "(or SFCHAT_CODE)")
     g = p.add_argument_group("OpenAI-compatible server")
     g.add_argument("--serve", action="store_true", help="serve the model over HTTP (OpenAI chat completions API)")
     g.add_argument("--host", help="--serve: address to listen on (default 127.0.0.1)")
@@ -189,7 +200,12 @@ def one_shot(s: Settings, prompt: str, as_json: bool) -> int:
         print(f"sfchat: link {ev.state}: {plain(ev.detail)}", file=sys.stderr, flush=True)
 
     dial = HeadDialer(s, report)
-    head = Head.open(s, report, dial(), redial=dial)
+    try:
+        link = dial(s.reconnect_timeout)  # nobody serves the session: bounded, as every later wait is
+    except TimeoutError:
+        raise UserError(f"no tail joined session {s.session!r} at {s.relay} within {s.reconnect_timeout:g} s "
+                        "(--reconnect-timeout): is `sfchat --tail` running with this --session?") from None
+    head = Head.open(s, report, link, redial=dial)
     sampling = make_sampling(s.temperature, s.top_k, s.top_p, s.seed)
     final = None
     for ev in head.ask([{"role": "user", "content": prompt}], s.max_new_tokens, sampling):
@@ -213,14 +229,29 @@ def one_shot(s: Settings, prompt: str, as_json: bool) -> int:
         print(json.dumps(out))
     else:
         print()
-        print(f"[{len(final.token_ids)} tokens, {final.rounds} rounds, {final.tokens_per_round:.2f} tokens/round, "
+        per_round = f"{final.tokens_per_round:.2f} tokens/round, " if info.draft != "none" else ""
+        print(f"[{len(final.token_ids)} tokens, {final.rounds} rounds, {per_round}"
               f"{final.tps:.1f} tok/s, ttft {final.ttft_s:.2f} s]", file=sys.stderr)
     return 0
+
+
+def need_model_side() -> None:
+    """A head, a tail or a server runs a model: without the ``[model]`` extra that is one line, not a traceback."""
+    import importlib.util
+
+    try:
+        found = importlib.util.find_spec("torch") is not None and importlib.util.find_spec("transformers") is not None
+    except ImportError:
+        found = False
+    if not found:
+        raise UserError("this sfchat has no model side installed (torch, transformers): pip install 'sfchat[model]' "
+                        "(see the README); `sfchat --remote` drives a head that runs elsewhere without them")
 
 
 def with_models(s: Settings) -> Settings:
     """The models to run: the user's, else this machine's defaults; the CPU default model is
     built on first use, and said so in one line."""
+    need_model_side()
     import torch
 
     chosen = machine_defaults(s, torch.cuda.is_available())
@@ -229,16 +260,49 @@ def with_models(s: Settings) -> Settings:
 
         ensure_smollm2(Path(chosen.model))
         draft = "without a draft (the fastest on a CPU)" if chosen.draft == "none" else f"draft {chosen.draft}"
-        print(f"sfchat: no CUDA GPU and no --model: using {CPU_MODEL} from {chosen.model}, {draft}; "
-              f"--model picks another", file=sys.stderr)
+        print(f"sfchat: no CUDA GPU and no --model: using {CPU_MODEL}, a small model to try sfchat out with (its "
+              f"answers are a toy's), {draft}; --model picks another", file=sys.stderr)
     return chosen
+
+
+# flags a tail cannot use: the head's hello decides what the tail loads, and the reply is the head's
+HEAD_ONLY = ("model", "draft", "revision", "draft_revision", "k", "tree_budget", "split", "dtype", "load_in_4bit",
+             "draft_load_in_4bit", "max_context", "draft_device", "max_in_flight", "draft_ahead", "prompt",
+             "max_new_tokens", "temperature", "top_k", "top_p", "seed", "system", "serve", "offer_chat", "remote")
+
+
+def refuse_ignored(args: argparse.Namespace, s: Settings) -> None:
+    """Inputs that would be ignored are refused, and a setting from the environment is named as such."""
+    if getattr(args, "tail", False):
+        ignored = [f"--{name.replace('_', '-')}" for name in HEAD_ONLY if name in vars(args)]
+        if ignored:
+            raise UserError(f"--tail takes no {', '.join(ignored)}: the head tells its tail which model, revision, "
+                            "split, dtype and quantisation to load and how to generate; give them to the head")
+    model = os.environ.get("SFCHAT_MODEL")
+    if model and "model" not in vars(args) and s.model == model and not getattr(args, "tail", False):
+        path = Path(model).expanduser()
+        if (model.startswith((".", "/", "~")) or model.count("/") > 1) and not path.exists():
+            raise UserError(f"SFCHAT_MODEL={model!r} (set in the environment) names a model directory that does not "
+                            "exist: point it at a model, unset it, or give --model")
 
 
 def run(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     s = settings_from(args)
+    refuse_ignored(args, s)
+    if getattr(args, "remote", False):
+        from sfchat.remote.cli import remote_chat
+
+        return remote_chat(s)
     check_relay(s, getattr(args, "tail", False))
+    if getattr(args, "offer_chat", False):
+        from sfchat.node.worker import RuntimeWorker
+        from sfchat.remote.cli import offer_chat
+
+        s = with_models(ask_secret(s, False))
+        return offer_chat(s, getattr(args, "chat_session", None), RuntimeWorker(s))
     if getattr(args, "tail", False):
+        need_model_side()
         from sfchat.node.tail import serve
 
         return serve(ask_secret(s, True))

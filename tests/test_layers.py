@@ -22,11 +22,11 @@ LAYERS = [
     ["sfchat.model"],
     ["sfchat.engine"],
     ["sfchat.node"],
-    ["sfchat.ui", "sfchat.serve"],
+    ["sfchat.ui", "sfchat.serve", "sfchat.remote"],
     ["sfchat.cli"],
 ]
 # what never imports torch, directly or through the modules it imports
-TORCH_FREE = ["sfchat.protocol", "sfchat.link", "sfchat.ui", "sfchat.events", "sfchat.tally", "sfchat.plaintext",
+TORCH_FREE = ["sfchat.protocol", "sfchat.link", "sfchat.ui", "sfchat.remote", "sfchat.events", "sfchat.tally", "sfchat.plaintext",
               "sfchat.config", "sfchat.history", "sfchat.console", "sfchat.engine.policy", "relay"]
 
 

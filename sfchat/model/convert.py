@@ -255,13 +255,17 @@ def _printer(prefix: str = ""):
             if tty and state["stage"] is not None:
                 print(file=sys.stderr)
             state["stage"] = stage
+        detail = plain(detail)
+        if "/" in detail or os.sep in detail:  # a path (a temporary folder while it is written): its name only
+            detail = Path(detail).name
         if tty:
             width = 24
             filled = width * done // total if total else 0
-            print(f"\r\x1b[K{prefix}{stage:<10} [{'#' * filled}{'.' * (width - filled)}] {done}/{total} "
-                  f"{plain(detail)[:40]}", end="", file=sys.stderr, flush=True)
+            line = f"{prefix}{stage:<10} [{'#' * filled}{'.' * (width - filled)}] {done}/{total} {detail}"
+            columns = shutil.get_terminal_size((80, 24)).columns - 1  # a line that wraps cannot redraw itself
+            print(f"\r\x1b[K{line[:columns]}", end="", file=sys.stderr, flush=True)
         elif done == total:
-            print(f"{prefix}{stage}: {plain(detail)}", file=sys.stderr, flush=True)
+            print(f"{prefix}{stage}: {detail}", file=sys.stderr, flush=True)
     return show
 
 

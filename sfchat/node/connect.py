@@ -30,6 +30,8 @@ from sfchat.link.resume import Resumption
 from sfchat.link.secure import WrongCode, secure
 from sfchat.plaintext import plain
 
+ASK_CODE = ("the tail printed a pairing code when it started (sfchat --tail), such as 7-crossover-clockwork: "
+            "type it here; the relay never sees it")
 SLOT_WAIT_S = 30.0  # how long a head retries a session whose head slot is taken
 SLOT_RETRY_S = (0.1, 0.3)  # seconds between two tries, drawn afresh each time
 
@@ -74,7 +76,8 @@ class HeadDialer:
             except UserError as exc:
                 if self.ask_code is None or self.s.insecure:
                     raise
-                self.code = self.ask_code(plain(exc))
+                # a person at a screen is asked in the screen's words, not the command line's
+                self.code = self.ask_code(ASK_CODE if not self.code else plain(exc))
 
     def _join(self, wait_timeout: float | None) -> RelayLink:
         """A relay connection as the session's head, once a tail is there."""

@@ -115,7 +115,7 @@ def reply_summary(stats: dict | None) -> str:
     parts = [f"{stats.get('tokens', 0)} tokens"]
     if stats.get("tps"):
         parts.append(f"{stats['tps']:.1f} tok/s")
-    if stats.get("tokens_per_round"):
+    if stats.get("tokens_per_round") and len(stats.get("accepted_histogram") or ()) > 1:  # only with a draft
         parts.append(f"{stats['tokens_per_round']:.2f} tok/round")
     note = FINISH_NOTES.get(stats.get("finish_reason", ""))
     if note:

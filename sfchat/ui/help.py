@@ -42,6 +42,7 @@ GROUPS = (
     ("", "Always"),
     ("draft", "With a draft model"),
     ("relay", "With two machines (relay mode)"),
+    ("relay+draft", "With two machines and a draft model"),
 )
 
 

@@ -8,7 +8,7 @@ Rows that do not apply stay hidden: without a draft model there is no acceptance
 draft time or histogram; in local mode (one process) no network round trip, frame size, wait or
 rounds in flight. Before the runtime is ready only the rows every setup has are shown. ``SPEED``, ``TIMINGS``,
 ``SETUP`` and ``GRAPHS`` name every row the panel can show with a one-line explanation (the help
-screen lists them) and ``needs``: "draft" or "relay" where the row needs that setup. Values wrap rather than being cut:
+screen lists them) and ``needs``: "draft", "relay" or both where the row needs that setup. Values wrap rather than being cut:
 at 80x24 every row fits the panel whole.
 """
 
@@ -66,7 +66,7 @@ TIMINGS = (
     Figure("wait/overlap", "milliseconds per round spent waiting for the tail's answer / preparing the next "
            "round meanwhile", "relay"),
     Figure("in flight", "rounds sent before the answer to the one before came back, and how often that guess "
-           "held", "relay"),
+           "held", "relay+draft"),
 )
 SETUP = (
     Figure("link", "the connection to the tail: local (all in this process), waiting, connected, stalled or "
@@ -74,8 +74,10 @@ SETUP = (
     Figure("model", "the big model that writes the reply"),
     Figure("draft", "the small model that guesses tokens for the big one to check (none: every token is "
            "computed by the big model alone)"),
-    Figure("split", "layers on this machine / all the model's layers; the number format of the weights (bf16, "
-           "fp16, fp32; +nf4: 4-bit; the tail's after a / where it differs); K: the most tokens guessed per round"),
+    Figure("split", "layers on this machine / all the model's layers (the tail machine runs the rest), then what "
+           "the weights row says", "relay"),
+    Figure("weights", "the number format of the weights (bf16, fp16, fp32; +nf4: 4-bit; the tail's after a / "
+           "where it differs); K: the most tokens the draft guesses per round"),
     Figure("device", "where this machine computes, and the mode: local (one machine) or relay (two)"),
 )
 GRAPHS = (
@@ -112,6 +114,8 @@ def has_draft(ready: RuntimeReady | None) -> bool:
 
 def applies(figure: Figure, ready: RuntimeReady | None) -> bool:
     """Whether the row means something in this setup (nothing setup-specific before it is known)."""
+    if figure.needs == "relay+draft":
+        return has_draft(ready) and ready.mode == "relay"
     if figure.needs == "draft":
         return has_draft(ready)
     if figure.needs == "relay":
@@ -132,8 +136,14 @@ def drafts_text(f: Figures | None, ready: RuntimeReady | None) -> str:
     if f is None or not f.rounds:
         choices = ready.shapes if ready is not None and ready.shapes else ()
         return "auto: " + " / ".join(choices) if len(choices) > 1 else (choices[0] if choices else "–")
-    shape = f"tree {f.tree_nodes}" if f.tree_nodes else f"chain {f.last_depth}" if f.last_depth else "no drafts"
-    return f"{shape}, depth {_num(f.depth_mean, '.1f')}"
+    # a frame holds the committed context's next node and the drafts below it; one whose nodes lie
+    # in a line, each one deeper, is a chain (the driver sends every frame as a tree of its nodes)
+    drafts = f.tree_nodes - 1
+    if drafts <= 0:
+        return "no drafts"
+    if f.tree_nodes == f.last_depth:
+        return f"chain {drafts}"
+    return f"tree {drafts}, depth {_num(f.depth_mean, '.1f')}"
 
 
 def flight_text(f: Figures | None) -> str:
@@ -247,7 +257,11 @@ class MetricsPanel(VerticalScroll, can_focus=True):
         setup.add_row("link", self._link)
         if ready is not None:
             setup.add_row("model", short_model(ready.model))
-            setup.add_row("draft", short_model(ready.draft))
-            setup.add_row("split", f"{ready.split}/{ready.n_layers} · {weights(ready)} · K={ready.k}")
+            setup.add_row("draft", short_model(ready.draft) if has_draft(ready) else "none")
+            k = f" · K={ready.k}" if has_draft(ready) else ""  # no K, no split where they mean nothing
+            if ready.mode == "relay":
+                setup.add_row("split", f"{ready.split}/{ready.n_layers} · {weights(ready)}{k}")
+            else:
+                setup.add_row("weights", weights(ready) + k)
             setup.add_row("device", f"{ready.device} ({ready.mode})")
         self.query_one("#setup", Static).update(setup)

@@ -27,6 +27,7 @@ from textual.widgets import Footer, Input, Label, OptionList, Static
 from textual.widgets.option_list import Option
 
 from sfchat.history import ChatSummary, History, HistoryError
+from sfchat.ui.metrics import short_model
 
 
 def _when(ts: float) -> str:
@@ -74,7 +75,7 @@ class HistoryScreen(ModalScreen[ChatSummary | None]):
             count = chat.n_messages
             line.append(f"\n{_when(chat.updated_at)} · {count} message{'' if count == 1 else 's'}", style="dim")
             if chat.model:
-                line.append(f" · {chat.model}", style="dim")
+                line.append(f" · {short_model(chat.model)}", style="dim")  # a name, not a path
             options.add_option(Option(line, id=str(chat.id)))
         if not chats:
             options.add_option(Option(Text("No chats yet.", style="dim"), disabled=True))
@@ -147,7 +148,7 @@ class CodeScreen(ModalScreen[str]):
         with Vertical(classes="dialog"):
             yield Label("Pairing code", classes="dialog-title")
             yield Static(Content(self.reason), id="code-reason")
-            yield Input(password=True, placeholder="the code `sfchat --tail` printed", id="code-input")
+            yield Input(password=True, placeholder="the code, as the other machine printed it", id="code-input")
             yield Label("Enter pairs · Ctrl+Q quits", classes="dialog-hint")
 
     def on_mount(self) -> None:

@@ -13,7 +13,7 @@ from textual.widgets import Label, ProgressBar, Static
 
 from sfchat.events import LoadProgress, RuntimeReady
 from sfchat.ui.meter import Figures
-from sfchat.ui.metrics import link_text, short_model, weights
+from sfchat.ui.metrics import has_draft, link_text, short_model, weights
 
 
 class HeaderBar(Horizontal):
@@ -35,8 +35,11 @@ class HeaderBar(Horizontal):
             info.append(short_model(ready.draft))
         else:
             info.append(" (no draft)", style="dim")
-        info.append(f" · split {ready.split}/{ready.n_layers} · {weights(ready)} · K={ready.k}",
-                    style="dim")
+        parts = [f"split {ready.split}/{ready.n_layers}"] if ready.mode == "relay" else []
+        parts.append(weights(ready))
+        if has_draft(ready):
+            parts.append(f"K={ready.k}")
+        info.append(" · " + " · ".join(parts), style="dim")
         self.query_one("#header-info", Static).update(info)
 
     def set_link(self, state: str, detail: str = "") -> None:

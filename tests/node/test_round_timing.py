@@ -67,7 +67,10 @@ def test_relay_figures_add_up_and_show_the_emulated_round_trip(zoo, slow_relay, 
     finally:
         session.engine.link.close()
     assert_parts_add_up(rounds)
-    assert 90 <= statistics.mean(r.rtt_ms for r in rounds) <= 130
+    # every verdict's trip holds the relay's emulated 100 ms (50 ms each way): a figure below it would
+    # miss part of the trip. Load only adds to it, so no upper bound here: how close to 100 ms the
+    # figure stays is a measurement (bench/live_bench.py), not a behaviour a loaded machine can fail
+    assert min(r.rtt_ms for r in rounds) >= 99, sorted(r.rtt_ms for r in rounds)[:5]
     # with a draft that is the target, 100 ms of wait is worth sending the next rounds under, and
     # the outcome they assumed is the real one: those rounds drafted nothing in their own call
     hits = [r for r in rounds if r.speculated]

@@ -18,7 +18,7 @@ WIDE = replace(READY, k=8, tail_dtype="float16", quant="nf4", tree_budget=64,
                shapes=("chain 0", "chain 2", "chain 4", "chain 8", "tree 64, depth 8"), max_in_flight=4)
 SLOW = RoundStats(accepted=5, committed=6, draft_ms=5564.0, head_ms=2036.0, tail_ms=452.0, rtt_ms=12345.0,
                   round_ms=20500.0, wait_ms=10234.0, overlap_ms=1234.0, speculated=True,
-                  forward_bytes=455 * 1024, tree_nodes=64, depth=8, in_flight=4)
+                  forward_bytes=455 * 1024, tree_nodes=65, depth=8, in_flight=4)
 LOCAL_ROUND = RoundStats(accepted=0, committed=1, draft_ms=0.0, head_ms=3.0, tail_ms=3.0, rtt_ms=0.4,
                          round_ms=7.0, forward_bytes=2048, depth=0)
 
@@ -171,17 +171,18 @@ def test_the_panel_names_the_round_shape_its_depth_frames_in_flight_and_hits():
     from sfchat.ui.metrics import drafts_text, flight_text
 
     meter = Meter(K)
-    rounds = ((5, 64, 455 * 1024, 1, False), (6, 64, 455 * 1024, 3, True), (4, 0, 63 * 1024, 4, True))
+    # as the driver reports them: a frame's nodes are its drafts and the committed context's next node
+    rounds = ((5, 65, 455 * 1024, 1, False), (6, 65, 455 * 1024, 3, True), (4, 4, 63 * 1024, 4, True))
     for depth, nodes, size, flight, speculated in rounds:
         stats = RoundStats(accepted=3, committed=4, draft_ms=1, head_ms=1, tail_ms=1, rtt_ms=80, round_ms=90,
                            forward_bytes=size, tree_nodes=nodes, depth=depth, in_flight=flight,
                            speculated=speculated)
         meter.round(TokensCommitted("ab", (1, 2, 3, 4), stats, 0.1))
-        if nodes:
+        if nodes > depth:
             assert drafts_text(meter.figures(), READY).startswith("tree 64, depth ")
     f = meter.figures()
-    assert f.depth_mean == 5.0 and f.tree_nodes == 0 and f.in_flight == 4
-    assert drafts_text(f, READY) == "chain 4, depth 5.0"
+    assert f.depth_mean == 5.0 and f.tree_nodes == 4 and f.in_flight == 4
+    assert drafts_text(f, READY) == "chain 3"  # before: "tree 4, depth 5.0" for a chain of 3 drafts
     assert flight_text(f) == "4 · 100% held"
     shapes = ("chain 0", "chain 2", "chain 4", "chain 8", "tree 64, depth 8")
     assert drafts_text(None, replace(READY, shapes=shapes)) == "auto: " + " / ".join(shapes)

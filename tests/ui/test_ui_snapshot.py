@@ -60,7 +60,7 @@ class ScriptedRuntime:
             rtt = 84.0 + (rounds * 7) % 23
             stats = RoundStats(accepted=accepted, committed=accepted + 1, draft_ms=24.0 + rounds % 3,
                                head_ms=18.0, tail_ms=21.0, rtt_ms=rtt, round_ms=150.0 + (rounds * 11) % 40,
-                               wait_ms=rtt + 21.0, depth=K, forward_bytes=(K + 1) * 7168)
+                               wait_ms=rtt + 21.0, depth=K + 1, tree_nodes=K + 1, forward_bytes=(K + 1) * 7168)
             self._emit(TokensCommitted(chunk, tuple(range(accepted + 1)), stats, 0.1 * rounds))
             tally.add(stats, 0.1 * rounds)
         self._emit(ReplyFinished("eos", text, tuple(range(len(words))), 31 * len(messages), **tally.figures()))

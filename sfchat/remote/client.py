@@ -1,0 +1,282 @@
+"""The chat screen's runtime for a head that runs elsewhere: ``sfchat --remote``, no torch, no model.
+
+Contract
+--------
+``RemoteRuntime(dial, code, session)`` implements the chat UI's runtime interface
+(``sfchat.ui.runtime.Runtime``) by driving a ``remote.host.ChatHost`` through the relay.
+``dial()`` returns a fresh relay link in the head's role on the chat session (a
+``RelayLink``); the runtime pairs it with ``code`` (``sfchat.link.secure``: SPAKE2, sealed end to
+end), and after the first pairing resumes with the secret it left, on every reconnect, without
+the code: a resumption the host refuses (a host restarted in a new notebook session) is followed
+by no code attempt of ours that could be guessed against (a throwaway code is what the link
+falls back to), and the person is asked for the code again (``CodeWanted``), as for a wrong one.
+``start(listener)`` starts one thread that dials, pairs, attaches and reports every event of
+the host's runtime to ``listener`` (the host's figures, so the metrics panel shows the head's);
+``submit``, ``cancel``, ``new_chat``, ``set_code`` and ``close`` never block: a command is
+numbered, kept until the host acknowledges it, and sent again after a reconnect, so nothing is
+lost or done twice. A lost link is dialled again with backoff, as long as the runtime is open;
+meanwhile ``LinkState`` says so ("reconnecting", "waiting" for a host that is not there), and
+the host's own link state is shown again once it is back.
+
+History stays here: the conversation is sent whole with every ``Submit`` (the host keeps
+nothing of it but its KV cache). A host restarted since (another instance) has lost the reply in
+progress: that reply fails with a ``RuntimeFailed`` that says so (not fatal: send it again).
+``set_code`` answers whichever question is open: this runtime's own (the chat code) or the
+host's (its tail's pairing code, which then crosses sealed). Every text from the host is made
+plain by ``protocol.chat.update_event`` before it is reported. Torch-free.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Callable
+
+from sfchat import UserError
+from sfchat.events import CodeWanted, LinkState, ReplyFinished, RuntimeFailed, TokensCommitted
+from sfchat.link import LinkClosed, PeerGone
+from sfchat.link.pairing import MIN_SECRET_CHARS
+from sfchat.link.resume import Resumption
+from sfchat.link.secure import IntegrityError, PairingRefused, WrongCode, secure
+from sfchat.plaintext import plain
+from sfchat.protocol import chat
+from sfchat.remote.outbox import Outbox
+
+POLL_S = 1.0
+PAIR_TIMEOUT_S = 60.0
+REDIAL_S = (0.5, 10.0)
+ACK_EVERY = 16  # updates taken before an acknowledgement (and at every reply's end)
+
+
+class Closed(Exception):
+    """The runtime was closed."""
+
+
+class RemoteRuntime:
+    def __init__(self, dial: Callable[[], object], code: str | None, session: str):
+        self.dial, self.session = dial, session
+        self.client = os.urandom(16).hex()
+        self.commands = Outbox("sfchat-chat-client")
+        self.resumption = Resumption()
+        self.listener: Callable = lambda event: None
+        self._cond = threading.Condition()
+        self._code = code  # the chat code, until the first pairing
+        self._asking = False  # this runtime's own question (the chat code) is open
+        self._answer: str | None = None
+        self._closing = False
+        self._link = None
+        self._host = ""  # the host instance whose updates we hold
+        self._seen = 0  # the last update taken from it
+        self._acked = 0
+        self._next_request = 0
+        self._replies: dict[int, list] = {}  # request -> [text so far, token ids so far]
+        self._host_link: LinkState | None = None  # what the host last said of its own link
+        self.thread: threading.Thread | None = None
+
+    # -- the interface the UI uses -------------------------------------------------------------------
+    def start(self, listener: Callable) -> None:
+        self.listener = listener
+        self.thread = threading.Thread(target=self._main, name="sfchat-remote", daemon=True)
+        self.thread.start()
+
+    def submit(self, messages: list[dict], params: dict) -> None:
+        turns = tuple((m["role"], m["content"]) for m in messages)
+        with self._cond:
+            self._next_request += 1
+            request = self._next_request
+            self._replies[request] = ["", ()]
+        self.commands.put(lambda seq: chat.Submit(seq, request, turns, chat.Params.of(params)))
+
+    def cancel(self) -> None:
+        with self._cond:
+            request = max(self._replies, default=0)
+        if request:
+            self.commands.put(lambda seq: chat.Cancel(seq, request))
+
+    def new_chat(self) -> None:
+        self.commands.put(lambda seq: chat.NewChat(seq))
+
+    def set_code(self, code: str) -> None:
+        with self._cond:
+            if self._asking:
+                self._answer = code
+                self._cond.notify_all()
+                return
+        self.commands.put(lambda seq: chat.GiveCode(seq, code))
+
+    def close(self) -> None:
+        with self._cond:
+            self._closing = True
+            link = self._link
+            self._cond.notify_all()
+        self.commands.close()
+        if link is not None:
+            link.close()
+
+    def join(self, timeout: float | None = None) -> bool:
+        if self.thread is None:
+            return True
+        self.thread.join(timeout)
+        return not self.thread.is_alive()
+
+    # -- the thread ----------------------------------------------------------------------------------
+    def _main(self) -> None:
+        delay = REDIAL_S[0]
+        try:
+            while True:
+                try:
+                    link = self._connect()
+                except UserError as exc:
+                    self._check_open()
+                    self.listener(LinkState("reconnecting", f"{plain(exc)}; dialling again in {delay:.1f} s"))
+                    with self._cond:
+                        self._cond.wait_for(lambda: self._closing, delay)
+                    delay = min(delay * 2, REDIAL_S[1])
+                    continue
+                delay = REDIAL_S[0]
+                why = self._serve(link)
+                self.commands.detach()
+                link.close()
+                self._check_open()
+                self.listener(LinkState("reconnecting", f"the link to the head was lost ({plain(why)}): "
+                                                        "dialling again; nothing of the reply is lost"))
+        except Closed:
+            pass
+        except Exception as exc:  # a bug: said on the screen, never a silent thread
+            self.listener(RuntimeFailed(f"the chat client failed: {type(exc).__name__}: {plain(exc)}", fatal=True))
+        finally:
+            self.commands.close()
+
+    def _check_open(self) -> None:
+        with self._cond:
+            if self._closing:
+                raise Closed
+
+    def _connect(self):
+        """A link paired with the host (by its code, or resumed), waiting for the host as long as it takes."""
+        while True:
+            self._check_open()
+            if self.resumption.secret is None:
+                self._need_code()
+            relay = self.dial()
+            with self._cond:
+                self._link = relay
+                if self._closing:
+                    relay.close()
+                    raise Closed
+            if not relay.peer_present:
+                self.listener(LinkState("waiting", f"waiting for the head on session {self.session!r}: start it with "
+                                                   "sfchat --offer-chat (the head notebook's chat cell)"))
+                try:
+                    relay.wait_peer(None)
+                except LinkClosed:
+                    self._check_open()
+                    raise UserError("the relay closed the connection while waiting for the head") from None
+            resuming = self.resumption.secret is not None
+            code = os.urandom(16).hex() if resuming else self._code  # no guessable fallback after the first pairing
+            try:
+                return secure(relay, code, self.session, "head", PAIR_TIMEOUT_S, self.resumption)
+            except WrongCode:
+                self._check_open()
+                if resuming:
+                    self.resumption.secret = None
+                    self._code = None
+                    self._reason = ("the head no longer knows this screen (restarted in a new session?): type the "
+                                    "chat code it printed last")
+                else:
+                    self._code = None
+                    self._reason = "wrong chat code: the head did not accept it; type the code it printed"
+            except PairingRefused as exc:
+                self._check_open()
+                raise UserError(plain(exc)) from None
+
+    _reason = ""
+
+    def _need_code(self) -> None:
+        """Ask the person for the chat code until one of the right shape is given."""
+        while not self._code or len(self._code) < MIN_SECRET_CHARS:
+            reason = self._reason or ("the chat code the head printed (sfchat --offer-chat), such as "
+                                      "7-crossover-clockwork")
+            if self._code:
+                reason = f"the chat code has {len(self._code)} characters: type the one the head printed"
+            with self._cond:
+                self._asking, self._answer = True, None
+            self.listener(CodeWanted(reason))
+            with self._cond:
+                self._cond.wait_for(lambda: self._answer is not None or self._closing)
+                self._asking = False
+                if self._closing:
+                    raise Closed
+                self._code = self._answer.strip()
+        self._reason = ""
+
+    def _serve(self, link) -> str:
+        """Attach and take the host's messages until the link ends; returns why it did."""
+        try:
+            return self._take_all(link)
+        except LinkClosed as exc:
+            return str(exc) or "the link closed"
+
+    def _take_all(self, link) -> str:
+        link.send(chat.encode(chat.Attach(self.client, self._host, self._seen)))
+        welcomed = False
+        while True:
+            try:
+                frame = link.recv(timeout=POLL_S)
+            except TimeoutError:
+                self._check_open()
+                continue
+            except (PeerGone, LinkClosed, IntegrityError) as exc:
+                return str(exc) or type(exc).__name__
+            try:
+                msg = chat.decode(frame)
+            except chat.ChatError as exc:
+                self.listener(RuntimeFailed(f"the head sent what this sfchat does not understand: {plain(exc)}"))
+                return "a message that is no chat message"
+            if isinstance(msg, chat.Welcome):
+                self._welcome(msg, link)
+                welcomed = True
+            elif isinstance(msg, chat.Ack):
+                self.commands.ack(msg.seen)
+            elif isinstance(msg, chat.Update) and welcomed:
+                self._update(msg, link)
+
+    def _welcome(self, w: chat.Welcome, link) -> None:
+        if not w.resumed:
+            with self._cond:
+                lost, self._replies = list(self._replies), {}
+            if self._host:  # a host we knew lost our replies (restarted), or forgot this client
+                for _ in lost:
+                    self.listener(RuntimeFailed("the head restarted (or forgot this screen): the reply in progress "
+                                                "is lost; send it again"))
+            self.commands.restart(0)  # the host numbers this client's commands afresh
+            self._host = w.host
+        self._seen = w.base
+        self.commands.attach(link, w.taken)
+        if w.resumed:
+            self.listener(self._host_link or LinkState("connected", "the head is back"))
+
+    def _update(self, u: chat.Update, link) -> None:
+        if u.seq != self._seen + 1:
+            return  # sent before the welcome of this pairing, or again: taken already, or coming in order
+        self._seen = u.seq
+        event = chat.update_event(u)
+        if isinstance(event, LinkState):
+            self._host_link = event
+        if u.request:
+            with self._cond:
+                reply = self._replies.get(u.request)
+                if reply is None:
+                    event = None  # a reply of an earlier host's numbering
+                elif isinstance(event, TokensCommitted):
+                    reply[0] += event.text
+                    reply[1] += event.token_ids
+                elif isinstance(event, chat.Finished):
+                    event = chat.finished_event(event, reply[0], reply[1])
+                if isinstance(event, (ReplyFinished, RuntimeFailed)):
+                    self._replies.pop(u.request, None)
+        if event is not None:
+            self.listener(event)
+        if self._seen - self._acked >= ACK_EVERY or isinstance(event, (ReplyFinished, RuntimeFailed)):
+            self._acked = self._seen
+            link.send(chat.encode(chat.Ack(self._seen)))
