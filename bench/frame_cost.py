@@ -29,7 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from verify_breakdown import SHAPES, TINY, gemm_ms, random_slice  # noqa: E402
+from verify_breakdown import SHAPES, TINY, gemm_ms, random_slice, timed  # noqa: E402
 from sfchat.engine.draft import Drafter  # noqa: E402
 from sfchat.engine.scratch import Scratch  # noqa: E402
 from sfchat.engine.speculator import hidden_bytes  # noqa: E402
@@ -38,19 +38,6 @@ from sfchat.protocol.wire import Sampling  # noqa: E402
 
 HEAD_POOL = 9 * 65 + 1  # the GPU default's head scratch: 8 frames in flight and one being built, 65 nodes each
 DRAFT_POOL = 513
-
-
-def timed(fn, n: int, cuda: bool) -> float:
-    for _ in range(3):
-        fn()
-    if cuda:
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    if cuda:
-        torch.cuda.synchronize()
-    return (time.perf_counter() - t0) * 1e3 / n
 
 
 def tree_rows(n: int, base: int) -> list[tuple[int, int, list[int]]]:

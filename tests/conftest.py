@@ -94,3 +94,15 @@ def exact(models, prompt_ids) -> dict[tuple, float]:
     import sampling_cases
 
     return sampling_cases.exact_outcomes(models["target"], prompt_ids, sampling_cases.SAMPLING)
+
+
+@pytest.fixture
+def relay_url(tmp_path):
+    """A real sfchat-relay on loopback (``relay_process.TOKEN``): its URL; stopped after the test."""
+    from relay_process import start_relay
+
+    with open(tmp_path / "relay.log", "w") as log:
+        relay, port = start_relay(log)
+    yield f"ws://127.0.0.1:{port}"
+    relay.terminate()
+    relay.wait(10)

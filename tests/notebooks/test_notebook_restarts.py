@@ -15,7 +15,7 @@ from pathlib import Path
 
 import nbformat
 import pytest
-from relay_process import TOKEN, start_relay
+from relay_process import TOKEN
 from test_notebooks import SESSION, client, free_port, kernel_env, printed, with_parameters  # noqa: F401
 
 from sfchat.config import Settings
@@ -116,13 +116,6 @@ def shown(text: str) -> str:
     return "\n".join(plain(line) for line in text.split("\n"))
 
 
-@pytest.fixture
-def relay_url(tmp_path):
-    with open(tmp_path / "relay.log", "w") as log:
-        relay, port = start_relay(log)
-    yield f"ws://127.0.0.1:{port}"
-    relay.terminate()
-    relay.wait(10)
 
 
 def test_a_tail_restarted_in_the_same_session_and_in_a_new_one_as_the_notebooks_say(zoo, tmp_path, kernel_env,

@@ -11,7 +11,7 @@ import threading
 import time
 
 import pytest
-from relay_process import TOKEN, start_relay
+from relay_process import TOKEN
 
 from sfchat.events import (
     CodeWanted, LinkState, ReplyFinished, ReplyStarted, RoundStats, RuntimeFailed, RuntimeReady, TokensCommitted,
@@ -142,13 +142,6 @@ class RecordingRemote(RemoteRuntime):
         super().start(record)
 
 
-@pytest.fixture
-def relay_url(tmp_path):
-    with open(tmp_path / "relay.log", "w") as log:
-        relay, port = start_relay(log)
-    yield f"ws://127.0.0.1:{port}"
-    relay.terminate()
-    relay.wait(10)
 
 
 def make_pair(url: str, head: ScriptedHead, client_code: str | None = CODE):
