@@ -27,7 +27,8 @@ LAYERS = [
 ]
 # what never imports torch, directly or through the modules it imports
 TORCH_FREE = ["sfchat.protocol", "sfchat.link", "sfchat.ui", "sfchat.remote", "sfchat.events", "sfchat.tally", "sfchat.plaintext",
-              "sfchat.config", "sfchat.history", "sfchat.console", "sfchat.engine.policy", "relay"]
+              "sfchat.config", "sfchat.history", "sfchat.console", "sfchat.engine.policy", "sfchat.engine.live",
+              "sfchat.engine.frame", "relay"]
 
 
 def modules() -> dict[str, Path]:

@@ -42,13 +42,13 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
 
 import torch
 
 from sfchat import UserError
 from sfchat.engine.lookup import lookup
 from sfchat.engine.draft import Drafter
+from sfchat.engine.frame import Commit, Frame
 from sfchat.engine.live import Calibration, LiveTree, Node, ProtocolError
 from sfchat.engine.scratch import Scratch
 from sfchat.model.devices import DTYPE_NAMES
@@ -57,36 +57,6 @@ from sfchat.model.slices import ModelSlice
 from sfchat.protocol import wire
 
 LOOKUP_TOKENS = 8  # tokens of a prompt-lookup continuation grafted under the root
-
-
-@dataclass(frozen=True)
-class Commit:
-    tokens: tuple[int, ...]  # committed by the verdict (after truncation)
-    finish: str | None  # None, "eos", "length" or "context"
-
-
-@dataclass
-class Frame:
-    """One frame, ready to send: its FORWARDs and the nodes the verdict is checked against."""
-
-    round_id: int
-    tree: int
-    nodes: list[Node]
-    frames: list[bytes]
-    size: int  # the padded shape it ran at
-    expected: float  # the tree's estimate of the tokens it commits
-    draft_ms: float
-    head_ms: float
-    steady: bool  # no prefill: its compute is a frame's alone
-    steps: int = 0  # draft steps its build ran
-    sent_at: float = 0.0  # perf_counter just before its FORWARDs were handed to the link
-    ahead: bool = False  # it went out while another frame was in flight
-    forward_bytes: int = field(init=False)
-    sent_bytes: int = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.forward_bytes = len(self.frames[-1])
-        self.sent_bytes = sum(map(len, self.frames))
 
 
 def hidden_bytes(h: torch.Tensor, what: str) -> bytes:
@@ -181,8 +151,7 @@ class Speculator:
         frames.append(self._forward(nodes, s))
         t2 = time.perf_counter()
         self.round_id += 1
-        return Frame(self.round_id, self.tree_id, nodes, frames, size=self.frame_size,
-                     expected=expected, draft_ms=(t1 - t0) * 1e3, head_ms=(t2 - t1) * 1e3,
+        return Frame(self.round_id, self.tree_id, nodes, frames, expected=expected, draft_ms=(t1 - t0) * 1e3, head_ms=(t2 - t1) * 1e3,
                      steady=len(frames) == 1, steps=steps)
 
     def _max_pos(self, budget: int) -> int:

@@ -58,7 +58,8 @@ from sfchat.protocol.messages import Failure, Progress
 from sfchat.link import Link, LinkClosed, PeerGone
 from sfchat.engine.live import ProtocolError
 from sfchat.engine.policy import PipelinePolicy
-from sfchat.engine.speculator import Commit, Frame, Speculator
+from sfchat.engine.frame import Commit, Frame
+from sfchat.engine.speculator import Speculator
 
 STALL_NOTICE_S = 3.0  # a round without a verdict for this long is reported as stalled
 
