@@ -80,7 +80,7 @@ def open_engine(s: Settings, on_event: Callable = lambda e: None, link=None,
     if k:
         dsrc = dsrc or ModelSource.open(s.draft, s.draft_revision, progress_events(on_event, "draft"))
     ahead = s.draft_ahead if k and link is not None and link.overlaps else 0  # local mode never waits on a wire
-    layout = frame_layout(s, k, device.type == "cuda", ahead)
+    layout = frame_layout(s, k, device.type == "cuda", ahead, local=link is None)
     kv_len = max_context + layout.scratch  # the live nodes' scratch after the context
     hello = Hello(model=s.model, revision=s.revision, split=split, dtype=DTYPE_NAMES[dtype], max_len=kv_len,
                   n_layers=L, hidden_size=src.config.hidden_size, frames=(layout.size,), graphs=s.cuda_graphs,
@@ -148,15 +148,16 @@ class FrameLayout:
         return f"chain {self.size - 1}" if self.children == 1 else f"tree {self.size - 1}"
 
 
-def frame_layout(s: Settings, k: int, cuda: bool, ahead: int = 0) -> FrameLayout:
+def frame_layout(s: Settings, k: int, cuda: bool, ahead: int = 0, local: bool = False) -> FrameLayout:
     """The frame of these settings: ``--tree-budget`` drafts per frame (on a GPU, 64 under auto: a
     frame's cost is nearly flat in its nodes there; on a CPU a chain), ``--k`` expansion steps,
-    up to ``--max-in-flight`` frames in flight, ``ahead`` steps more while a verdict travels."""
+    up to ``--max-in-flight`` frames in flight (one in ``local`` mode, whose tail computes while
+    the head waits), ``ahead`` steps more while a verdict travels."""
     if not k:
         return FrameLayout(1, 1, 1, 2, 2)
     budget = s.budget(cuda)
     size, width, children = (budget + 1, WIDTH, CHILDREN) if budget else (k + 1, 1, 1)
-    frames = s.max_in_flight + 1
+    frames = (1 if local else s.max_in_flight) + 1  # those in flight and the one being built
     return FrameLayout(size, width, children, head_pool=frames * size + 1,
                        draft_pool=min((frames * k + ahead) * width, 512) + 1 if budget
                        else frames * (k + 1) + ahead + 1)

@@ -39,7 +39,7 @@ def test_the_head_frame_and_draft_step_replay_in_their_captured_shapes(zoo, monk
                  device="cpu", dtype="float32")
     session = Head.open(s)
     spec = session.engine.spec
-    capture_graphs(spec.head, None, frame_layout(s, s.k, cuda=False), False, lambda *a: None)
+    capture_graphs(spec.head, None, frame_layout(s, s.k, cuda=False, local=True), False, lambda *a: None)
     spec.drafter.capture()
     ids = session.encode([{"role": "user", "content": "hello world"}])
     fin = [e for e in session.reply(ids, 24, Sampling()) if isinstance(e, ReplyFinished)][0]
