@@ -94,3 +94,12 @@ def exact(models, prompt_ids) -> dict[tuple, float]:
     import sampling_cases
 
     return sampling_cases.exact_outcomes(models["target"], prompt_ids, sampling_cases.SAMPLING)
+
+
+@pytest.fixture(autouse=True)
+def fresh_head_attempts(monkeypatch):
+    """Each test's heads start with a full budget of code attempts (the process shares one,
+    ``sfchat.link.pairing.HEAD_ATTEMPTS``); a test of the budget itself sets its own."""
+    from sfchat.link import pairing
+
+    monkeypatch.setattr(pairing, "HEAD_ATTEMPTS", pairing.HeadAttempts())
