@@ -8,7 +8,7 @@ returns once the relay has welcomed it, so ``peer_present`` is accurate from the
 Mistakes the user can fix (bad URL, unreachable host, wrong token, session slot taken)
 raise ``sfchat.UserError`` with a one-line message that says what to check (``probe.HINT``);
 a slot already taken (HTTP 409, or close code 4409 when two clients raced for it) is the
-``SlotTaken`` kind, which a head may retry.
+``SlotTaken`` kind, which a head may retry; a token refused (HTTP 401) is ``TokenRefused``.
 
 * ``send(frame)`` hands one binary frame to the relay, from any thread; it returns once the
   frame is in the socket's buffer and raises ``LinkClosed`` when the link is gone.
@@ -68,6 +68,10 @@ log = logging.getLogger(__name__)
 
 class SlotTaken(UserError):
     """The session already has a node of this role."""
+
+
+class TokenRefused(UserError):
+    """The relay refused the token (HTTP 401)."""
 
 
 class RelayLink:
@@ -267,7 +271,7 @@ def _refusal(url: str, exc: InvalidStatus) -> UserError:
     status = exc.response.status_code
     body = plain(exc.response.body.decode("utf-8", "replace").strip())[:200] if exc.response.body else ""
     if status == 401:
-        return UserError(f"relay at {url} refused the token (HTTP 401): use the token it printed")
+        return TokenRefused(f"relay at {url} refused the token (HTTP 401): use the token it printed")
     if status == 409:
         return SlotTaken(f"relay at {url} refused to join: {body or status}")
     if status in (400, 503):
