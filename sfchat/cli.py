@@ -22,7 +22,7 @@ from sfchat import UserError, __version__
 from sfchat.config import (AUTO_K, AUTO_TREE_BUDGET, CPU_DRAFT, CPU_MODEL, GPU_DRAFT, GPU_MODEL, Settings,
                            machine_defaults, merged)
 from sfchat.console import show_download
-from sfchat.plaintext import plain
+from sfchat.plaintext import plain, printable
 
 EXIT_USER, EXIT_LINK, EXIT_INTERNAL = 2, 3, 4
 SHUTDOWN_S = 10.0  # how long the chat UI's exit waits for the runtime thread
@@ -191,9 +191,10 @@ def one_shot(s: Settings, prompt: str, as_json: bool) -> int:
     head = Head.open(s, report, dial(), redial=dial)
     sampling = make_sampling(s.temperature, s.top_k, s.top_p, s.seed)
     final = None
+    shown = printable if sys.stdout.isatty() else str  # every token is the tail's choice: no escapes on a terminal
     for ev in head.ask([{"role": "user", "content": prompt}], s.max_new_tokens, sampling):
         if isinstance(ev, TokensCommitted) and not as_json and ev.text:
-            sys.stdout.write(ev.text)
+            sys.stdout.write(shown(ev.text))
             sys.stdout.flush()
         elif isinstance(ev, ReplyFinished):
             final = ev
