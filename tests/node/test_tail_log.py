@@ -14,7 +14,6 @@ from sfchat.link.relay import RelayLink
 from sfchat.link.secure import secure
 from sfchat.protocol.wire import MsgType, decode
 
-from sfchat.node.tail import LOG_BURST_BYTES, TOKEN_REFUSALS, LogLimit
 
 HOSTILE_NAME = "evil\x1b]0;owned\x07\x1b[2Jmodel"
 
@@ -43,6 +42,8 @@ def test_a_hello_model_name_reaches_the_tails_log_as_plain_text(zoo, tmp_path):
 
 
 def test_every_line_of_the_tails_log_passes_one_rate_limit():
+    from sfchat.node.tail import LOG_BURST_BYTES, LogLimit
+
     now = [0.0]
     limit = LogLimit(per_s=100, burst=1000, clock=lambda: now[0])
     shown = [limit.admit("x" * 99) for _ in range(50)]  # 4.95 KB at once against a burst of 1 KB
@@ -78,6 +79,8 @@ def test_a_tail_whose_relay_restarted_with_a_new_token_says_so_and_stops(tmp_pat
             if proc is not None and proc.poll() is None:
                 proc.terminate()
                 proc.wait(10)
+    from sfchat.node.tail import TOKEN_REFUSALS
+
     assert tail.returncode == 2
     assert err.count("refused the token") >= TOKEN_REFUSALS
     assert "the relay runs with another token now" in err.splitlines()[-1]
