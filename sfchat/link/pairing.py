@@ -45,8 +45,13 @@ most 720 guesses an hour against 114,129,756 codes (2**26.8): one chance in 158,
 non-stop guessing, in 13,000 per 12 hours (a notebook's life), in 220 per 30 days; a tail left up
 for weeks wants a long secret of its own (``SFCHAT_CODE``) instead. Nothing fails for lack of a
 turn: an attempt waits for one (see ``pairer``), and no code is ever replaced, so no stranger
-can lock out, or rotate away, a code an honest head knows. ``require_secret`` is relay mode's
-policy for the code (or ``--insecure``). Torch-free.
+can lock out, or rotate away, a code an honest head knows. ``Passcode.resumes`` is the tail's
+budget of resumption attempts (``RESUME_BURST`` at once, then one per ``RESUME_INTERVAL_S``: each
+costs a key exchange). ``HeadAttempts`` (``HEAD_ATTEMPTS``, one per process) is the head's own
+budget of code attempts, the tail's on both counts, per session name and in total, so that
+whoever answers as a tail tests guesses no faster than a head can against a tail.
+``AttemptBudget`` is the token bucket all three use. ``require_secret`` is relay mode's policy
+for the code (or ``--insecure``). Torch-free.
 """
 
 from __future__ import annotations
