@@ -275,14 +275,15 @@ def serve_http(s: Settings, args: argparse.Namespace) -> int:
 _started = None  # the server start_server last started in this process
 
 
-def start_server(argv: list[str] = ()):
+def start_server(argv: list[str] = (), load_timeout: float | None = None):
     """``sfchat --serve ARGV`` inside this process (a notebook's kernel), in the background: the
     flags and the environment (SFCHAT_RELAY, SFCHAT_TOKEN, SFCHAT_CODE, ...) are read as the
     command line reads them, the relay is checked, the models load (progress on stderr), and the
     running ``sfchat.serve.main.Server`` is returned once it answers: ``url``, ``set_code(code)``
     (a new pairing code without a restart), ``close()``. A server this function started before in
     this process is closed first, its models dropped and its port freed, so that running the
-    cell again replaces the server instead of failing beside it. Errors are ``UserError``s."""
+    cell again replaces the server instead of failing beside it. Loading past ``load_timeout``
+    seconds (None: no limit) fails; errors are ``UserError``s."""
     global _started
     from sfchat.serve.main import Server, exposure_warning, report
 
@@ -298,7 +299,7 @@ def start_server(argv: list[str] = ()):
         print(warning, file=sys.stderr, flush=True)
     server = Server(with_models(ask_secret(s, False)), options, on_event=report)
     try:
-        server.start()
+        server.start(load_timeout=load_timeout)
     except BaseException:
         server.close()
         raise

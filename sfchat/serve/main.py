@@ -107,8 +107,8 @@ class Server:
     def bind(self) -> None:
         self.sock = bind(self.options.host, self.options.port)
 
-    def load(self):
-        return self.generator.start()
+    def load(self, timeout: float | None = None):
+        return self.generator.start(timeout)
 
     def set_code(self, code: str) -> None:
         """A new pairing code for the running server (relay mode), from any thread: the next time
@@ -127,12 +127,13 @@ class Server:
                               access_log=False, lifespan="off", timeout_keep_alive=o.header_timeout + 5,
                               timeout_graceful_shutdown=SHUTDOWN_S, h11_max_incomplete_event_size=64 * 1024)
 
-    def start(self, timeout: float = 60.0) -> "Server":
-        """Bind, load and serve on a background thread (the tests' and the benchmark's way)."""
+    def start(self, timeout: float = 60.0, load_timeout: float | None = None) -> "Server":
+        """Bind, load (within ``load_timeout`` s: a UserError past it) and serve on a background
+        thread (the tests', the benchmark's and a notebook's way)."""
         import uvicorn
 
         self.bind()
-        self.load()
+        self.load(load_timeout)
         self.uvicorn = uvicorn.Server(self.config())
         self.thread = threading.Thread(target=self.uvicorn.run, kwargs={"sockets": [self.sock]},
                                        name="sfchat-http", daemon=True)
