@@ -101,9 +101,9 @@ def _parser() -> argparse.ArgumentParser:
                    help=f"bytes held for all clients together (queued frames and frames still "
                         f"arriving), in MiB (default {d.max_buffer_bytes >> 20})")
     p.add_argument("--idle-timeout", type=_bounded(float, 0.0), default=d.idle_timeout / 60, metavar="MIN",
-                   help=f"close a connection that sends nothing for MIN minutes while its partner is "
-                        f"present; one waiting alone for its partner keeps its slot while it answers the "
-                        f"keepalive pings; 0 = never (default {d.idle_timeout / 60:g})")
+                   help=f"close both peers of a pair in which neither sent anything, keepalive pings and "
+                        f"pongs included, for MIN minutes; one waiting alone for its partner keeps its slot "
+                        f"while it answers the keepalive pings; 0 = never (default {d.idle_timeout / 60:g})")
     p.add_argument("--log-level", default="INFO", type=str.upper,
                    choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                    help="least severe log records written to stderr; every line is rate limited "

@@ -31,6 +31,9 @@ the next one is complete, so a payload would outlive its delivery by as long as 
 quiet: the frame handed on to the handler is a new one with the payload, and the parser's own
 keeps an empty payload.
 
+Activity. ``last_frame`` is when the connection last sent a frame of any kind, a keepalive ping
+or pong included (what the relay's idle timeout counts).
+
 This module reads three websockets internals (``protocol.reader.buffer``: the bytes received and
 not yet parsed into a frame, cleared when shed; ``process_event``: each parsed frame; and
 ``Frame.data``, replaced as said); tests/relay/test_relay_memory.py fails if they move. It knows
@@ -125,6 +128,7 @@ class MeteredConnection(ServerConnection):
         self._request_bytes = 0
         self._shed = False
         self._lost = False
+        self.last_frame = self.loop.time()  # when a frame of any kind last came in
 
     @property
     def held(self) -> int:
@@ -168,6 +172,8 @@ class MeteredConnection(ServerConnection):
         self._meter()
 
     def process_event(self, event) -> None:
+        if isinstance(event, Frame):
+            self.last_frame = self.loop.time()  # any frame, keepalive pings and pongs too: the client lives
         if isinstance(event, Frame) and event.opcode in DATA_OPCODES:
             self._assembled += len(event.data)
             handed_on = Frame(event.opcode, event.data, event.fin)

@@ -46,12 +46,14 @@ After the upgrade
   second's worth, and at least four maximal frames) close it with 1008; a receiver that falls too
   far behind its bounded queue, or that the shared budget sheds when everything held reaches
   ``--max-buffer-mb``, is closed with 1013 (a sender shed mid-frame is cut instead, see Memory);
-  a connection that sends nothing for ``--idle-timeout`` minutes while its partner is present
-  (keepalive pings and pongs do not count; the time starts again when a partner joins) is closed
-  with 4408; of an idle pair, the one silent longer goes and the other then waits alone. A peer
-  waiting alone for its partner is never idle: it keeps its slot as long as it answers the
-  keepalive pings (sent every ``ping_interval``; no pong within ``ping_timeout`` closes it with
-  1011), so a squatter cannot wait for a waiting tail's slot to be given away. Other connections
+  a paired session in which neither peer sent anything for ``--idle-timeout`` minutes (a
+  message, or a keepalive ping or pong: a peer that answers the pings is active; the time starts
+  again when a partner joins) is the session's own deadline: both peers are closed together with
+  4408, so a pair's slots belong to the pair until both leave or that deadline passes, and never
+  is one of them handed to a squatter while the other waits. A peer waiting alone for its partner
+  is never idle: it keeps its slot as long as it answers the keepalive pings (sent every
+  ``ping_interval``; no pong within ``ping_timeout`` closes it with 1011), so a squatter cannot
+  wait for a waiting tail's slot to be given away. Other connections
   and sessions are unaffected.
 * The relay never parses a frame, so it needs no trust in their contents: head and tail seal
   them end to end (``sfchat.link.secure``); the relay sees sizes and timing only.
@@ -309,12 +311,16 @@ class Relay:
         loop = asyncio.get_running_loop()
         idle = c.idle_timeout
 
+        def active(p: Peer) -> float:
+            return max(p.last_heard, p.ws.last_frame)
+
         def idle_until() -> float | None:
             if not idle:
                 return None
-            if session.partner(peer) is None:  # waiting alone is not idleness: look again later
+            partner = session.partner(peer)
+            if partner is None:  # waiting alone is not idleness: look again later
                 return loop.time() + idle
-            return max(peer.last_heard, session.paired_at) + idle
+            return max(active(peer), active(partner), session.paired_at) + idle
 
         try:
             while True:
@@ -325,10 +331,14 @@ class Relay:
                     return
                 except TimeoutError:
                     if idle_until() > loop.time():
-                        continue  # alone now, or a partner joined meanwhile
-                    self.refused(host(ws), "idle", "session %s: %s at %s sent nothing for %g min",
+                        continue  # alone now, a partner joined, or a keepalive came meanwhile
+                    self.refused(host(ws), "idle", "session %s: %s at %s and its partner sent nothing for %g min",
                                  session.name, peer.role, peer.address, idle / 60)
-                    await peer.close(CLOSE_IDLE, f"idle for {idle / 60:g} min: closed by the relay")
+                    # the pair's slots are the pair's: both go at once, none is left to a squatter
+                    reason = f"idle for {idle / 60:g} min: closed by the relay"
+                    partner = session.partner(peer)
+                    await asyncio.gather(peer.close(CLOSE_IDLE, reason),
+                                         *([partner.close(CLOSE_IDLE, reason)] if partner else []))
                     return
         except ConnectionClosed:
             pass  # oversize frame, lost connection, shutdown: the close code says which

@@ -22,7 +22,7 @@ from sfchat import UserError, __version__
 from sfchat.config import (AUTO_K, AUTO_TREE_BUDGET, CPU_DRAFT, CPU_MODEL, GPU_DRAFT, GPU_MODEL, Settings,
                            machine_defaults, merged)
 from sfchat.console import show_download
-from sfchat.plaintext import plain
+from sfchat.plaintext import plain, printable
 
 EXIT_USER, EXIT_LINK, EXIT_INTERNAL = 2, 3, 4
 SHUTDOWN_S = 10.0  # how long the chat UI's exit waits for the runtime thread
@@ -208,9 +208,10 @@ def one_shot(s: Settings, prompt: str, as_json: bool) -> int:
     head = Head.open(s, report, link, redial=dial)
     sampling = make_sampling(s.temperature, s.top_k, s.top_p, s.seed)
     final = None
+    shown = printable if sys.stdout.isatty() else str  # every token is the tail's choice: no escapes on a terminal
     for ev in head.ask([{"role": "user", "content": prompt}], s.max_new_tokens, sampling):
         if isinstance(ev, TokensCommitted) and not as_json and ev.text:
-            sys.stdout.write(ev.text)
+            sys.stdout.write(shown(ev.text))
             sys.stdout.flush()
         elif isinstance(ev, ReplyFinished):
             final = ev
@@ -317,17 +318,60 @@ def run(argv: list[str] | None) -> int:
     return chat(s)
 
 
-def serve_http(s: Settings, args: argparse.Namespace) -> int:
-    """``--serve``: the OpenAI-compatible endpoint (sfchat/serve)."""
+def serve_options(args: argparse.Namespace):
     from sfchat.serve.app import ServeOptions
-    from sfchat.serve.main import api_key_from, serve
+    from sfchat.serve.main import api_key_from
 
     options = ServeOptions(host=getattr(args, "host", "127.0.0.1"), port=getattr(args, "port", 8000),
                            api_key=api_key_from(getattr(args, "api_key", None)),
                            max_queue=getattr(args, "max_queue", 16))
     if not 0 <= options.port <= 65535 or options.max_queue < 1:
         raise UserError("--port must be 0..65535 and --max-queue at least 1")
-    return serve(s, options)
+    return options
+
+
+def serve_http(s: Settings, args: argparse.Namespace) -> int:
+    """``--serve``: the OpenAI-compatible endpoint (sfchat/serve)."""
+    from sfchat.serve.main import serve
+
+    return serve(s, serve_options(args))
+
+
+_started = None  # the server start_server last started in this process
+
+
+def start_server(argv: list[str] = (), load_timeout: float | None = None):
+    """``sfchat --serve ARGV`` inside this process (a notebook's kernel), in the background: the
+    flags and the environment (SFCHAT_RELAY, SFCHAT_TOKEN, SFCHAT_CODE, ...) are read as the
+    command line reads them, the relay is checked, the models load (progress on stderr), and the
+    running ``sfchat.serve.main.Server`` is returned once it answers: ``url``, ``set_code(code)``
+    (a new pairing code without a restart), ``close()``. A server this function started before in
+    this process is closed first, its models dropped and its port freed, so that running the
+    cell again replaces the server instead of failing beside it. Loading past ``load_timeout``
+    seconds (None: no limit) fails; errors are ``UserError``s."""
+    global _started
+    from sfchat.serve.main import Server, exposure_warning, report
+
+    argv = [a for a in argv if a != "--serve"]
+    args = build_parser().parse_args(argv)
+    s = settings_from(args)
+    options = serve_options(args)
+    if _started is not None:
+        previous, _started = _started, None
+        previous.close()
+    check_relay(s)
+    if warning := exposure_warning(options):
+        print(warning, file=sys.stderr, flush=True)
+    server = Server(with_models(ask_secret(s, False)), options, on_event=report)
+    try:
+        server.start(load_timeout=load_timeout)
+    except BaseException:
+        server.close()
+        raise
+    _started = server
+    print(f"sfchat: serving at {server.url}/v1 (in this process; server.set_code(CODE) takes a new pairing "
+          f"code, server.close() stops it)", file=sys.stderr, flush=True)
+    return server
 
 
 def need_terminal() -> None:

@@ -22,21 +22,26 @@ Times are Unix seconds (float) as ``time.time()`` gives them.
 
 Privacy: chats are nobody else's business. A new history directory is created 0700, and the
 database file (with its WAL and shared-memory files) is made 0600, also when an older sfchat
-left it readable by others.
+left it readable by others. None of the three is followed when it is a symbolic link (opened
+with ``O_NOFOLLOW``, and SQLite's ``nofollow``): a link planted at the history's path is refused
+(a ``HistoryError``), never written through, as the tail's resumption file is.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import socket
 import sqlite3
+import stat
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 from sfchat import UserError
 
@@ -113,12 +118,24 @@ def default_history_path() -> Path:
 
 
 def _private_file(path: Path) -> None:
-    """Create ``path`` (and its directory) readable by this user only; tighten an existing one."""
+    """Create ``path`` (and its directory) readable by this user only; tighten an existing one.
+    A symbolic link or anything but a regular file there (or at its -wal and -shm) is an OSError."""
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    os.close(os.open(path, os.O_RDWR | os.O_CREAT, 0o600))
-    for p in (path, Path(f"{path}-wal"), Path(f"{path}-shm")):
-        if p.exists():
-            os.chmod(p, 0o600)  # SQLite gives its -wal and -shm files the database file's mode
+    for p, create in ((path, True), (Path(f"{path}-wal"), False), (Path(f"{path}-shm"), False)):
+        try:
+            fd = os.open(p, os.O_RDWR | os.O_NOFOLLOW | (os.O_CREAT if create else 0), 0o600)
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise OSError(f"{p} is a symbolic link, which sfchat does not follow") from None
+            raise
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise OSError(f"{p} is not a regular file")
+            os.fchmod(fd, 0o600)  # SQLite gives its -wal and -shm files the database file's mode
+        finally:
+            os.close(fd)
 
 
 def title_from_prompt(prompt: str) -> str:
@@ -137,7 +154,8 @@ class History:
         try:
             if self.path != ":memory:":
                 _private_file(Path(path))
-            self._conn = sqlite3.connect(self.path, timeout=LOCK_TIMEOUT_S)
+            target = self.path if self.path == ":memory:" else f"file:{quote(self.path)}?nofollow=1"
+            self._conn = sqlite3.connect(target, timeout=LOCK_TIMEOUT_S, uri=True)
         except (OSError, sqlite3.Error) as exc:
             raise self._error(exc) from None
         self._conn.row_factory = sqlite3.Row

@@ -8,7 +8,9 @@ UI shows the result only through widgets and calls that take text literally (``C
 
 Everything a peer, the relay or a man in the middle can influence (close reasons, tail ERROR
 text, relay HTTP refusal bodies, link details, runtime failure messages) goes through one of
-this before the TUI or the terminal shows it. Standard library only.
+this before the TUI or the terminal shows it. ``printable(text)`` is the same for text of many
+lines (a reply written to a terminal): escape sequences and control characters removed, newlines
+and tabs kept, nothing cut. Standard library only.
 """
 
 from __future__ import annotations
@@ -35,4 +37,9 @@ def plain(text: object) -> str:
     return s if len(s) <= MAX_CHARS else s[:MAX_CHARS] + "…"
 
 
-__all__ = ["plain", "MAX_CHARS"]
+def printable(text: object) -> str:
+    """``text`` without escape sequences or control characters; newlines and tabs stay."""
+    return _CONTROLS.sub("", _ESCAPES.sub("", str(text)))
+
+
+__all__ = ["plain", "printable", "MAX_CHARS"]

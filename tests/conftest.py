@@ -106,3 +106,12 @@ def relay_url(tmp_path):
     yield f"ws://127.0.0.1:{port}"
     relay.terminate()
     relay.wait(10)
+
+
+@pytest.fixture(autouse=True)
+def fresh_head_attempts(monkeypatch):
+    """Each test's heads start with a full budget of code attempts (the process shares one,
+    ``sfchat.link.pairing.HEAD_ATTEMPTS``); a test of the budget itself sets its own."""
+    from sfchat.link import pairing
+
+    monkeypatch.setattr(pairing, "HEAD_ATTEMPTS", pairing.HeadAttempts())

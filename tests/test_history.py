@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import os
 import sqlite3
+import stat
+from pathlib import Path
 
 import pytest
 
 from sfchat.events import ReplyFinished
-from sfchat.history import History, default_history_path, title_from_prompt
+from sfchat.history import History, HistoryError, default_history_path, title_from_prompt
 from sfchat.ui.session import SAVE_INTERVAL_S, ChatSession
 
 
@@ -308,3 +311,19 @@ def test_a_history_of_schema_1_gains_the_writer_columns_and_recovers_its_rows(tm
     assert h._conn.execute("PRAGMA user_version").fetchone()[0] == 2
     h.add_message(1, "assistant", "new", status="streaming")
     h.close()
+
+
+@pytest.mark.parametrize("linked", ["", "-wal"])
+def test_a_symbolic_link_at_the_history_path_is_refused_not_followed(tmp_path, linked):
+    """Round four: --history followed symlinks (the resumption file is opened with no-follow)."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("someone else's file\n")
+    os.chmod(victim, 0o644)
+    path = tmp_path / "chats" / "history.sqlite3"
+    path.parent.mkdir()
+    if linked:
+        History(path).close()
+    Path(f"{path}{linked}").symlink_to(victim)
+    with pytest.raises(HistoryError, match="symbolic link"):
+        History(path)
+    assert victim.read_text() == "someone else's file\n" and stat.S_IMODE(os.stat(victim).st_mode) == 0o644

@@ -18,10 +18,15 @@ Frames travel in clear (they are random to anyone without the password)::
              its attempt of that kind
 
 The head (``opening()``) tries a resumption first when it holds the secret of an earlier code
-pairing (``resume.Resumption``), and falls back to the code when the tail refuses or its answer
-does not verify (a tail restarted without its file, or one another head paired with since);
-when a code attempt fails it raises ``WrongCode``, which is final for this link. A code pairing
-leaves a new resumption secret on both sides; a resumed one leaves the secret as it was.
+pairing (``resume.Resumption``). When the tail refuses it or its answer does not verify (a tail
+restarted without its file, one another head paired with since, or a stranger in the tail's
+slot), the head falls back to its code only when it was given one for this link (``code``; the
+dialer gives a code once per time a person or a setting supplies it, ``connect.HeadDialer``);
+without one it fails with ``ResumptionRefused``, so that whoever answers as a tail cannot make
+the head test a guess of the code by refusing resumptions. ``CodeNeeded`` (its base) is the
+head having neither. When a code attempt fails it raises ``WrongCode``, which is final for this
+link. ``paired_by`` says how the link paired ("code" or "resume"). A code pairing leaves a new
+resumption secret on both sides; a resumed one leaves the secret as it was.
 
 The tail answers, per head connection (until ``peer_gone()``), at most one code attempt and one
 resumption attempt; another opening of the same kind gets REFUSE AGAIN. A code attempt is
@@ -32,8 +37,10 @@ is spent once the answer goes out (that is when one guess is tested), and comes 
 attempt pairs; an opening held for a head that leaves costs nothing. The budget is the tail's
 total on purpose: the tail cannot tell clients apart, and a budget per client would multiply a
 guesser's rate by its connections; what is per client is the one attempt per connection and
-the turn of the head in the slot, so a guesser cannot make another client wait longer. Resumption attempts need
-no turn: each tests a guess of a 256-bit secret. ``TailPairer.take`` never raises, whatever a
+the turn of the head in the slot, so a guesser cannot make another client wait longer. Resumption
+attempts test only a guess of a 256-bit secret, but each costs the tail a key exchange: they have
+a budget of their own (``Passcode.resumes``: ``RESUME_BURST`` at once, then one per
+``RESUME_INTERVAL_S``), held the same way, and never spend the code's. ``TailPairer.take`` never raises, whatever a
 would-be head sends (``SecureLink`` checks the framing first); failed attempts are logged
 through ``log``, failed resumptions at 1, 10, 100 ... so that a flood cannot flood the log.
 """
@@ -44,8 +51,8 @@ import time
 from typing import Callable, NamedTuple
 
 from sfchat.link.pairing import (
-    ATTEMPT_INTERVAL_S, BURST, CONFIRM_BYTES, NONCE_BYTES, SPAKE_BYTES, BadMessage, HeadPairing, Keys, Passcode,
-    TailPairing, password,
+    ATTEMPT_INTERVAL_S, BURST, CONFIRM_BYTES, NONCE_BYTES, RESUME_BURST, RESUME_INTERVAL_S, SPAKE_BYTES, BadMessage,
+    HeadPairing, Keys, Passcode, TailPairing, password,
 )
 from sfchat.link import pairing
 from sfchat.link.resume import Resumption
@@ -79,6 +86,14 @@ class PairingRefused(SecretMismatch):
     """The tail refused this connection's attempt (it has had one): dial again."""
 
 
+class CodeNeeded(SecretMismatch):
+    """The head has no pairing code it may try: a person (or the setting) must give it one."""
+
+
+class ResumptionRefused(CodeNeeded):
+    """The tail did not resume this head's pairing, and the head was given no code to fall back to."""
+
+
 class PlaintextPeer(SecretMismatch):
     """The other node sends unencrypted frames (started with --insecure, or an older sfchat)."""
 
@@ -94,11 +109,13 @@ def frame(kind: int, *parts: bytes) -> bytes:
 
 
 class HeadPairer:
-    """The head's side: openings, and what the tail's answers and refusals lead to."""
+    """The head's side: openings, and what the tail's answers and refusals lead to. ``code`` is
+    the code this link may try (None: resumption only)."""
 
-    def __init__(self, code: str, session: str, resumption: Resumption | None = None):
+    def __init__(self, code: str | None, session: str, resumption: Resumption | None = None):
         self.code, self.session = code, session
         self.resumption = resumption if resumption is not None else Resumption()
+        self.paired_by: str | None = None
         self.reset()
 
     def reset(self) -> None:
@@ -111,13 +128,22 @@ class HeadPairer:
         if self.resumption.secret is not None and not self._resume_tried:
             self.attempt = HeadPairing(self.resumption.secret, self.session, "resume")
             kind = RESUME
-        else:
+        elif self.code is not None:
             self.attempt = HeadPairing(password(self.code), self.session, "code")
             kind = OPEN
+        else:
+            raise CodeNeeded(f"no pairing code to pair with the tail of session {self.session!r}: give the head "
+                             "the code the tail printed")
         return frame(kind, self.attempt.nonce, self.attempt.message)
 
     def _fall_back(self, before: list[bytes]) -> Step:
         self._resume_tried = True
+        if self.code is None:
+            self.attempt = None
+            return Step(before, error=ResumptionRefused(
+                f"the tail of session {self.session!r} did not resume this head's pairing: it restarted without "
+                "its resumption file, paired with another head since, or is not the tail this head paired with; "
+                "the head tries no code by itself: give it the code the tail prints now"))
         return Step(before + [self.opening()])
 
     def take(self, kind: int, body: bytes) -> Step:
@@ -149,6 +175,7 @@ class HeadPairer:
         except BadMessage as exc:
             raise IntegrityError(f"{INTEGRITY} (a pairing answer that is none: {exc})") from None
         self.attempt = None
+        self.paired_by = attempt.kind
         if secret is not None:
             self.resumption.keep(secret)
         return Step([frame(CONFIRM, confirm)], keys)
@@ -163,9 +190,9 @@ class TailPairer:
         self.resumption = resumption if resumption is not None else Resumption()
         self.failed_resumptions = 0
         self.attempt: TailPairing | None = None
-        self._held: tuple[bytes, bytes, float] | None = None  # nonce_H, A, when to answer (monotonic)
+        self._held: tuple[str, bytes, bytes, float] | None = None  # kind, nonce_H, A, when to answer (monotonic)
         self._used: set[str] = set()  # kinds of attempt this head connection has made
-        self._told_wait = -ATTEMPT_INTERVAL_S  # when a held attempt was last logged (monotonic)
+        self._told_wait = {"code": -ATTEMPT_INTERVAL_S, "resume": -ATTEMPT_INTERVAL_S}  # held attempts last logged
 
     # -- connection and attempt state ----------------------------------------------------------------
     def peer_gone(self) -> None:
@@ -211,40 +238,49 @@ class TailPairer:
                      "the tail's own answer came back")
         return Step([])
 
+    def _budget(self, kind: str):
+        return self.passcode if kind == "code" else self.passcode.resumes
+
+    def _secret(self, kind: str) -> bytes:
+        return password(self.passcode.code) if kind == "code" else self.resumption.secret
+
     def _opening(self, kind: str, nonce_h: bytes, msg_a: bytes) -> list[bytes]:
         self.reset()
         if kind in self._used:
             return [frame(REFUSE, bytes([AGAIN]))]
         self._used.add(kind)
-        if kind == "resume":
-            if self.resumption.secret is None:
-                return [frame(REFUSE, bytes([NO_RESUME]))]
-            return self._answer("resume", self.resumption.secret, nonce_h, msg_a)
-        wait, now = self.passcode.wait(), time.monotonic()
+        if kind == "resume" and self.resumption.secret is None:
+            return [frame(REFUSE, bytes([NO_RESUME]))]
+        wait, now = self._budget(kind).wait(), time.monotonic()
         if wait > 0:
-            self._held = (nonce_h, msg_a, now + wait)
-            if now - self._told_wait >= ATTEMPT_INTERVAL_S:  # held attempts cost nothing: not a line each
-                self._told_wait = now
-                self.log(f"a pairing attempt waits {wait:.1f} s for its turn (code attempts are answered "
-                         f"{BURST} at once, then one per {ATTEMPT_INTERVAL_S:g} s)")
+            self._held = (kind, nonce_h, msg_a, now + wait)
+            if now - self._told_wait[kind] >= ATTEMPT_INTERVAL_S:  # held attempts cost nothing: not a line each
+                self._told_wait[kind] = now
+                burst, interval = (BURST, ATTEMPT_INTERVAL_S) if kind == "code" else (RESUME_BURST, RESUME_INTERVAL_S)
+                what = "pairing" if kind == "code" else "resumption"
+                self.log(f"a {what} attempt waits {wait:.1f} s for its turn ({kind} attempts are answered "
+                         f"{burst} at once, then one per {interval:g} s)")
             return []
-        return self._answer("code", password(self.passcode.code), nonce_h, msg_a)
+        return self._answer(kind, self._secret(kind), nonce_h, msg_a)
 
     def due(self) -> float | None:
         """When a held opening is to be answered (``time.monotonic``), or None."""
-        return self._held[2] if self._held is not None else None
+        return self._held[3] if self._held is not None else None
 
     def tick(self) -> list[bytes]:
         """The answer to a held opening once its turn has come (else nothing)."""
-        if self._held is None or time.monotonic() < self._held[2]:
+        if self._held is None or time.monotonic() < self._held[3]:
             return []
-        nonce_h, msg_a, _ = self._held
-        wait = self.passcode.wait()
+        kind, nonce_h, msg_a, _ = self._held
+        if kind == "resume" and self.resumption.secret is None:
+            self._held = None
+            return [frame(REFUSE, bytes([NO_RESUME]))]
+        wait = self._budget(kind).wait()
         if wait > 0:  # the budget's own clock is not there yet
-            self._held = (nonce_h, msg_a, time.monotonic() + wait)
+            self._held = (kind, nonce_h, msg_a, time.monotonic() + wait)
             return []
         self._held = None
-        return self._answer("code", password(self.passcode.code), nonce_h, msg_a)
+        return self._answer(kind, self._secret(kind), nonce_h, msg_a)
 
     def _answer(self, kind: str, secret: bytes, nonce_h: bytes, msg_a: bytes) -> list[bytes]:
         try:
@@ -252,13 +288,13 @@ class TailPairer:
         except BadMessage as exc:
             self.log(f"ignored a pairing opening that is none ({exc})")
             return []
-        if kind == "code":
-            self.passcode.spend()  # the answer tests one guess
+        self._budget(kind).spend()  # the answer tests one guess (and costs this tail a key exchange)
         self.attempt = attempt
         return [frame(ANSWER, attempt.nonce, attempt.message, attempt.confirm)]
 
     def _paired(self, kind: str, secret: bytes | None) -> None:
         if kind == "resume":
+            self.passcode.resumes.give_back()
             self.log(f"a head resumed its pairing on session {self.session!r} (no code needed)")
             return
         self.passcode.paired()

@@ -45,8 +45,13 @@ most 720 guesses an hour against 114,129,756 codes (2**26.8): one chance in 158,
 non-stop guessing, in 13,000 per 12 hours (a notebook's life), in 220 per 30 days; a tail left up
 for weeks wants a long secret of its own (``SFCHAT_CODE``) instead. Nothing fails for lack of a
 turn: an attempt waits for one (see ``pairer``), and no code is ever replaced, so no stranger
-can lock out, or rotate away, a code an honest head knows. ``require_secret`` is relay mode's
-policy for the code (or ``--insecure``). Torch-free.
+can lock out, or rotate away, a code an honest head knows. ``Passcode.resumes`` is the tail's
+budget of resumption attempts (``RESUME_BURST`` at once, then one per ``RESUME_INTERVAL_S``: each
+costs a key exchange). ``HeadAttempts`` (``HEAD_ATTEMPTS``, one per process) is the head's own
+budget of code attempts, the tail's on both counts, per session name and in total, so that
+whoever answers as a tail tests guesses no faster than a head can against a tail.
+``AttemptBudget`` is the token bucket all three use. ``require_secret`` is relay mode's policy
+for the code (or ``--insecure``). Torch-free.
 """
 
 from __future__ import annotations
@@ -54,6 +59,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
+import threading
 import time
 from typing import Callable, NamedTuple
 
@@ -72,6 +78,8 @@ CONFIRM_BYTES = 32
 SECRET_BYTES = 32  # a resumption secret
 BURST = 3  # code attempts a tail answers at once (a typo or two)
 ATTEMPT_INTERVAL_S = 5.0  # then one per this many seconds, whoever makes them
+RESUME_BURST = 8  # resumption attempts a tail answers at once (each costs it a key exchange)
+RESUME_INTERVAL_S = 1.0  # then one per this many seconds
 MIN_SECRET_CHARS = 8
 
 
@@ -177,39 +185,90 @@ class TailPairing:
         return self._derived.keys, self._derived.resumption
 
 
-class Passcode:
+class AttemptBudget:
+    """A token bucket of attempts: ``burst`` at once, then one per ``interval`` seconds; ``clock``
+    is for tests."""
+
+    def __init__(self, burst: int = BURST, interval: float = ATTEMPT_INTERVAL_S,
+                 clock: Callable[[], float] = time.monotonic):
+        self.burst, self.interval, self.clock = burst, interval, clock
+        self._turns, self._at = float(burst), clock()
+
+    def _refill(self) -> None:
+        now = self.clock()
+        self._turns = min(self.burst, self._turns + (now - self._at) / self.interval)
+        self._at = now
+
+    def wait(self) -> float:
+        """Seconds until an attempt may be made (0: now)."""
+        self._refill()
+        return max(1.0 - self._turns, 0.0) * self.interval
+
+    def spend(self) -> None:
+        """An attempt is made now: it takes a turn."""
+        self._refill()
+        self._turns -= 1.0
+
+    def give_back(self) -> None:
+        """The attempt tested no guess (it paired, or never got an answer): its turn comes back."""
+        self._refill()
+        self._turns = min(self.burst, self._turns + 1.0)
+
+
+class Passcode(AttemptBudget):
     """The tail's pairing code (made here when none is given) and its budget of code attempts
     (see the module docstring); ``clock`` is for tests."""
 
     def __init__(self, code: str | None = None, clock: Callable[[], float] = time.monotonic):
+        super().__init__(BURST, ATTEMPT_INTERVAL_S, clock)
         self.generated = code is None
         self.code = codes.new_code() if code is None else code
-        self.clock = clock
         self.failures = 0  # attempts answered that never paired, for the log
-        self._turns, self._at = float(BURST), clock()
-
-    def _refill(self) -> None:
-        now = self.clock()
-        self._turns = min(BURST, self._turns + (now - self._at) / ATTEMPT_INTERVAL_S)
-        self._at = now
-
-    def wait(self) -> float:
-        """Seconds until a code attempt may be answered (0: now)."""
-        self._refill()
-        return max(1.0 - self._turns, 0.0) * ATTEMPT_INTERVAL_S
-
-    def spend(self) -> None:
-        """An attempt is answered now: it takes a turn."""
-        self._refill()
-        self._turns -= 1.0
+        self.resumes = AttemptBudget(RESUME_BURST, RESUME_INTERVAL_S, clock)  # resumption attempts
 
     def paired(self) -> None:
         """The attempt paired: a right code is no guess to count, so its turn comes back."""
-        self._refill()
-        self._turns = min(BURST, self._turns + 1.0)
+        self.give_back()
 
     def failed(self) -> None:
         self.failures += 1
+
+
+class HeadAttempts:
+    """The head's own budget of code attempts, for its whole process: ``BURST`` at once, then one
+    per ``ATTEMPT_INTERVAL_S``, per session name and in total, the tail's budget on both counts.
+    A head spends a turn before it sends its code and gets it back when the attempt tested no
+    guess (it paired, or was never answered): whoever answers as a tail can test no more guesses
+    against a head than against a tail. ``clock`` is for tests."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic):
+        self.clock = clock
+        self.total = AttemptBudget(clock=clock)
+        self.sessions: dict[str, AttemptBudget] = {}
+        self._lock = threading.Lock()
+
+    def _both(self, session: str) -> tuple[AttemptBudget, AttemptBudget]:
+        if session not in self.sessions:
+            self.sessions[session] = AttemptBudget(clock=self.clock)
+        return self.sessions[session], self.total
+
+    def wait(self, session: str) -> float:
+        """Seconds until a code attempt on ``session`` may be made (0: now)."""
+        with self._lock:
+            return max(b.wait() for b in self._both(session))
+
+    def spend(self, session: str) -> None:
+        with self._lock:
+            for b in self._both(session):
+                b.spend()
+
+    def give_back(self, session: str) -> None:
+        with self._lock:
+            for b in self._both(session):
+                b.give_back()
+
+
+HEAD_ATTEMPTS = HeadAttempts()  # this process's heads share it (a server started again, several dialers)
 
 
 def require_secret(secret: str | None, insecure: bool, role: str = "head") -> None:

@@ -8,7 +8,7 @@ returns once the relay has welcomed it, so ``peer_present`` is accurate from the
 Mistakes the user can fix (bad URL, unreachable host, wrong token, session slot taken)
 raise ``sfchat.UserError`` with a one-line message that says what to check (``probe.HINT``);
 a slot already taken (HTTP 409, or close code 4409 when two clients raced for it) is the
-``SlotTaken`` kind, which a head may retry.
+``SlotTaken`` kind, which a head may retry; a token refused (HTTP 401) is ``TokenRefused``.
 
 * ``send(frame)`` hands one binary frame to the relay, from any thread; it returns once the
   frame is in the socket's buffer and raises ``LinkClosed`` when the link is gone.
@@ -22,6 +22,12 @@ a slot already taken (HTTP 409, or close code 4409 when two clients raced for it
 
 Frames sent while the other role is absent are dropped by the relay (it says so once per
 absence; logged here as a warning).
+
+Relay events are bounded as frames are, whatever a relay sends: a ``peer_left`` queues a
+``PeerGone`` only when the inbox does not already end with one (repeats coalesce), and each one
+queued counts ``EVENT_BYTES`` against the inbox budget below; warnings about events (``dropped``,
+malformed ones) are logged at their 1st, 10th, 100th ... occurrence, so a relay cannot make a
+node write a line per event.
 
 Inbound memory is bounded whatever the other side (or anyone holding the relay token) sends:
 a message over ``max_frame_bytes`` (default ``MAX_FRAME_BYTES``, the protocol's largest sealed
@@ -62,12 +68,17 @@ MAX_QUEUE = 2  # websockets' receive queue, in frames
 PING_INTERVAL = 20.0  # the relay tolerates 60 s without a pong: WAN spikes must not drop a chat
 PING_TIMEOUT = 60.0
 CLOSE_TIMEOUT = 5.0
+EVENT_BYTES = 256  # what one queued relay event counts against the inbox budget
 
 log = logging.getLogger(__name__)
 
 
 class SlotTaken(UserError):
     """The session already has a node of this role."""
+
+
+class TokenRefused(UserError):
+    """The relay refused the token (HTTP 401)."""
 
 
 class RelayLink:
@@ -91,6 +102,8 @@ class RelayLink:
         self._closed: str | None = None  # why the link is closed, once it is
         self.last_arrival: float | None = None  # perf_counter() when the frame last returned by recv arrived
         self._closing = False
+        self._last_gone: PeerGone | None = None  # the PeerGone that ends the inbox, if one does
+        self._warned: dict[str, int] = {}  # warnings about relay events, by kind
         self._ws: ClientConnection | None = None
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name=f"relay-link-{role}", daemon=True)
@@ -142,7 +155,9 @@ class RelayLink:
                 message = await ws.recv()
                 if isinstance(message, bytes):
                     self._inbox_bytes += len(message)
-                    self._inbox.put((time.perf_counter(), message))  # arrival time for the head's RTT
+                    with self._state:
+                        self._last_gone = None
+                        self._inbox.put((time.perf_counter(), message))  # arrival time for the head's RTT
                 else:
                     self._on_event(message)
         except ConnectionClosed:
@@ -154,12 +169,18 @@ class RelayLink:
         if self._inbox_bytes < INBOX_BYTES:
             self._room.set()
 
+    def _warn(self, kind: str, message: str) -> None:
+        """Log ``message`` at the 1st, 10th, 100th ... warning of ``kind``."""
+        n = self._warned[kind] = self._warned.get(kind, 0) + 1
+        if str(n).strip("0") == "1":
+            log.warning("%s%s", message, f" ({n} times so far)" if n > 1 else "")
+
     def _on_event(self, text: str) -> None:
         try:
             event = json.loads(text)
             kind = event["event"]
-        except (ValueError, TypeError, KeyError):
-            log.warning("ignoring a malformed relay event: %.200s", text)
+        except (ValueError, TypeError, KeyError, RecursionError):
+            self._warn("malformed", f"ignoring a malformed relay event: {plain(text[:200])}")
             return
         with self._state:
             if kind == "welcome":
@@ -169,10 +190,13 @@ class RelayLink:
                 self._peer_present = True
             elif kind == "peer_left":
                 self._peer_present = False
-                role = event.get("role")
-                self._inbox.put(PeerGone(f"the {role if role in ROLES else 'other node'} left the session"))
+                if self._last_gone is None:  # repeats coalesce: one PeerGone between frames
+                    role = event.get("role")
+                    self._last_gone = PeerGone(f"the {role if role in ROLES else 'other node'} left the session")
+                    self._inbox_bytes += EVENT_BYTES
+                    self._inbox.put(self._last_gone)
             elif kind == "dropped":
-                log.warning("relay dropped frames: %s", plain(str(event.get("reason", "no peer")))[:200])
+                self._warn("dropped", f"relay dropped frames: {plain(str(event.get('reason', 'no peer')))[:200]}")
             self._state.notify_all()
 
     def _mark_closed(self, reason: str) -> None:
@@ -215,13 +239,20 @@ class RelayLink:
             self._inbox.put(item)  # stays closed for every later call
             raise LinkClosed(*item.args)
         if isinstance(item, PeerGone):
+            with self._state:
+                if item is self._last_gone:
+                    self._last_gone = None
+            self._give_room(EVENT_BYTES)
             raise item
         self.last_arrival, item = item
+        self._give_room(len(item))
+        return item
+
+    def _give_room(self, size: int) -> None:
         try:
-            self._loop.call_soon_threadsafe(self._taken, len(item))
+            self._loop.call_soon_threadsafe(self._taken, size)
         except RuntimeError:
             pass  # close() already stopped the loop; there is nothing left to read
-        return item
 
     def wait_peer(self, timeout: float | None = None) -> None:
         """Block until the other role is connected; TimeoutError or LinkClosed otherwise."""
@@ -267,7 +298,7 @@ def _refusal(url: str, exc: InvalidStatus) -> UserError:
     status = exc.response.status_code
     body = plain(exc.response.body.decode("utf-8", "replace").strip())[:200] if exc.response.body else ""
     if status == 401:
-        return UserError(f"relay at {url} refused the token (HTTP 401): use the token it printed")
+        return TokenRefused(f"relay at {url} refused the token (HTTP 401): use the token it printed")
     if status == 409:
         return SlotTaken(f"relay at {url} refused to join: {body or status}")
     if status in (400, 503):

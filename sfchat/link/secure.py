@@ -13,10 +13,11 @@ RelayLink raises them. ``handshake(timeout)`` pairs eagerly so that a wrong code
 anything else is done. ``send`` and ``recv`` are meant for one thread (``send`` is also safe
 from others).
 
-The head opens every pairing (a resumption first when it holds a secret, then its code) and
-takes a failure of its code as final: ``WrongCode`` (the codes differ, or someone in between
-guessed), ``PairingRefused`` (a second attempt on one connection), ``PlaintextPeer`` (the tail
-does not encrypt), other ``IntegrityError``s. The tail (``code`` a ``pairing.Passcode``, shared
+The head opens every pairing (a resumption first when it holds a secret, then its code, when it
+was given one: ``code`` None means resumption only) and takes a failure as final: ``WrongCode``
+(the codes differ, or someone in between guessed), ``ResumptionRefused`` (no resumption, and no
+code to try), ``PairingRefused`` (a second attempt on one connection), ``PlaintextPeer`` (the
+tail does not encrypt), other ``IntegrityError``s. The tail (``code`` a ``pairing.Passcode``, shared
 by its links) serves one head after another on one relay connection: a failed or forged
 pairing attempt never raises there; it is answered within the code's budget (an opening that
 must wait for its turn is answered from inside ``recv`` or ``handshake`` once the turn comes),
@@ -65,8 +66,8 @@ from sfchat import UserError
 from sfchat.link import pairing
 from sfchat.link.padding import pad, unpad
 from sfchat.link.pairer import (  # noqa: F401  (the pairing errors are this link's errors too)
-    DATA, HEAD_BYTES, INTEGRITY, MAGIC, SIZES, HeadPairer, IntegrityError, PairingRefused, PlaintextPeer,
-    SecretMismatch, TailPairer, WrongCode,
+    DATA, HEAD_BYTES, INTEGRITY, MAGIC, SIZES, CodeNeeded, HeadPairer, IntegrityError, PairingRefused, PlaintextPeer,
+    ResumptionRefused, SecretMismatch, TailPairer, WrongCode,
 )
 from sfchat.link.pairing import Passcode
 from sfchat.link.resume import Resumption
@@ -85,7 +86,7 @@ POLL_S = 0.1  # how often an unpaired head looks whether a tail has (re)joined
 _log = logging.getLogger(__name__)
 
 
-def secure(inner, code: str, session: str, role: str, timeout: float = 60.0,
+def secure(inner, code: str | None, session: str, role: str, timeout: float = 60.0,
            resumption: Resumption | None = None) -> "SecureLink":
     """``inner`` wrapped and paired within ``timeout`` s (no answer: a UserError). A failed
     pairing raises its ``SecretMismatch``, which a reconnecting head does not retry.
@@ -107,12 +108,12 @@ class SecureLink:
 
     overlaps = True  # over a relay: the other node computes on its own machine
 
-    def __init__(self, inner, code: "str | Passcode", session: str, role: str,
+    def __init__(self, inner, code: "str | Passcode | None", session: str, role: str,
                  log: Callable[[str], None] | None = None, resumption: Resumption | None = None):
         if role not in DIRECTIONS:
             raise ValueError(f"role must be 'head' or 'tail', not {role!r}")
-        if not code:
-            raise ValueError("a SecureLink needs a pairing code")
+        if not code and (role == "tail" or resumption is None or resumption.secret is None):
+            raise ValueError("a SecureLink needs a pairing code (a head: or a resumption secret)")
         self.inner, self.role, self.session = inner, role, session
         self.other = "tail" if role == "head" else "head"
         self.log = log or (lambda message: _log.info("%s", message))
@@ -149,6 +150,11 @@ class SecureLink:
             self._failed = None
             self._pairer.reset()
             self._new_pairing()
+
+    @property
+    def paired_by(self) -> str | None:
+        """Head: how this link paired, "code" or "resume" (None before it has)."""
+        return getattr(self._pairer, "paired_by", None)
 
     @property
     def keyed(self) -> bool:

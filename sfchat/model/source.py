@@ -116,6 +116,16 @@ def allowed_local_dir(name: str, allowed_dirs: Sequence[Path]) -> Path | None:
     raise refusal
 
 
+def shard_name_ok(name: object) -> bool:
+    """A weight index may name files of the model's own directory only: a relative path without
+    '..' (or '.') parts, backslashes, drive letters or control characters."""
+    if not isinstance(name, str) or not name or len(name) > 255 or "\\" in name or ":" in name:
+        return False
+    if any(ord(ch) < 32 or ch == "\x7f" for ch in name) or name.startswith(("/", "~")):
+        return False
+    return all(part not in ("", ".", "..") for part in name.split("/"))
+
+
 def _no_progress(stage: str, done: int, total: int, detail: str) -> None:
     return None
 
@@ -274,11 +284,17 @@ class ModelSource:
     def _load_weight_map(self) -> dict[str, str]:
         try:
             index = json.loads(self.file(INDEX_FILE, optional=True).read_text())
-            return dict(index["weight_map"])
+            weight_map = dict(index["weight_map"])
         except FileNotFoundError:
             pass
-        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
             raise UserError(f"{self.name!r} has a malformed {INDEX_FILE}: {exc}") from None
+        else:
+            for shard in set(weight_map.values()):
+                if not shard_name_ok(shard):
+                    raise UserError(f"{self.name!r} has a {INDEX_FILE} naming the shard {shard!r}: a shard is a "
+                                    "file of the model's own directory (no absolute path, no '..')")
+            return weight_map
         try:
             single = self.file(SINGLE_FILE)
         except FileNotFoundError:

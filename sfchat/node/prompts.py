@@ -8,10 +8,10 @@ Contract
 * ``encode(tokenizer, messages, chat_template)`` is a conversation's prompt ids: through the
   model's chat template (with the generation prompt) when it has one and ``chat_template`` is
   on, else the contents joined. Text a person or a client wrote never becomes a control token:
-  the text of a special token inside a message (``<|im_end|>``, ``<|im_start|>``...) is tokenized
-  as the plain text it is (``split_special_tokens``), while the special tokens the template
-  writes stay control tokens. A conversation without such text gives exactly the ids of the
-  rendered template tokenized as a whole.
+  the text of any added token inside a message, special (``<|im_end|>``, ``<|im_start|>``...) or
+  not (Qwen's ``<tool_call>``, ``</think>``), is tokenized as the plain text it is, while the
+  tokens the template writes stay what they are. A conversation without such text gives exactly
+  the ids of the rendered template tokenized as a whole.
 * Rendering is bounded: a template that runs past ``RENDER_SECONDS`` or makes more than
   ``RENDER_CHARS`` characters (in its output or in any one value) is stopped with a
   ``TemplateError`` (a ``UserError``) that says so. The bound is checked at every step of
@@ -59,36 +59,51 @@ def with_system(messages: list[dict], system: str | None) -> list[dict]:
 
 def encode(tokenizer, messages: list[dict], chat_template: bool = True) -> list[int]:
     """Token ids of a conversation (through the chat template when the tokenizer has one)."""
+    added = _added(tokenizer)
     if not (chat_template and getattr(tokenizer, "chat_template", None)):
-        return tokenizer("".join(m["content"] for m in messages), split_special_tokens=True)["input_ids"]
-    specials = _specials(tokenizer)
+        text = "".join(m["content"] for m in messages)
+        if added is None:
+            return tokenizer(text, split_special_tokens=True)["input_ids"]
+        ids = tokenizer("", add_special_tokens=True)["input_ids"]  # what the tokenizer puts first, if anything
+        for i, piece in enumerate(added.split(text)):
+            ids += _as_text(tokenizer, piece) if i % 2 else tokenizer(piece, add_special_tokens=False)["input_ids"]
+        return ids
     marker = f"\ue000{secrets.randbelow(10 ** 12):012d}:"  # fresh each time: no message can hold it
-    typed: list[str] = []  # special tokens' text found in the messages, by marker number
+    typed: list[str] = []  # added tokens' text found in the messages, by marker number
 
     def mark(match: re.Match) -> str:
         typed.append(match.group())
         return f"{marker}{len(typed) - 1}\ue001"
 
-    marked = [{**m, "content": specials.sub(mark, m["content"])} if specials and isinstance(m.get("content"), str)
+    marked = [{**m, "content": added.sub(mark, m["content"])} if added and isinstance(m.get("content"), str)
               else m for m in messages]
     text = render(tokenizer, marked)
     if not typed:
         return tokenizer(text, add_special_tokens=False)["input_ids"]
     ids: list[int] = []
     for i, piece in enumerate(re.split(re.escape(marker) + "([0-9]+)\ue001", text)):
-        if i % 2:  # a special token's text that a message held: plain text
-            ids += tokenizer(typed[int(piece)], add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        if i % 2:  # an added token's text that a message held: plain text
+            ids += _as_text(tokenizer, typed[int(piece)])
         elif piece:  # the template's text (its special tokens are control tokens) and plain message text
             ids += tokenizer(piece, add_special_tokens=False)["input_ids"]
     return ids
 
 
-def _specials(tokenizer) -> re.Pattern | None:
-    """A pattern matching the text of every special token (the longest first), or None."""
-    texts = {str(t) for t in getattr(tokenizer, "added_tokens_decoder", {}).values() if getattr(t, "special", False)}
+def _added(tokenizer) -> re.Pattern | None:
+    """A pattern capturing the text of every added token, special or not (the longest first), or None."""
+    texts = {str(t) for t in getattr(tokenizer, "added_tokens_decoder", {}).values()}
     texts |= set(getattr(tokenizer, "all_special_tokens", ()))
     texts.discard("")
-    return re.compile("|".join(map(re.escape, sorted(texts, key=len, reverse=True)))) if texts else None
+    return re.compile("(" + "|".join(map(re.escape, sorted(texts, key=len, reverse=True))) + ")") if texts else None
+
+
+def _as_text(tokenizer, text: str) -> list[int]:
+    """Ids of ``text`` as the characters it is, never as an added token: a tokenizer parses
+    non-special added tokens even with ``split_special_tokens``, so such text is cut in two."""
+    ids = tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    if len(text) < 2 or not set(ids) & set(getattr(tokenizer, "added_tokens_decoder", {})):
+        return ids
+    return _as_text(tokenizer, text[:1]) + _as_text(tokenizer, text[1:])
 
 
 def render(tokenizer, messages: list[dict]) -> str:

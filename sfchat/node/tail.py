@@ -4,8 +4,15 @@ Contract: ``serve(settings)`` dials the relay as the session's tail, waits for a
 every frame to the ``Verifier`` and sends its replies back. A head that leaves (or breaks the
 protocol) ends only that conversation: the tail keeps its loaded model (a next head with the
 same hello reuses it) and waits for the next head. A stats line is logged now and then.
-A lost relay connection is re-dialled with backoff, forever: the tail is meant to be left
-running in a notebook. Returns only on Ctrl+C (or, in tests, after one head with ``once``).
+A lost relay connection is re-dialled with backoff (up to ``REDIAL_MAX_S`` between tries), for as
+long as the relay cannot be reached: the tail is meant to be left running in a notebook. A relay
+that refuses the token (it restarted with a new one) is no outage: after ``TOKEN_REFUSALS``
+refusals in a row the tail stops with an error that says so. Returns only on Ctrl+C (or, in
+tests, after one head with ``once``).
+
+The log: every line is ``plaintext.plain`` (a HELLO's model name, a peer's error text) and all of
+them pass one rate limit (``LOG_BYTES_PER_S``, a burst of ``LOG_BURST_BYTES``), so that no peer
+can make the tail write more than that; lines left out are counted in the next one shown.
 
 Pairing (``sfchat.link.secure``, ``sfchat.link.pairer``): without a code of its own the tail
 makes one (``7-crossover-clockwork``), prints it and pairs with the head that types it; the code
@@ -33,19 +40,50 @@ from sfchat import UserError
 from sfchat.config import Settings
 from sfchat.link.pairing import Passcode, require_secret
 from sfchat.link import LinkClosed, PeerGone
-from sfchat.link.relay import RelayLink
+from sfchat.link.relay import RelayLink, TokenRefused
 from sfchat.link.resume import ResumeFile
 from sfchat.model.devices import resolve_devices
 from sfchat.engine.verifier import TailError, Verifier
 from sfchat.node.tail_loader import TailLoader
 from sfchat.protocol.messages import Failure
 from sfchat.link.secure import IntegrityError, PlaintextPeer, SecureLink
+from sfchat.plaintext import plain
 
 STATS_EVERY_S = 30.0
+REDIAL_MAX_S = 10.0  # the longest wait between two dials of an unreachable relay
+TOKEN_REFUSALS = 4  # refusals of the token in a row after which the tail stops
+LOG_BYTES_PER_S = 2048  # what the tail's log may write per second, on average...
+LOG_BURST_BYTES = 64 << 10  # ...and at once
+
+
+class LogLimit:
+    """One rate limit for every line of the tail's log: a token bucket of bytes; ``clock`` is for tests."""
+
+    def __init__(self, per_s: float = LOG_BYTES_PER_S, burst: int = LOG_BURST_BYTES, clock=time.monotonic):
+        self.per_s, self.burst, self.clock = per_s, burst, clock
+        self.room, self.at = float(burst), clock()
+        self.left_out = 0
+
+    def admit(self, line: str) -> str | None:
+        """``line`` as it may be written now (with a count of the lines left out before it), or None."""
+        now = self.clock()
+        self.room, self.at = min(self.burst, self.room + (now - self.at) * self.per_s), now
+        if self.room < len(line):
+            self.left_out += 1
+            return None
+        self.room -= len(line)
+        if self.left_out:
+            line, self.left_out = f"({self.left_out} log lines left out: too many) {line}", 0
+        return line
+
+
+_limit = LogLimit()
 
 
 def log(msg: str) -> None:
-    print(f"[sfchat tail {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+    line = _limit.admit(f"[sfchat tail {time.strftime('%H:%M:%S')}] {plain(msg)}")
+    if line is not None:
+        print(line, file=sys.stderr, flush=True)
 
 
 def show_code(code: str) -> None:
@@ -121,15 +159,25 @@ def _tell_head(link, exc: IntegrityError) -> None:
 
 
 def _reconnect(s: Settings, passcode: Passcode | None, resumption: ResumeFile | None) -> "RelayLink | SecureLink":
-    """Dial the relay again with backoff until it answers (a restarted relay, a WAN outage)."""
-    delay = 0.5
+    """Dial the relay again with backoff until it answers (a restarted relay, a WAN outage); a
+    relay that keeps refusing the token ends the tail (a UserError)."""
+    delay, refusals = 0.5, 0
     while True:
         try:
             return _dial(s, passcode, resumption)
+        except TokenRefused as exc:
+            refusals += 1
+            if refusals >= TOKEN_REFUSALS:
+                raise UserError(f"{exc} {refusals} times in a row: the relay runs with another token now (it "
+                                "restarted?); give this tail the relay's token (SFCHAT_TOKEN) and start it again") \
+                    from None
+            log(f"{exc}: the relay may have restarted with a new token; trying again in {delay:.1f} s "
+                f"({TOKEN_REFUSALS - refusals} more tries)")
         except UserError as exc:
+            refusals = 0
             log(f"relay not reachable ({exc}); retrying in {delay:.1f} s")
-            time.sleep(delay)
-            delay = min(delay * 2, 10.0)
+        time.sleep(delay)
+        delay = min(delay * 2, REDIAL_MAX_S)
 
 
 def _serve_link(link: RelayLink, verifier: Verifier, once: bool) -> None:

@@ -44,6 +44,7 @@ from typing import Callable
 from sfchat import UserError
 from sfchat.config import Settings
 from sfchat.events import CodeWanted, LinkState, RuntimeFailed
+from sfchat.link.secure import SecretMismatch
 from sfchat.node.connect import HeadDialer
 from sfchat.node.head import Head
 from sfchat.node.prompts import make_sampling
@@ -105,8 +106,8 @@ class CudaThread(ABC):
         try:
             self.head = self.open()
         except BaseException as exc:  # phrased for the user; raised in the caller of ``start`` where it waits
-            self.load_error = exc if isinstance(exc, UserError) else \
-                UserError(f"loading failed: {type(exc).__name__}: {exc}")
+            self.load_error = exc if isinstance(exc, UserError) else UserError(str(exc)) \
+                if isinstance(exc, SecretMismatch) else UserError(f"loading failed: {type(exc).__name__}: {exc}")
             self.loaded.set()
             return
         self.loaded.set()

@@ -16,10 +16,18 @@ event loop's thread. Routes:
 * ``GET /metrics`` — Prometheus text format.
 
 ``Guard`` checks, in this order, the API key (when ``options.api_key`` is set, every route
-requires ``Authorization: Bearer KEY``) and the requests in progress: at most
-``max_requests_per_client`` from one client address (429) and ``max_requests`` in all (503);
-idle connections count nowhere (``gate``). A request's body must arrive within
-``body_timeout`` seconds of its headers (408). Refusals count in ``sfchat_http_refused_total``.
+requires ``Authorization: Bearer KEY``), the framing (a request with both ``Content-Length``
+and ``Transfer-Encoding`` is refused with 400 and its connection closed: nothing smuggled after
+it is answered), then reads the body, then the requests in progress. A body must arrive within
+``body_timeout`` seconds of its headers (408) and hold at most ``max_body_bytes`` (413); bodies
+still arriving are bounded apart (``BodyGate``): ``max_bodies_per_client`` from one client and
+``max_bodies`` in all, a newcomer over a limit closing the oldest body in flight of its own
+client, or of the client with the most (503). A request counts as in progress only once its body
+is complete: at most ``max_requests_per_client`` from one client (429) and ``max_requests`` in
+all (503), so half-sent bodies hold no request's slot; idle connections count nowhere (``gate``).
+A client is its socket's address, an IPv6 address by its /64 (``client_key``), as at the relay.
+A client that hangs up mid-body is a closed client: no answer, no traceback, counted as 499.
+Refusals count in ``sfchat_http_refused_total``.
 
 Every failure is an OpenAI error object, never a traceback: 400 malformed JSON or fields, a
 prompt past the context window (naming both sizes) and a chat template that fails or runs past
@@ -52,6 +60,7 @@ from starlette.concurrency import run_in_threadpool
 from sfchat import UserError
 from sfchat.plaintext import plain
 from sfchat.serve import protocol
+from sfchat.serve.gate import client_key
 from sfchat.serve.generator import GenerationThread, Job, QueueFull, TokenizerBusy
 from sfchat.serve.metrics import CONTENT_TYPE, ServerMetrics
 from sfchat.serve.protocol import ApiError, Limits
@@ -73,6 +82,8 @@ class ServeOptions:
     max_waiting_per_client: int = 64  # the same, from one client address
     max_requests: int | None = None  # requests in progress at once; None: max_queue + 64
     max_requests_per_client: int | None = None  # the same, from one address; None: half of max_requests
+    max_bodies: int = 32  # request bodies still arriving, in all (each up to max_body_bytes)
+    max_bodies_per_client: int = 8  # the same, from one client
 
     def request_limits(self) -> tuple[int, int]:
         """(requests in progress in all, from one client address)."""
@@ -87,15 +98,97 @@ def error_response(exc: ApiError) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
 
+class ClientGone(Exception):
+    """The client hung up before its request's body was complete."""
+
+
+class BodyGate:
+    """Request bodies still arriving, per client and in all (runs on the event loop's thread)."""
+
+    def __init__(self, options: ServeOptions, metrics: ServerMetrics):
+        self.options, self.metrics = options, metrics
+        self.arriving: dict[str, dict[asyncio.Future, None]] = {}  # per client, oldest first
+        self.count = 0
+
+    def _admit(self, client: str) -> asyncio.Future:
+        mine = self.arriving.get(client, {})
+        if len(mine) >= self.options.max_bodies_per_client:
+            self._evict(next(iter(mine)), "client_bodies")
+        elif self.count >= self.options.max_bodies:
+            self._evict(next(iter(max(self.arriving.values(), key=len))), "bodies")
+        evicted = asyncio.get_running_loop().create_future()
+        self.arriving.setdefault(client, {})[evicted] = None
+        self.count += 1
+        return evicted
+
+    def _evict(self, evicted: asyncio.Future, reason: str) -> None:
+        self.metrics.refused(reason)
+        evicted.set_result(reason)
+        self._leave(evicted)
+
+    def _leave(self, evicted: asyncio.Future) -> None:
+        for client, mine in list(self.arriving.items()):
+            if evicted in mine:
+                del mine[evicted]
+                self.count -= 1
+                if not mine:
+                    del self.arriving[client]
+
+    async def read(self, client: str, receive) -> bytes:
+        """The whole body of the request ``receive`` belongs to; ApiError (408, 413, 503) or ClientGone."""
+        o = self.options
+        evicted, getting = self._admit(client), None
+        parts, total = [], 0
+        try:
+            async with asyncio.timeout(o.body_timeout):
+                while True:
+                    getting = asyncio.ensure_future(receive())
+                    await asyncio.wait({getting, evicted}, return_when=asyncio.FIRST_COMPLETED)
+                    if not getting.done():
+                        mine = "from your address " if evicted.result() == "client_bodies" else ""
+                        raise ApiError(503, f"too many request bodies {mine}are arriving at once; this one was the "
+                                            "oldest: retry", code="server_busy", close=True)
+                    message, getting = getting.result(), None
+                    if message["type"] == "http.disconnect":
+                        raise ClientGone()
+                    total += len(message.get("body", b""))
+                    if total > o.max_body_bytes:
+                        raise ApiError(413, f"the request body exceeds {o.max_body_bytes} bytes", close=True)
+                    parts.append(message.get("body", b""))
+                    if not message.get("more_body", False):
+                        return b"".join(parts)
+        except TimeoutError:
+            self.metrics.refused("body_timeout")
+            raise ApiError(408, f"the request body did not arrive within {o.body_timeout:g} s of its headers",
+                           close=True) from None
+        finally:
+            if getting is not None:
+                getting.cancel()
+            if not evicted.done():
+                evicted.cancel()
+                self._leave(evicted)
+
+
+def replayed(body: bytes, receive):
+    """An ASGI ``receive`` that gives ``body`` as one message, then passes on to ``receive``."""
+    pending = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def replay():
+        return pending.pop() if pending else await receive()
+
+    return replay
+
+
 class Guard:
-    """ASGI middleware: the API key check, then the limits on requests in progress, and one
-    request count per answer (route, status)."""
+    """ASGI middleware: the API key check, the framing, the body (``BodyGate``), then the limits on
+    requests in progress, and one request count per answer (route, status)."""
 
     def __init__(self, app, options: ServeOptions, metrics: ServerMetrics):
-        self.app, self.metrics = app, metrics
+        self.app, self.metrics, self.options = app, metrics, options
         self.key = f"Bearer {options.api_key}".encode() if options.api_key else None
         self.limit, self.client_limit = options.request_limits()
-        self.per_client: dict[str, int] = {}  # requests in progress per client address
+        self.bodies = BodyGate(options, metrics)
+        self.per_client: dict[str, int] = {}  # requests in progress per client
         self.total = 0
 
     async def __call__(self, scope, receive, send):
@@ -111,21 +204,30 @@ class Guard:
             await send(message)
 
         try:
+            headers = scope.get("headers") or []
             if self.key is not None:
-                given = dict(scope.get("headers") or []).get(b"authorization", b"")
+                given = dict(headers).get(b"authorization", b"")
                 if not hmac.compare_digest(given, self.key):
                     message = "a wrong API key was given" if given else \
                         "no API key was given: send the header Authorization: Bearer KEY"
                     resp = error_response(ApiError(401, message, code="invalid_api_key"))
                     return await resp(scope, receive, counting_send)
-            client = (scope.get("client") or ("",))[0]
+            if refusal := self.framing(headers):
+                return await error_response(refusal)(scope, receive, counting_send)
+            client = client_key((scope.get("client") or ("",))[0])
+            try:
+                body = await self.bodies.read(client, receive)
+            except ApiError as exc:
+                return await error_response(exc)(scope, receive, counting_send)
+            except ClientGone:
+                return  # nobody to answer: counted as 499 below
             if refusal := self.refusal(client):
                 return await error_response(refusal)(scope, receive, counting_send)
             self.total += 1
             self.per_client[client] = self.per_client.get(client, 0) + 1
             self.metrics.in_progress.set(self.total)
             try:
-                await self.app(scope, receive, counting_send)
+                await self.app(scope, replayed(body, receive), counting_send)
             finally:
                 self.total -= 1
                 self.metrics.in_progress.set(self.total)
@@ -134,6 +236,18 @@ class Guard:
                     del self.per_client[client]
         finally:
             self.metrics.request(route, status[0] if status else 499)  # 499: the client left first
+
+    def framing(self, headers) -> ApiError | None:
+        """A request whose length two headers give (a smuggling attempt through a proxy) is refused."""
+        names = {name.lower() for name, _ in headers}
+        if b"transfer-encoding" in names and b"content-length" in names:
+            self.metrics.refused("framing")
+            return ApiError(400, "a request may give Content-Length or Transfer-Encoding, not both", close=True)
+        size = dict(headers).get(b"content-length", b"")
+        if size.isdigit() and int(size) > self.options.max_body_bytes:
+            return ApiError(413, f"the request body has {size.decode()} bytes; at most {self.options.max_body_bytes} "
+                                 "are accepted", close=True)
+        return None
 
     def refusal(self, client: str) -> ApiError | None:
         mine = self.per_client.get(client, 0)
@@ -156,23 +270,7 @@ def build_app(generator: GenerationThread, metrics: ServerMetrics, options: Serv
     s = generator.settings
 
     async def read_body(request: Request) -> bytes:
-        size = request.headers.get("content-length", "")
-        if size.isdigit() and int(size) > limits.max_body_bytes:
-            raise ApiError(413, f"the request body has {size} bytes; at most {limits.max_body_bytes} are accepted",
-                           close=True)
-        parts, total = [], 0
-        try:
-            async with asyncio.timeout(options.body_timeout):
-                async for piece in request.stream():
-                    total += len(piece)
-                    if total > limits.max_body_bytes:
-                        raise ApiError(413, f"the request body exceeds {limits.max_body_bytes} bytes", close=True)
-                    parts.append(piece)
-        except TimeoutError:
-            metrics.refused("body_timeout")
-            raise ApiError(408, f"the request body did not arrive within {options.body_timeout:g} s of its headers",
-                           close=True) from None
-        return b"".join(parts)
+        return await request.body()  # read whole, under its bounds, by the Guard
 
     def encode(messages) -> list[int]:
         try:
@@ -219,7 +317,7 @@ def build_app(generator: GenerationThread, metrics: ServerMetrics, options: Serv
         if req.stream:
             return StreamingResponse(stream(job, items, req, cid, now), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        watcher = asyncio.ensure_future(cancel_on_disconnect(request, job))
+        watcher = asyncio.ensure_future(cancel_on_disconnect(request, job, items))
         try:
             text = []
             while True:
@@ -291,10 +389,12 @@ def build_app(generator: GenerationThread, metrics: ServerMetrics, options: Serv
     return Guard(app, options, metrics)
 
 
-async def cancel_on_disconnect(request: Request, job: Job) -> None:
-    """Wait for the client to hang up (the body is already read), then cancel its job."""
+async def cancel_on_disconnect(request: Request, job: Job, items: asyncio.Queue) -> None:
+    """Wait for the client to hang up (the body is already read), then cancel its job and end its
+    wait (a job cancelled while queued is dropped without a word when its turn comes)."""
     while True:
         message = await request.receive()
         if message["type"] == "http.disconnect":
             job.cancel()
+            items.put_nowait(("failed", 499, "the client closed the connection"))
             return

@@ -20,12 +20,14 @@ protocol instead (``gate.protocol()`` is the class given as uvicorn's ``http``):
   (``app.Guard``), not here; a connection busy with a request is not waiting.
 
 Every connection closed by the gate counts in ``metrics.refused(reason)``. A client address is
-the socket's peer address (uvicorn's proxy headers are off). Runs on the event loop's thread.
+the socket's peer address, an IPv6 address by its /64 (``client_key``; uvicorn's proxy headers
+are off). Runs on the event loop's thread.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 from dataclasses import dataclass
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -42,6 +44,20 @@ class GateLimits:
     def __post_init__(self):
         if not (self.header_timeout > 0 and self.max_waiting >= 1 and self.max_waiting_per_client >= 1):
             raise ValueError(f"gate limits must be positive: {self}")
+
+
+def client_key(host: str) -> str:
+    """Who a remote address counts as: an IPv4 address itself (also when IPv4-mapped), an IPv6
+    address its /64 network (what one host is usually given), as the relay counts them."""
+    try:
+        ip = ipaddress.ip_address(host.split("%", 1)[0])
+    except ValueError:
+        return host
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        return str(ipaddress.IPv6Network(f"{ip}/64", strict=False))
+    return str(ip)
 
 
 class ConnectionGate:
@@ -88,7 +104,7 @@ class GatedProtocol(H11Protocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        self.address = self.client[0] if self.client else ""
+        self.address = client_key(self.client[0]) if self.client else ""
         self.timer: asyncio.TimerHandle | None = None
         self.partial = False  # bytes have come since it began waiting
         self.gate.wait(self)

@@ -27,6 +27,12 @@ client starts from a fresh cache, so that nothing of one client's conversation (
 system prompt) shows in another's ``cached_tokens``, figures or timing. Failure messages that
 carry text from the tail are ``plaintext.plain``. ``close()`` ends the thread after the current
 round.
+
+Pairing codes (relay mode): the head tries a code once per time it is given one
+(``node.connect``). ``set_code(code)`` gives the running server a new one, from any thread (a
+notebook cell): the next time the head needs a code (a tail that does not resume, a code that was
+refused) it pairs with it, without a restart. Until then a request that needs a code fails with
+a 503 that says why and how to give one; the server never waits for one.
 """
 
 from __future__ import annotations
@@ -37,8 +43,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+import inspect
+
 from sfchat import UserError
 from sfchat.config import Settings
+from sfchat.link.pairing import require_secret
+from sfchat.link.secure import CodeNeeded, SecretMismatch
 from sfchat.events import LinkState, ReplyFinished, ReplyStarted, TokensCommitted
 from sfchat.node.prompts import make_sampling
 from sfchat.node.worker import STOP, CudaThread, open_head
@@ -48,6 +58,7 @@ from sfchat.serve.stops import StopMatcher
 
 
 ENCODE_WAIT_S = 30.0  # the longest a request waits for the tokenizer (each holder is bounded: prompts.render)
+HOW_TO_GIVE_A_CODE = "give the running server the code the tail printed: server.set_code(CODE)"
 
 
 class QueueFull(Exception):
@@ -97,6 +108,8 @@ class GenerationThread(CudaThread):
         self.tokenizer_lock = threading.Lock()
         self.current: Job | None = None
         self.cache_client: str | None = None  # whose conversation the KV cache holds
+        self._code_lock = threading.Lock()
+        self._code: str | None = None  # given by set_code, not yet handed to the head
 
     # -- the caller's side ----------------------------------------------------------------------
     def start(self, timeout: float | None = None):  # type: ignore[override]
@@ -115,6 +128,12 @@ class GenerationThread(CudaThread):
             return self.head.encode(list(messages))
         finally:
             self.tokenizer_lock.release()
+
+    def set_code(self, code: str) -> None:
+        """The pairing code for the next time the head needs one (a UserError for a code too short)."""
+        require_secret(code, False)
+        with self._code_lock:
+            self._code = code
 
     def submit(self, job: Job) -> None:
         try:
@@ -141,6 +160,20 @@ class GenerationThread(CudaThread):
         self.join(timeout=30)
 
     # -- the generation thread ------------------------------------------------------------------
+    def open(self):
+        if "ask_code" in inspect.signature(self.open_head).parameters:
+            return self.open_head(self.settings, self.on_event, ask_code=self._ask_code)
+        return self.open_head(self.settings, self.on_event)
+
+    def _ask_code(self, reason: str) -> str:
+        """The code given with ``set_code`` since the head last took one; CodeNeeded without one
+        (while loading: the reason alone, so that the load fails with it)."""
+        with self._code_lock:
+            code, self._code = self._code, None
+        if code is None:
+            raise CodeNeeded(f"{reason}; {HOW_TO_GIVE_A_CODE}" if self.loaded.is_set() else reason)
+        return code
+
     def on_event(self, ev) -> None:
         if isinstance(ev, LinkState):
             self.metrics.link(ev.state)
@@ -166,6 +199,9 @@ class GenerationThread(CudaThread):
         except UserError as exc:
             self.metrics.reply("failed")
             job.deliver(("failed", 400, plain(exc)))
+        except SecretMismatch as exc:  # no tail paired: says why, and what to do
+            self.metrics.reply("failed")
+            job.deliver(("failed", 503, plain(exc)))
         except Exception as exc:  # the link died for good, or a bug: this request fails, the server stays
             self.metrics.reply("failed")
             job.deliver(("failed", 503, f"generation failed: {type(exc).__name__}: {plain(exc)}"))

@@ -8,7 +8,8 @@ and no API key is set, loads the session on the generation thread (progress and 
 as lines on stderr, as in one-shot mode), prints the URL, and serves until interrupted.
 ``Server(settings, options, open_head=...)`` is the same as an object: ``start()`` returns once it
 accepts connections (``url`` then names it; port 0 picks a free one), ``close()`` stops it.
-The tests and ``bench/serve_load.py`` run it in-process that way. ``api_key_from(flag)``: the
+The tests, ``bench/serve_load.py`` and ``sfchat.cli.start_server`` (a notebook's cell) run it
+in-process that way; ``set_code(code)`` gives a running server a new pairing code. ``api_key_from(flag)``: the
 flag (with a warning on stderr: a command line is visible to every user of the machine), else
 ``SFCHAT_API_KEY``. uvicorn runs with its h11 protocol behind the ``gate`` (no socket-counting
 ``limit_concurrency``, no proxy headers: a client is its socket's address), and a shutdown
@@ -51,7 +52,8 @@ def report(ev) -> None:
     """A loading or link event as a line on stderr (``--serve`` has no screen)."""
     show_download(ev)
     if isinstance(ev, LinkState) and ev.state != "local":
-        print(f"sfchat: link {plain(ev.state)}: {plain(ev.detail)}", file=sys.stderr, flush=True)
+        detail = f": {plain(ev.detail)}" if ev.detail else ""
+        print(f"sfchat: link {plain(ev.state)}{detail}", file=sys.stderr, flush=True)
 
 
 def is_loopback(host: str) -> bool:
@@ -105,8 +107,14 @@ class Server:
     def bind(self) -> None:
         self.sock = bind(self.options.host, self.options.port)
 
-    def load(self):
-        return self.generator.start()
+    def load(self, timeout: float | None = None):
+        return self.generator.start(timeout)
+
+    def set_code(self, code: str) -> None:
+        """A new pairing code for the running server (relay mode), from any thread: the next time
+        the head needs one (its tail came back without its state and printed a new code, or the
+        code it had was refused) it pairs with this one; no restart. A code too short is a UserError."""
+        self.generator.set_code(code)
 
     def config(self):
         import uvicorn
@@ -119,12 +127,13 @@ class Server:
                               access_log=False, lifespan="off", timeout_keep_alive=o.header_timeout + 5,
                               timeout_graceful_shutdown=SHUTDOWN_S, h11_max_incomplete_event_size=64 * 1024)
 
-    def start(self, timeout: float = 60.0) -> "Server":
-        """Bind, load and serve on a background thread (the tests' and the benchmark's way)."""
+    def start(self, timeout: float = 60.0, load_timeout: float | None = None) -> "Server":
+        """Bind, load (within ``load_timeout`` s: a UserError past it) and serve on a background
+        thread (the tests', the benchmark's and a notebook's way)."""
         import uvicorn
 
         self.bind()
-        self.load()
+        self.load(load_timeout)
         self.uvicorn = uvicorn.Server(self.config())
         self.thread = threading.Thread(target=self.uvicorn.run, kwargs={"sockets": [self.sock]},
                                        name="sfchat-http", daemon=True)

@@ -14,7 +14,8 @@ Series (counters carry the ``_total`` suffix in the output):
 * ``sfchat_http_requests_total{route, code}``: every HTTP answer, 429 and 4xx included;
 * ``sfchat_http_refused_total{reason}``: connections closed and requests refused by a limit:
   ``idle_timeout``, ``header_timeout``, ``client_connections``, ``connections`` (``gate``),
-  ``body_timeout``, ``client_requests``, ``requests`` (``app``);
+  ``framing``, ``body_timeout``, ``client_bodies``, ``bodies``, ``client_requests``, ``requests``
+  (``app``);
 * ``sfchat_generations_total{finish_reason}``: replies by stop / length / cancelled / failed;
 * ``sfchat_prompt_tokens_total``, ``sfchat_prompt_cached_tokens_total`` (KV reused),
   ``sfchat_completion_tokens_total``;

@@ -8,6 +8,7 @@ import random
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 from websockets.asyncio.client import connect
@@ -209,3 +210,61 @@ def test_an_idle_node_buffers_a_bounded_number_of_bytes(relay):
         head.wait(10)
     print(f"\nidle head grew by {grown / 1024:.0f} MiB under 320 MiB of frames")
     assert grown < 100 << 10, f"the idle head buffered {grown / 1024:.0f} MiB"
+
+
+class HostileRelay:
+    """A websocket server on loopback that welcomes a node, then floods it with relay events and
+    sends one frame: what a relay's operator can do to an idle node."""
+
+    def __init__(self, events: int):
+        self.events = events
+        self.sent = threading.Event()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._thread.start()
+        from websockets.asyncio.server import serve as ws_serve
+
+        async def start():
+            return await ws_serve(self._handle, "127.0.0.1", 0)
+
+        self._server = asyncio.run_coroutine_threadsafe(start(), self._loop).result(10)
+        self.url = f"ws://127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
+
+    async def _handle(self, ws):
+        await ws.send('{"event":"welcome","session":"s","peer_present":true}')
+        for i in range(self.events):
+            await ws.send('{"event":"peer_left","role":"tail"}')
+            await ws.send('{"event":"dropped","reason":"no peer \\u001b[2J"}')
+            await ws.send("not json" if i % 2 else '{"no":"event"}')
+        await ws.send(b"the one frame")
+        self.sent.set()
+        await ws.wait_closed()
+
+    def stop(self):
+        self._server.close()
+        asyncio.run_coroutine_threadsafe(self._server.wait_closed(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
+
+
+def test_a_flood_of_relay_events_neither_grows_an_idle_node_nor_floods_its_log(caplog):
+    """Round four: each peer_left queued a PeerGone no budget counted (an idle head 26 -> 149 MiB
+    in 20 s) and each dropped event wrote a log line (29 MB in 10 s)."""
+    hostile = HostileRelay(20_000)
+    link = RelayLink(hostile.url, TOKEN, "s", "head", connect_timeout=10)
+    try:
+        with caplog.at_level("WARNING", logger="sfchat.link.relay"):
+            assert hostile.sent.wait(120)
+            deadline = time.monotonic() + 30
+            while link._inbox.qsize() < 2 and time.monotonic() < deadline:
+                time.sleep(0.05)  # the frame is read after the events
+            assert link._inbox.qsize() == 2  # one PeerGone for 20,000 peer_left events, then the frame
+            with pytest.raises(PeerGone):
+                link.recv(5)
+            assert link.recv(5) == b"the one frame"
+        lines = [r.getMessage() for r in caplog.records]
+        assert len(lines) <= 3 * 6  # the 1st, 10th, 100th ... of each kind
+        assert not any("\x1b" in line for line in lines)
+    finally:
+        link.close()
+        hostile.stop()

@@ -64,3 +64,35 @@ def test_a_hub_id_from_the_network_never_touches_a_local_directory_of_that_name(
     # the head's own names (no allowed_dirs) still open local directories
     with pytest.raises(UserError, match="has no config.json"):
         ModelSource.open("org/model")
+
+
+@pytest.mark.parametrize("shard", ["../outside.safetensors", "/etc/passwd", "sub/../../x.safetensors",
+                                   "C:\\x.safetensors", "~/x.safetensors", "a\x1b[2J.safetensors", ""])
+def test_a_weight_index_naming_files_outside_the_model_directory_is_refused(zoo, tmp_path, shard):
+    """Round four: a checkpoint's index could name shards outside its directory (absolute or ../)."""
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(zoo["llama-tied"], model)
+    (tmp_path / "outside.safetensors").write_bytes((model / "model.safetensors").read_bytes())
+    (model / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {"model.embed_tokens.weight": "model.safetensors", "lm_head.weight": shard}}))
+    with pytest.raises(UserError, match="naming the shard"):
+        ModelSource.open(str(model))
+
+
+def test_a_weight_index_naming_shards_inside_the_directory_is_used(zoo, tmp_path):
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(zoo["llama-tied"], model)
+    (model / "sub").mkdir()
+    (model / "model.safetensors").rename(model / "sub" / "model-00001.safetensors")
+    from safetensors import safe_open
+
+    with safe_open(str(model / "sub" / "model-00001.safetensors"), framework="pt") as f:
+        names = list(f.keys())
+    (model / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {n: "sub/model-00001.safetensors" for n in names}}))
+    src = ModelSource.open(str(model))
+    assert set(src.weight_map.values()) == {"sub/model-00001.safetensors"}

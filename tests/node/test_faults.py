@@ -190,8 +190,9 @@ def test_a_restarted_tail_resumes_the_pairing_and_nothing_is_typed_again(zoo, pr
 
 def test_a_tail_that_lost_its_state_is_given_its_new_code_through_the_runtime(zoo, procs, undisturbed, tmp_path):
     """The chat UI's runtime mid-reply: the tail comes back without its state and with a new code,
-    so the head cannot resume and the code it has is wrong. It asks (CodeWanted) instead of dying;
-    a cancel ends that reply, the next message asks again, and set_code brings the tail back."""
+    so the head cannot resume. It asks (CodeWanted) instead of dying, saying that the tail did not
+    resume (not 'wrong pairing code': nobody typed one, and the head tries no code by itself); a
+    cancel ends that reply, the next message asks again, and set_code brings the tail back."""
     from sfchat.config import Settings
     from sfchat.events import CodeWanted, ReplyFinished, RuntimeFailed, RuntimeReady, TokensCommitted
     from sfchat.node.worker import RuntimeWorker
@@ -220,12 +221,13 @@ def test_a_tail_that_lost_its_state_is_given_its_new_code_through_the_runtime(zo
         next_event(TokensCommitted)
         first.send_signal(signal.SIGKILL)
         second, new_code = coded_tail(url, "lost", zoo, tmp_path / "second", procs)  # no secret to resume
-        assert "wrong pairing code" in next_event(CodeWanted).reason
+        reason = next_event(CodeWanted).reason
+        assert "did not resume this head's pairing" in reason and "wrong pairing code" not in reason
         worker.cancel()  # the person dismisses the question: this reply ends, the runtime lives
         failed = next_event(RuntimeFailed)
         assert not failed.fatal and "cancelled while waiting for the pairing code" in failed.message
         worker.submit(ask, {"max_new_tokens": N_NEW})
-        assert "wrong pairing code" in next_event(CodeWanted).reason
+        assert "did not resume this head's pairing" in next_event(CodeWanted).reason
         worker.set_code(new_code)
         done = next_event(ReplyFinished)
     finally:

@@ -218,3 +218,35 @@ def test_the_runtime_asks_for_the_code_again_instead_of_dying(zoo, relay, tail_l
         assert worker.join(30)
     tail.join(20)
     assert result == [0]
+
+
+def test_resumption_attempts_have_a_budget_of_their_own(zoo, relay, tail_log):
+    """Round four: each resumption attempt cost the tail a full key exchange, with no budget (half
+    a core under a flood). Now RESUME_BURST are answered at once, then one per RESUME_INTERVAL_S;
+    the others wait for their turn, and the code's budget is not touched."""
+    import os
+
+    from sfchat.link.pairer import ANSWER, MAGIC, RESUME
+    from sfchat.link.pairing import HeadPairing, RESUME_BURST, RESUME_INTERVAL_S
+    from sfchat.link.resume import ResumeFile
+
+    lines, _ = tail_log
+    s = settings(relay.url, "flood", zoo["llama-tied"])
+    ResumeFile(tail_node.resume_path(s)).keep(os.urandom(32))  # a tail that paired once
+    tail, _ = start_tail(s)
+    wait_for(lines, "waiting for a head")
+    answered, t0 = 0, time.monotonic()
+    for _ in range(RESUME_BURST + 6):  # a token holder, one connection per attempt
+        link = RelayLink(relay.url, TOKEN, "flood", "head", connect_timeout=5)
+        try:
+            attempt = HeadPairing(os.urandom(32), "flood", "resume")
+            link.send(MAGIC + bytes([RESUME]) + attempt.nonce + attempt.message)
+            answered += link.recv(0.5)[4] == ANSWER
+        except TimeoutError:
+            pass  # held for its turn
+        finally:
+            link.close()
+    elapsed = time.monotonic() - t0
+    wait_for(lines, r"a resumption attempt waits .* for its turn")
+    assert RESUME_BURST <= answered <= RESUME_BURST + elapsed / RESUME_INTERVAL_S + 1
+    assert not any("a pairing attempt" in line for line in lines)  # the code's budget is not involved

@@ -192,9 +192,9 @@ async def hostile(port: int, paired: asyncio.Event) -> dict:
         await until_event(head, "peer_left")
         return "peer closed"
 
-    async def idle(i):  # a pair gone quiet: the head, silent longer, is closed; the tail keeps waiting
-        ws = await dial(port, f"idle-{i}", "head")
-        kept.append(tail := await dial(port, f"idle-{i}", "tail"))
+    async def idle(i):  # a pair gone quiet past the session's deadline: both are closed (4408)
+        ws = await dial(port, f"idle-{i}", "head", ping_interval=None)  # only the relay's pings, every 20 s
+        kept.append(tail := await dial(port, f"idle-{i}", "tail", ping_interval=None))
         await asyncio.sleep(1.0)
         await tail.send(b"last word")
         while True:
