@@ -22,6 +22,7 @@ from sfchat.node.local_link import MemoryLink
 from sfchat.protocol import wire
 from sfchat.protocol.wire import Sampling
 
+from flight_links import Pipelined
 from test_engine import PROMPT
 
 K = 4
@@ -288,9 +289,13 @@ def test_drafting_ahead_of_a_new_root_keeps_the_prompt_lookup_branch(spec):
     assert [n.token for n in frame.nodes[:3]] == [ctx[-1]] + branch[:2]
 
 
-def test_drafting_ahead_leaves_the_next_frames_own_steps_their_room(spec):
+def test_drafting_ahead_leaves_the_next_frames_own_steps_their_room(zoo):
     """However long a verdict takes, the steps run while waiting stop short of filling the draft's
-    pool: the next frame's own steps and the catch-up of committed nodes always find slots."""
+    pool: the next frame's own steps and the catch-up of committed nodes always find slots (a head
+    whose link overlaps, as a relay's does: local mode's pool has no room for drafting ahead)."""
+    session = load(zoo, tree_budget=0, link=Pipelined(), draft_ahead=8)
+    spec = session.engine.spec
+    spec.begin(session.encode(PROMPT))
     spec.frame(Sampling(), 100)
     grown = 0
     while spec.grow(Sampling(), 100):
