@@ -74,12 +74,12 @@ def write_checkpoint(path: Path, shape: dict, seed: int, layers_per_shard: int =
 
 
 @contextlib.contextmanager
-def relay_and_tail(rtt_ms: int, models_dir: Path, session: str = "bench"):
-    """A real sfchat-relay on loopback emulating ``rtt_ms`` and a tail process on the GPU that may
-    load the checkpoints under ``models_dir``: the URL."""
+def relay_and_tail(rtt_ms: int, models_dir: Path, session: str = "bench", mbps: float = 0.0):
+    """A real sfchat-relay on loopback emulating ``rtt_ms`` (and a link of ``mbps`` each way, 0:
+    unlimited) and a tail process on the GPU that may load the checkpoints under ``models_dir``: the URL."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     relay = subprocess.Popen([sys.executable, "-m", "relay", "--host", "127.0.0.1", "--port", "0",
-                              "--token", TOKEN, "--emulate-rtt-ms", str(rtt_ms)],
+                              "--token", TOKEN, "--emulate-rtt-ms", str(rtt_ms), "--emulate-mbps", str(mbps)],
                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
     url = None
     while url is None:

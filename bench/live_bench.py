@@ -5,12 +5,13 @@ relay mode is by default) serve one head process, which loads its models once an
 same prompts in every mode, each reply timed whole (prefill included), EOS ignored:
 
   * ``chain``: a chain of 8 drafts per frame, one frame per round trip (the baseline);
-  * ``tree``: 64 drafts per frame, best first over the tree, one frame per round trip;
-  * ``auto``: 64 drafts per frame, frames in flight as the policy chooses (up to 8), each frame
-    hanging in the live tree below the frames before it;
-  * ``tree-ahead`` and ``auto-ahead``: the same, with the draft expanding the live tree's likeliest
-    nodes while a verdict travels (up to 16 steps per wait: ``RoundDriver(ahead_steps=)``), so a
-    frame built after a verdict mostly takes nodes already proposed.
+  * ``tree``: 64 drafts per frame, best first over the tree, one frame per round trip, each frame
+    running its own draft steps (the policy's ``ROUND`` schedule); ``tree-ahead``: the same, with
+    the draft expanding the live tree's likeliest nodes while a verdict travels (up to 16 steps
+    per wait: ``RoundDriver(ahead_steps=)``);
+  * ``stream``: frames of at most 2 draft steps of their own, as many in flight as the timing asks
+    (up to 8), each taking the best unsent nodes of the live tree (the policy's ``STREAM`` schedule);
+  * ``auto``: the product's default: the policy measures both schedules and follows the faster.
 
 Models:
 
@@ -57,7 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import harness  # noqa: E402
 from harness import QWEN25_05B, QWEN25_7B, TINY_DRAFT, TINY_TARGET, head_link, relay_and_tail  # noqa: E402
 from sfchat.engine.draft import WIDTH, Drafter  # noqa: E402
-from sfchat.engine.policy import PipelinePolicy  # noqa: E402
+from sfchat.engine.policy import ROUND, STREAM, PipelinePolicy, Schedule  # noqa: E402
 from sfchat.engine.speculator import Speculator  # noqa: E402
 from sfchat.model.devices import DTYPE_NAMES, DTYPES  # noqa: E402
 from sfchat.model.slices import ModelSlice, n_layers  # noqa: E402
@@ -70,13 +71,24 @@ K = 8
 MAX_CONTEXT = 2048
 GREEDY = Sampling()
 AHEAD = 16
-# name: (nodes per frame, nodes the draft expands per step, continuations kept per node, frames in flight,
-#        draft steps while a verdict travels)
+IN_FLIGHT = 8  # the product's default --max-in-flight
+# name: (nodes per frame, nodes the draft expands per step, continuations kept per node, frames in flight at most,
+#        draft steps while a verdict travels, the policy's schedules: "round", "stream", "auto" = both, "streamN":
+#        streamed frames of at most N draft steps of their own)
 W = WIDTH  # the product's: a step expands 8 nodes
-MODES = {"chain": (K + 1, 1, 1, 1, 0), "tree": (65, W, 8, 1, 0), "auto": (65, W, 8, 8, 0),
-         "tree-ahead": (65, W, 8, 1, AHEAD), "auto-ahead": (65, W, 8, 8, AHEAD),
-         # steps of 32 nodes (as cheap as 8 on the GPU, dearer on the host: RESULTS.md 2026-12-02)
-         "tree-w32": (65, 32, 8, 1, 0), "auto-w32": (65, 32, 8, 8, 0)}
+MODES = {"chain": (K + 1, 1, 1, 1, 0, "round"), "tree": (65, W, 8, 1, 0, "round"),
+         "tree-ahead": (65, W, 8, 1, AHEAD, "round"), "stream": (65, W, 8, IN_FLIGHT, 0, "stream"),
+         "auto": (65, W, 8, IN_FLIGHT, 0, "auto")}
+
+
+def schedules(name: str) -> tuple[Schedule, ...]:
+    if name == "auto":
+        return (ROUND, STREAM)
+    if name.startswith("stream") and name[6:]:
+        return (Schedule(name, int(name[6:]), None),)
+    return {"round": (ROUND,), "stream": (STREAM,)}[name]
+
+
 FIELDS = ("draft_ms", "head_ms", "tail_ms", "rtt_ms", "wait_ms", "overlap_ms", "round_ms", "draft_steps", "ahead_steps",
           "expected")
 
@@ -126,7 +138,7 @@ def build(target: Path, draft: Path, device: str, dtype: str, synthetic=None):
     src, dsrc = ModelSource.open(str(target)), ModelSource.open(str(draft))
     L = n_layers(src.config)
     pools = {m: (f * (inflight + 1) + 1, min(((inflight + 1) * K + ahead) * w, 512) + 1)
-             for m, (f, w, _, inflight, ahead) in MODES.items()}
+             for m, (f, w, _, inflight, ahead, _) in MODES.items()}
     head_pool = max(p for p, _ in pools.values())  # one head graph per frame shape: every mode's pool the same
     kv_len = MAX_CONTEXT + max(max(p) for p in pools.values())
     head = ModelSlice.load(src, 0, L // 2, embed=True, head=False, dtype=dt, device=dev, max_len=kv_len)
@@ -148,12 +160,22 @@ def build(target: Path, draft: Path, device: str, dtype: str, synthetic=None):
     return specs, hello
 
 
-def run_mode(spec, inflight: int, ahead: int, link, hello, prompts, n_new: int):
+def run_mode(spec, inflight: int, ahead: int, plan: str, link, hello, prompts, n_new: int):
     """Every prompt's whole reply in one mode: tokens, wall time, per-verdict figures, token ids."""
-    driver = RoundDriver(spec, link, policy=PipelinePolicy(inflight), max_in_flight=inflight,
+    driver = RoundDriver(spec, link, policy=PipelinePolicy(inflight, schedules(plan)), max_in_flight=inflight,
                          round_timeout=120, ahead_steps=ahead)
     driver.connect(hello)
     spec.head.reset()  # every mode computes the prompts' K/V itself
+    built = []  # every steady frame's build: (draft ms, head ms, draft steps)
+    frame = spec.frame
+
+    def recorded(*args, **kw):
+        f = frame(*args, **kw)
+        if f is not None and f.steady:
+            built.append((f.draft_ms, f.head_ms, f.steps))
+        return f
+
+    spec.frame = recorded
     stats, ids_out, wall = [], [], 0.0
     for ids in prompts:
         t0 = time.perf_counter()
@@ -165,7 +187,16 @@ def run_mode(spec, inflight: int, ahead: int, link, hello, prompts, n_new: int):
             stats.append(out.stats)
         wall += time.perf_counter() - t0
         ids_out.append(got)
-    return summary(stats, sum(map(len, ids_out)), wall, driver.policy.max_in_flight) | {"ids": ids_out}
+    del spec.frame
+    counts = driver.policy.counts
+    if len(counts) > 1:
+        print("measured tokens/ms: " + ", ".join(f"{k} {m.rate():.4f} ({m.counted})" for k, m in driver.policy.measured.items()),
+              file=sys.stderr)
+    return (summary(stats, sum(map(len, ids_out)), wall, driver.policy.max_in_flight)
+            | {"ids": ids_out, "schedules": {k: v / max(1, sum(counts.values())) for k, v in counts.items()},
+               "frame_draft_ms": statistics.fmean(b[0] for b in built) if built else 0.0,
+               "frame_head_ms": statistics.fmean(b[1] for b in built) if built else 0.0,
+               "frame_steps": statistics.fmean(b[2] for b in built) if built else 0.0})
 
 
 def summary(stats, tokens: int, wall: float, inflight: int) -> dict:
@@ -197,6 +228,7 @@ def main() -> None:
     ap.add_argument("--pair", type=Path, help="a real target's model directory; its round4 copy drafts")
     ap.add_argument("--ranks", type=Path, help="synthetic: a real pair's rank histogram (JSON list)")
     ap.add_argument("--rtts", default="0,30,86,175")
+    ap.add_argument("--mbps", type=float, default=0.0, help="the relay's emulated bandwidth each way (0: unlimited)")
     ap.add_argument("--new", type=int, default=128, help="tokens per reply")
     ap.add_argument("--prompts", type=int, default=12)
     ap.add_argument("--modes", default=",".join(MODES))
@@ -228,14 +260,14 @@ def main() -> None:
     prompts = prompts_for(target, synthetic is not None, args.prompts)
     res = {}
     for rtt in rtts:
-        with relay_and_tail(rtt, target.parent, session=f"live-{rtt}") as url:
+        with relay_and_tail(rtt, target.parent, session=f"live-{rtt}", mbps=args.mbps) as url:
             link = head_link(url, f"live-{rtt}")
             for mode in args.modes.split(","):
                 res[(mode, rtt)] = r = run_mode(specs[mode], *MODES[mode][3:], link, hello, prompts, args.new)
                 print(f"rtt {rtt} {mode}: " + row(r, None), file=sys.stderr, flush=True)  # a run cut short keeps it
             link.close()
     modes = args.modes.split(",")
-    trees = [m for m in ("auto", "auto-ahead", "tree", "tree-ahead") if m in modes]
+    trees = [m for m in ("auto", "stream", "tree", "tree-ahead") if m in modes]
     ranks = specs[(trees or modes)[0]].calibration.ranks  # a tree's: the draft's proposals ranked
     print_table(res, rtts, modes, ranks)
     if args.ranks_out:
@@ -250,13 +282,17 @@ def row(r: dict, base: float | None) -> str:
     return (f"{r['tps']:.1f} | {ratio} | {r['tokens_per_verdict']:.2f} ({r['expected']:.2f}) | {r['in_flight']:.2f} | "
             f"{r['draft_ms']:.1f} | {r['head_ms']:.1f} | {r['tail_ms']:.1f} | {r['rtt_ms']:.1f} | "
             f"{r['wait_ms']:.1f} | {r['overlap_ms']:.1f} | {r['rest_ms']:.1f} | "
-            f"{r['draft_steps']:.1f}, {r['ahead_steps']:.1f} |")
+            f"{r['draft_steps']:.1f}, {r['ahead_steps']:.1f} | "
+            f"{r['frame_draft_ms'] + r['frame_head_ms']:.1f} ({r['frame_draft_ms']:.1f} + {r['frame_head_ms']:.1f}), "
+            f"{r['frame_steps']:.1f} | "
+            + ", ".join(f"{k} {v:.0%}" for k, v in r.get("schedules", {}).items()) + " |")
 
 
 def print_table(res, rtts, modes, ranks) -> None:
     print("\n| RTT ms | mode | tok/s | vs chain | tokens/verdict (predicted) | in flight | draft | head | tail | net | "
-          "wait | overlap | rest (ms per verdict) | draft steps: frames, ahead |")
-    print("|" + " --- |" * 14)
+          "wait | overlap | rest (ms per verdict) | draft steps: frames, ahead | a steady frame's build ms (draft + "
+          "head), its draft steps | verdicts per schedule |")
+    print("|" + " --- |" * 16)
     for rtt in rtts:
         base = res[("chain", rtt)]["tps"] if ("chain", rtt) in res else None
         for mode in modes:

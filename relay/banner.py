@@ -115,7 +115,7 @@ def _where(host: str, port: int, tls: bool, addresses: list[str]) -> tuple[str, 
 
 
 def banner(host: str, port: int, tls: bool, token: str, token_generated: bool, emulate_rtt_ms: float,
-           public_url: str | None = None, addresses: list[str] | None = None) -> str:
+           public_url: str | None = None, addresses: list[str] | None = None, emulate_mbps: float = 0.0) -> str:
     """The lines ``sfchat-relay`` prints at start. ``public_url``: what the others reach the relay
     by (``--public-url``), used as it is; ``addresses``: ``local_addresses()`` unless given."""
     if public_url is not None:
@@ -128,6 +128,8 @@ def banner(host: str, port: int, tls: bool, token: str, token_generated: bool, e
     lines = [f"sfchat-relay listening on {ws_url(plain(host) or '0.0.0.0', port, tls)}{everywhere}", *where]
     if emulate_rtt_ms:
         lines.append(f"emulating a round trip of {emulate_rtt_ms:g} ms")
+    if emulate_mbps:
+        lines.append(f"emulating a link of {emulate_mbps:g} Mbit/s each way")
     if token_generated:
         lines += ["token generated for this run (start the relay with SFCHAT_TOKEN set to keep one);",
                   "on both machines first (in a notebook: store it as the secret SFCHAT_TOKEN instead):",

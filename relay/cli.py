@@ -70,6 +70,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--keyfile", help="TLS private key (PEM), if not inside --certfile")
     p.add_argument("--emulate-rtt-ms", type=_bounded(float, 0.0), default=0.0, metavar="MS",
                    help="delay every forwarded frame by MS/2 each way, to rehearse a WAN locally")
+    p.add_argument("--emulate-mbps", type=_bounded(float, 0.0), default=0.0, metavar="MBIT",
+                   help="carry each direction at MBIT megabits per second, one frame after another, to "
+                        "rehearse a WAN's bandwidth locally (default 0: unlimited)")
     d = RelayConfig(token="")
     p.add_argument("--max-sessions", type=_bounded(int, 1), default=d.max_sessions,
                    help=f"sessions (head/tail pairs, or one side waiting) at most; a client that would "
@@ -134,7 +137,8 @@ async def _run(config: RelayConfig, token_generated: bool, token_on_command_line
         log.warning("--token on the command line is visible to every user of this machine (ps, /proc): "
                     "set SFCHAT_TOKEN instead")
     c = relay.config
-    print(banner(c.host, relay.port, c.ssl is not None, c.token, token_generated, c.emulate_rtt_ms, public_url),
+    print(banner(c.host, relay.port, c.ssl is not None, c.token, token_generated, c.emulate_rtt_ms, public_url,
+                 emulate_mbps=c.emulate_mbps),
           flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -172,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         config = RelayConfig(
             token=token, host=args.host, port=args.port,
             ssl=_tls_context(args.certfile, args.keyfile), emulate_rtt_ms=args.emulate_rtt_ms,
+            emulate_mbps=args.emulate_mbps,
             max_sessions=args.max_sessions, max_frame_bytes=int(args.max_frame_mb * (1 << 20)),
             max_connections=args.max_connections, max_pending=args.max_pending,
             max_sessions_per_client=args.max_sessions_per_ip,

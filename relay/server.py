@@ -151,6 +151,7 @@ class RelayConfig:
     port: int = 8765
     ssl: ssl.SSLContext | None = None
     emulate_rtt_ms: float = 0.0
+    emulate_mbps: float = 0.0  # 0: no bandwidth limit
     max_sessions: int = 64
     max_connections: int = 256  # upgraded connections
     max_pending: int = 128  # connections in their handshake, all addresses together
@@ -359,7 +360,7 @@ class Relay:
                          session.name, peer.role, peer.address, c.max_frames_per_s, c.max_bytes_per_s / (1 << 20))
             await peer.close(CLOSE_POLICY, "rate limit exceeded: this side sends too fast")
             return False
-        session.forward(peer, message, c.emulate_rtt_ms / 2000.0)
+        session.forward(peer, message, c.emulate_rtt_ms / 2000.0, c.emulate_mbps * 1e6 / 8)
         return True
 
 

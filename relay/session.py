@@ -10,7 +10,9 @@ arrives after every frame the departed peer managed to send.
 
 Each outbox entry carries the time at which it may be delivered. With an emulated RTT a
 frame is due ``rtt / 2`` after it arrived; the delivery task sleeps only until the head of
-the queue is due, so a burst of frames is delayed once, not once per frame.
+the queue is due, so a burst of frames is delayed once, not once per frame. With an emulated
+bandwidth each direction is a link that carries one frame at a time at that rate: a frame is
+due after the frames before it in that direction went through, plus its own bytes' time.
 
 The outbox is bounded in frames and in bytes, and every outbox is a holder of the relay's one
 ``relay.budget.Budget``: a message counts from the moment it is queued until its socket has taken
@@ -94,6 +96,7 @@ class Peer:
         self.client = client
         self.address = address(ws)  # kept: the transport forgets it once closed
         self.told_dropped = False  # a "dropped" event was sent during the current absence
+        self.link_free = 0.0  # when the emulated link towards this peer has carried what it was given
         self.last_heard = asyncio.get_running_loop().time()  # when the client last sent a message
         self._max_queued_bytes = max_queued_bytes
         self._queued_bytes = 0  # messages queued, and the one being written
@@ -247,11 +250,17 @@ class Session:
             other.told_dropped = False  # a new absence starts now
             other.event(event="peer_left", role=peer.role)
 
-    def forward(self, sender: Peer, frame: bytes, delay: float) -> None:
-        """Pass ``frame`` to the other role ``delay`` seconds from now, or drop it if absent."""
+    def forward(self, sender: Peer, frame: bytes, delay: float, bytes_per_s: float = 0.0) -> None:
+        """Pass ``frame`` to the other role ``delay`` seconds from now (and, over an emulated link
+        of ``bytes_per_s``, once the frames before it and its own bytes went through), or drop it
+        if absent."""
         other = self.peers.get(other_role(sender.role))
         if other is not None:
-            other.enqueue(frame, asyncio.get_running_loop().time() + delay)
+            now = asyncio.get_running_loop().time()
+            if bytes_per_s > 0:
+                other.link_free = max(now, other.link_free) + len(frame) / bytes_per_s
+                now = other.link_free
+            other.enqueue(frame, now + delay)
         elif not sender.told_dropped:
             sender.told_dropped = True
             sender.event(event="dropped", reason="no peer")

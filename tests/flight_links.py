@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from sfchat.engine.policy import ROUND, Schedule
 from sfchat.engine.verifier import Verifier
 from sfchat.node.tail_loader import TailLoader
 from sfchat.node.local_link import MemoryLink
@@ -39,6 +40,9 @@ class Always:
 
     def choose(self) -> int:
         return self.m
+
+    def schedule(self):
+        return ROUND if self.m == 1 else Schedule("always", None, self.m)  # every frame runs all its steps
 
     def step_gain(self) -> float:
         return 0.0  # every frame runs all its draft steps

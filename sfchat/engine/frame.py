@@ -2,7 +2,7 @@
 
 Contract: a ``Frame`` is one frame's encoded FORWARDs (prefill ones first, the tree FORWARD last),
 the live-tree nodes its verdict is checked against, the tree's estimate of what it commits, and
-its build's figures; the driver stamps ``sent_at`` and ``ahead``. A ``Commit`` is the tokens a
+its build's figures; the driver stamps ``sent_at``, ``ahead`` and ``schedule``. A ``Commit`` is the tokens a
 verdict committed after the reply's EOS, budget and window cut them, and why the reply ended
 (None while it goes on). Plain data: no models, no links.
 """
@@ -35,6 +35,7 @@ class Frame:
     steps: int = 0  # draft steps its build ran
     sent_at: float = 0.0  # perf_counter just before its FORWARDs were handed to the link
     ahead: bool = False  # it went out while another frame was in flight
+    schedule: str = ""  # the policy's schedule it was built under (``engine.policy.Schedule.name``)
     forward_bytes: int = field(init=False)
     sent_bytes: int = field(init=False)
 

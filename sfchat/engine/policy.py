@@ -1,15 +1,28 @@
-"""How many frames in flight: chosen from measured frames. Torch-free.
+"""How the head schedules its frames: chosen from measured verdicts. Torch-free.
 
 Contract
 --------
-``PipelinePolicy(max_in_flight)`` learns from every verdict (``observe``) and answers
-``choose() -> frames in flight``, all measured, none guessed (every frame has the one shape
-of the frame layout):
+``PipelinePolicy(max_in_flight, schedules)`` learns from every verdict (``observe``) and answers,
+for the next frame, which ``Schedule`` the head follows, all measured, none guessed (every frame
+has the one shape of the frame layout):
 
+* a **schedule** is a way to spend the head's time: ``ROUND`` builds one frame per round trip
+  with all of its ``--k`` draft steps (its own steps stop once one adds less than ``step_gain()``)
+  and waits for its verdict; ``STREAM`` builds frames of at most ``STREAM_STEPS`` draft steps of
+  their own and keeps as many in flight as the timing below asks for, each taking the best unsent
+  nodes of the live tree (a stream of shallow frames whose nodes hang below those in flight).
+  Which pays depends on the round trip against a draft step (a frame built under frames in flight
+  bets on their outcomes): so the policy measures each schedule's committed tokens per ms on
+  a trial (``TRIAL_MS`` and ``TRIAL_VERDICTS`` at least), then follows the best one, and measures
+  the others again after ``REVISIT_MS`` (the link may change). Only verdicts of steady frames (no
+  prefill) count, and none of the first after a switch (``SETTLE`` beyond the frames in flight
+  before and after it: the pipeline drains and fills); ``schedule()`` is the schedule now, ``steps()`` its cap on a frame's own draft steps
+  (None: the frame's ``--k``), ``choose()`` its frames in flight; ``counts`` the verdicts taken
+  under each;
 * the link: a verdict's latency less the tail's compute, fitted as ``base + bytes x cost`` over
   the frames (frames of different byte counts, prefill ones among them, show its throughput);
-* compute: the head's time to build a frame (draft and head slice, steady frames only: no
-  prefill), the tail's, and the head's own overhead per verdict (taking it, the link);
+* compute: the head's time to build a frame (draft and head slice, steady frames only, per
+  schedule), the tail's, and the head's own overhead per verdict (taking it, the link);
 * ``min_yield``: the bar the driver holds the tree's own estimate of a frame's yield to before it
   sends that frame while others are in flight (``MIN_YIELD``);
 * ``step_gain()``: what a draft step must add to a frame's expected yield to be worth its time:
@@ -18,25 +31,75 @@ of the frame layout):
 
 A frame spends ``T`` = build + overhead + base + bytes x cost + tail from being built to its
 verdict. The head, the tail and the link each serve one frame at a time, so with ``m`` frames in
-flight verdicts come every ``max(build + overhead, tail, link, T / m)``: the smallest ``m`` that
-keeps that spacing at the slowest stage's is enough (more frames only wait in a queue); one
-until a frame without prefill has been measured. Knows nothing about models or links.
+flight verdicts come every ``max(build + overhead, tail, link, T / m)``: under ``STREAM`` the
+smallest ``m`` that keeps that spacing at the slowest stage's is enough (more frames only wait in
+a queue); one until a frame of the schedule without prefill has been measured. With
+``max_in_flight`` 1 (local mode, or ``--max-in-flight 1``) the only schedule is ``ROUND``.
+Knows nothing about models or links.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 WEIGHT = 0.2  # of the newest frame in every running estimate
 MIN_YIELD = 0.25  # a frame sent while others are in flight must be expected to commit this many tokens
+STREAM_STEPS = 2  # a streamed frame's own draft steps at most (bench/pipeline_sim.py: 2 was best or near it at 30-175 ms)
+TRIAL_MS, TRIAL_VERDICTS = 3000.0, 12  # a schedule's trial: at least this long and this many verdicts
+SETTLE = 2  # verdicts after a switch that do not count, beyond the frames in flight (the pipeline fills or drains)
+REVISIT_MS = 60_000.0  # time under the best schedule before the others are measured again
+
+
+@dataclass(frozen=True)
+class Schedule:
+    name: str
+    steps: int | None  # a frame's own draft steps at most (None: its --k)
+    frames: int | None  # frames in flight (None: as many as the timing asks for)
+
+
+ROUND = Schedule("round", None, 1)
+STREAM = Schedule("stream", STREAM_STEPS, None)
+
+
+class _Measured:
+    """One schedule's figures: committed tokens per ms over its latest period (a trial, or the time
+    it was followed), the period under way, a steady frame's build."""
+
+    def __init__(self) -> None:
+        self.build: float | None = None
+        self.counted = 0  # verdicts counted, over every period
+        self.tokens = self.ms = 0.0  # the period under way
+        self.last: float | None = None  # tokens per ms of the latest period
+
+    def add(self, tokens: float, ms: float) -> None:
+        self.tokens += tokens
+        self.ms += ms
+        self.counted += 1
+
+    def close(self) -> None:
+        if self.ms > 0:
+            self.last = self.tokens / self.ms
+        self.tokens = self.ms = 0.0
+
+    def rate(self) -> float:
+        return self.last if self.last is not None else 0.0
 
 
 class PipelinePolicy:
     min_yield = MIN_YIELD  # tokens a frame sent while others are in flight must be expected to commit
 
-    def __init__(self, max_in_flight: int = 1):
+    def __init__(self, max_in_flight: int = 1, schedules: tuple[Schedule, ...] = (ROUND, STREAM)):
         self.max_in_flight = max(1, max_in_flight)
-        self.build: float | None = None
+        self.schedules = schedules if self.max_in_flight > 1 else (ROUND,)
+        self.measured = {sc.name: _Measured() for sc in self.schedules}
+        self.counts = {sc.name: 0 for sc in self.schedules}
+        self.current = self.schedules[0]
+        self._since_switch = 0  # steady verdicts under the current schedule since it was chosen
+        self._settle = SETTLE  # of them, those that do not count
+        self._left_ms, self._left_n = TRIAL_MS, TRIAL_VERDICTS  # counted time and verdicts before the next choice
+        self._trial = True  # measuring the current schedule (else following the best)
+        self.build: float | None = None  # the current schedule's steady frame build
         self.tail = self.bytes = 0.0
         self.tokens: float | None = None  # committed per verdict
         self.spacing: float | None = None  # ms between verdicts
@@ -49,16 +112,17 @@ class PipelinePolicy:
     # -- learning ------------------------------------------------------------------------------
     def observe(self, *, tokens: int, sent_bytes: int, rtt_ms: float, tail_ms: float,
                 build_ms: float | None = None, overhead_ms: float | None = None, round_ms: float | None = None,
-                step_ms: float | None = None) -> None:
+                step_ms: float | None = None, schedule: str | None = None, expected: float | None = None) -> None:
         """One verdict of a frame that committed ``tokens``, sent ``sent_bytes``, came back ``rtt_ms``
         after sending (the tail's ``tail_ms`` excluded); ``build_ms`` of a steady frame; ``round_ms``
-        since the verdict before; ``step_ms`` of the frame's draft steps, when it ran any."""
+        since the verdict before; ``step_ms`` of the frame's draft steps, when it ran any;
+        ``schedule``: the name of the one the frame was built under; ``expected``: the tokens the
+        tree expected the frame to commit (a schedule's rate counts these: they vary far less from
+        frame to frame than the tokens committed, and agree with them on average)."""
         first = self.verdicts == 0
         self.verdicts += 1
         self.tail = tail_ms if first else _ema(self.tail, tail_ms)
         self.bytes = float(sent_bytes) if first else _ema(self.bytes, float(sent_bytes))
-        if build_ms is not None:
-            self.build = _ema(self.build, build_ms)
         if overhead_ms is not None:
             self.overhead = _ema(self.overhead, max(0.0, overhead_ms))
         if round_ms is not None and round_ms > 0:
@@ -66,6 +130,43 @@ class PipelinePolicy:
         if step_ms is not None:
             self.step_ms = _ema(self.step_ms, step_ms)
         self._fit(float(sent_bytes), max(0.0, rtt_ms))
+        m = self.measured.get(schedule or self.current.name)
+        if m is None:
+            return
+        self.counts[schedule or self.current.name] += 1
+        if build_ms is not None:
+            m.build = _ema(m.build, build_ms)
+        self.build = self.measured[self.current.name].build
+        if build_ms is None or (schedule or self.current.name) != self.current.name or not round_ms:
+            return  # a prefill, a frame of the schedule before, or no time measured: not this schedule's rate
+        self._since_switch += 1
+        if self._since_switch <= self._settle:
+            return
+        m.add(tokens if expected is None else expected, round_ms)
+        self._left_ms -= round_ms
+        self._left_n -= 1
+        if self._left_ms <= 0 and self._left_n <= 0:
+            self._next()
+
+    def _next(self) -> None:
+        """Done measuring or following the current schedule: the next one not measured yet; after
+        a trial, the best; after following the best, a trial of the one measured least."""
+        self.measured[self.current.name].close()
+        unmeasured = [sc for sc in self.schedules if self.measured[sc.name].counted == 0]
+        best = max(self.schedules, key=lambda sc: self.measured[sc.name].rate())
+        others = [sc for sc in self.schedules if sc is not best]
+        if unmeasured:
+            nxt, self._trial = unmeasured[0], True
+        elif self._trial or not others:
+            nxt, self._trial = best, False
+        else:
+            nxt, self._trial = min(others, key=lambda sc: self.measured[sc.name].counted), True
+        self._left_ms, self._left_n = (TRIAL_MS, TRIAL_VERDICTS) if self._trial else (REVISIT_MS, 0)
+        if nxt is not self.current:
+            self._settle = SETTLE + self.choose()  # the frames in flight now drain first
+            self.current, self._since_switch = nxt, 0
+            self.build = self.measured[nxt.name].build
+            self._settle = max(self._settle, SETTLE + self.choose())  # and the new schedule's fill
 
     def _fit(self, x: float, y: float) -> None:
         self._x, self._y = _ema(self._x, x), _ema(self._y, y)
@@ -94,8 +195,18 @@ class PipelinePolicy:
         return self.step_ms * self.tokens / self.spacing
 
     # -- the choice ----------------------------------------------------------------------------
+    def schedule(self) -> Schedule:
+        return self.current
+
+    def steps(self) -> int | None:
+        """The current schedule's cap on a frame's own draft steps (None: the frame's --k)."""
+        return self.current.steps
+
     def choose(self) -> int:
-        """Frames to keep in flight: one until a steady frame was measured."""
+        """Frames to keep in flight: the schedule's, or as many as the timing asks for (one until a
+        steady frame of the schedule was measured)."""
+        if self.current.frames is not None:
+            return min(self.current.frames, self.max_in_flight)
         return 1 if self.build is None else self.in_flight()
 
 

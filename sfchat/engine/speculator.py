@@ -11,11 +11,12 @@ of frames in flight.
 
 * ``begin(prompt_ids)`` makes the prompt the context and opens a new tree: its first frame
   carries the context the target lacks as prefill FORWARDs before the tree FORWARD.
-* ``frame(s, budget, min_yield)``: the next frame of at most ``frame_size`` nodes, or None when
-  nothing may be sent (the context window or the reply's budget reached) or the frame would be
-  expected to commit fewer than ``min_yield`` tokens. The draft expands the tree's likeliest
-  nodes up to ``steps`` times (``width`` at a time, only nodes whose children could still enter
-  this frame; a prompt-lookup continuation is grafted under the root at no draft cost), the tree
+* ``frame(s, budget, min_yield, step_gain, max_steps)``: the next frame of at most ``frame_size``
+  nodes, or None when nothing may be sent (the context window or the reply's budget reached) or
+  the frame would be expected to commit fewer than ``min_yield`` tokens. The draft expands the
+  tree's likeliest nodes up to ``steps`` times (a tree frame: fewer when ``max_steps`` says so,
+  or once a step added less than ``step_gain`` tokens to the frame's expected yield; ``width``
+  at a time, only nodes whose children could still enter this frame; a prompt-lookup continuation is grafted under the root at no draft cost), the tree
   chooses the frame's nodes best first, the head slice runs them
   at one fixed shape, padded to ``frame_size`` rows (each row sees the context, its ancestors in
   the head's scratch and itself), and the frame is encoded. Frames may be built while earlier
@@ -128,19 +129,20 @@ class Speculator:
         self.live = None
 
     # -- a frame -------------------------------------------------------------------------------
-    def frame(self, s: wire.Sampling, budget: int, min_yield: float = 0.0, step_gain: float = 0.0
-              ) -> Frame | None:
+    def frame(self, s: wire.Sampling, budget: int, min_yield: float = 0.0, step_gain: float = 0.0,
+              max_steps: int | None = None) -> Frame | None:
         """The next frame, or None when nothing may be sent (``budget``: tokens the reply may still
         commit) or it would be expected to commit fewer than ``min_yield`` tokens; a tree frame's
         own draft steps stop once one added less than ``step_gain`` to its expected yield (a chain
-        frame always runs its K: ``--k`` is its length)."""
+        frame always runs its K: ``--k`` is its length), and a tree frame's after ``max_steps`` when given."""
         if self.live is None:
             self._open()
         t0 = time.perf_counter()
         live = self.live
         # a node's pick is the token after it: only nodes whose picks fit the budget and the window
         room, max_pos = min(self.frame_size, self.scratch.free), self._max_pos(budget)
-        steps = self._grow(s, room, max_pos, step_gain if self.branching > 1 else 0.0)
+        steps = self._grow(s, room, max_pos, step_gain if self.branching > 1 else 0.0,
+                           self.steps if max_steps is None or self.branching == 1 else min(max_steps, self.steps))
         t1 = time.perf_counter()
         nodes = live.choose(room, max_pos)
         expected = sum(live.value(n) for n in nodes)
@@ -177,7 +179,7 @@ class Speculator:
             if branch:
                 live.graft(branch)
 
-    def _grow(self, s: wire.Sampling, size: int, max_pos: int, step_gain: float) -> int:
+    def _grow(self, s: wire.Sampling, size: int, max_pos: int, step_gain: float, steps: int) -> int:
         """The draft's expansions for a frame of ``size`` nodes, after the committed nodes it has
         not run: at most ``steps``, only of nodes whose children could enter the frame (a child
         is never likelier than its parent, so a node no likelier than the frame's last candidate
@@ -188,13 +190,13 @@ class Speculator:
         self._graft()
         chosen = self.live.choose(size, max_pos)
         cut = chosen[-1].logv if chosen and len(chosen) >= size else -math.inf
-        for step in range(self.steps):
+        for step in range(steps):
             gain = self._step(s, max_pos, cut)
             if gain is None:
                 return step
             if gain < step_gain:
                 return step + 1
-        return self.steps
+        return steps
 
     def _step(self, s: wire.Sampling, max_pos: int, cut: float, reserve: int = 0) -> float | None:
         """One draft step: the unfed committed nodes, then the likeliest expandable nodes above

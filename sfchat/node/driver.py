@@ -241,7 +241,8 @@ class RoundDriver:
             # the head's own time per verdict beyond building frames: its busy time, and the time
             # from the verdict's arrival (or the start of the wait) to having it
             overhead_ms=(t5 - t0 - (t4 - t3) + t4 - max(arrived, t3)) * 1e3 - fill.built_ms,
-            round_ms=(t5 - t0) * 1e3, step_ms=first.draft_ms / first.steps if first.steps else None)
+            round_ms=(t5 - t0) * 1e3, step_ms=first.draft_ms / first.steps if first.steps else None,
+            schedule=first.schedule, expected=first.expected)
         depth = max((n.pos for n in first.nodes), default=0) - first.nodes[0].pos + 1 if first.nodes else 0
         stats = RoundStats(
             accepted=max(len(commit.tokens) - 1, 0), committed=len(commit.tokens), draft_ms=fill.draft_ms,
@@ -257,11 +258,13 @@ class RoundDriver:
         ahead of others must be expected to commit the policy's ``min_yield``."""
         fill = _Fill(out_at=t0)
         waiting_before = bool(self.flight)  # the frame this verdict answers went out in an earlier call
-        m = self.policy.choose()
+        m, schedule = self.policy.choose(), self.policy.schedule()
         while len(self.flight) < m:
-            frame = self.spec.frame(s, budget, self.policy.min_yield if self.flight else 0.0, self.policy.step_gain())
+            frame = self.spec.frame(s, budget, self.policy.min_yield if self.flight else 0.0, self.policy.step_gain(),
+                                    schedule.steps)
             if frame is None:
                 break
+            frame.schedule = schedule.name
             frame.sent_at = time.perf_counter()  # before it goes: the tail may start on it before send returns
             for raw in frame.frames:
                 self._send(raw)

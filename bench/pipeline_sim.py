@@ -1,0 +1,218 @@
+"""The head's scheduling on a virtual clock: the product's driver and speculator, modelled costs.
+
+Why: the schedule (how many draft steps a frame runs, what grows while a verdict travels, how many
+frames are in flight) decides a reply's speed at least as much as any kernel, and trying a
+schedule on a GPU costs minutes of a scarce budget. Here the real ``RoundDriver``, ``Speculator``,
+``LiveTree``, policy and tail ``Verifier`` run on tiny models on the CPU, every decision the
+product makes is the product's, and only the clock is modelled: each draft step, head frame and
+tail verify is charged what it costs on the GPU (``--costs``: H200 figures of bench/frame_cost.py
+for Qwen2.5-7B/0.5B shapes), the network adds an RTT and a bandwidth, and the host's own Python
+time (tree bookkeeping, choosing, encoding) counts as measured on this machine. The figures are
+therefore SIMULATED: what the schedule would do at those costs, never a measurement of a GPU.
+
+The draft is ``live_bench.SyntheticDrafter``: after each token it proposes the target's next token
+(a fixed permutation) at a rank drawn from a real pair's histogram, the same for every mode.
+
+Run from the repository root:
+    python3 bench/pipeline_sim.py [--rtts 30,86,175] [--modes chain,tree,tree-ahead] [--prompts 6]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import heapq
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import harness  # noqa: E402
+import live_bench  # noqa: E402
+from harness import TINY_DRAFT, TINY_TARGET  # noqa: E402
+from sfchat.engine.verifier import Verifier  # noqa: E402
+from sfchat.node.tail_loader import TailLoader  # noqa: E402
+from sfchat.protocol import wire  # noqa: E402
+
+# H200, bf16, Qwen2.5-7B halves and 0.5B draft (bench/frame_cost.py, RESULTS.md 2026-12-02)
+H200 = dict(step_ms=3.9, step_row_ms=0.007, head_ms=4.2, head_row_ms=0.007, hidden_bytes=3584 * 2,
+            d2h_gbps=1.0, tail_ms=5.6, tail_row_ms=0.025, seal_gbps=1.5)
+
+
+class Clock:
+    """Virtual time: real time, less the real time of the modelled calls, plus their modelled cost."""
+
+    def __init__(self) -> None:
+        self.offset = 0.0
+
+    def now(self) -> float:
+        return time.perf_counter() + self.offset
+
+    @contextlib.contextmanager
+    def charged(self, ms: float):
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.offset += ms / 1e3 - (time.perf_counter() - t)
+
+    def advance(self, to: float) -> None:
+        self.offset += max(0.0, to - self.now())
+
+    # the ``time`` module as the driver and the speculator see it
+    def perf_counter(self) -> float:
+        return self.now()
+
+    monotonic = perf_counter
+
+    def sleep(self, s: float) -> None:
+        self.offset += s
+
+
+class SimLink:
+    """A relay link on the virtual clock: a frame reaches the tail RTT/2 (plus its bytes at the
+    link's bandwidth) after it was sent, the tail verifies frames one at a time at the modelled
+    cost, and each verdict comes back RTT/2 later. The verifier runs at once (its answer does not
+    depend on time); only its reply's delivery waits."""
+
+    overlaps = True
+
+    def __init__(self, clock: Clock, verifier: Verifier, rtt_ms: float, mbps: float, costs: dict):
+        self.clock, self.verifier, self.costs = clock, verifier, costs
+        self.half = rtt_ms / 2e3
+        self.bytes_s = mbps * 1e6 / 8 if mbps else 0.0
+        self.link_free = self.tail_free = 0.0
+        self.inbox: list[tuple[float, int, bytes]] = []
+        self.seq = 0
+        self.last_arrival = None
+
+    def send(self, frame: bytes) -> None:
+        now = self.clock.now()
+        c = self.costs
+        with self.clock.charged(len(frame) / (c["seal_gbps"] * 1e6)):  # sealing and handing it over
+            pass
+        wire_s = len(frame) / self.bytes_s if self.bytes_s else 0.0
+        self.link_free = max(self.link_free, now) + wire_s
+        at_tail = self.link_free + self.half
+        msg = wire.decode(frame)
+        rows = len(msg.tokens) if isinstance(msg, wire.Forward) else 0
+        replies = []
+        t = time.perf_counter()
+        self.verifier.handle(frame, replies.append)
+        self.clock.offset -= time.perf_counter() - t  # the tail is another machine
+        for raw in replies:
+            reply = wire.decode(raw)
+            if isinstance(reply, wire.Verdict):
+                tail_ms = c["tail_ms"] + c["tail_row_ms"] * rows
+                start = max(at_tail, self.tail_free)
+                self.tail_free = start + tail_ms / 1e3
+                raw = wire.encode(wire.Verdict(reply.round, reply.tree, reply.path, reply.tokens, int(tail_ms * 1e3)))
+                self._deliver(self.tail_free + self.half, raw)
+            else:
+                self._deliver(at_tail + self.half, raw)
+
+    def _deliver(self, at: float, raw: bytes) -> None:
+        self.seq += 1
+        heapq.heappush(self.inbox, (at, self.seq, raw))
+
+    def recv(self, timeout: float | None = None) -> bytes:
+        if not self.inbox:
+            raise TimeoutError
+        at, _, raw = self.inbox[0]
+        now = self.clock.now()
+        if at > now:
+            if timeout is not None and now + timeout < at:
+                self.clock.advance(now + timeout)
+                raise TimeoutError
+            self.clock.advance(at)
+        heapq.heappop(self.inbox)
+        self.last_arrival = at
+        return raw
+
+    def close(self) -> None:
+        pass
+
+
+def charge_models(clock: Clock, specs: dict, costs: dict) -> None:
+    """Every draft step and head frame costs its modelled GPU time (and the hidden states' copy)."""
+    c = costs
+    for spec in specs.values():
+        d = spec.drafter
+        if getattr(d, "_charged", False):
+            continue
+        d._charged = True
+        run = d.graphs.run
+
+        def step(key, fn, inputs, window, _run=run, _d=d):
+            with clock.charged(c["step_ms"] + c["step_row_ms"] * _d.rows):
+                return _run(key, fn, inputs, window)
+
+        d.graphs.run = step
+    head = next(iter(specs.values())).head
+    run = head.run
+
+    def head_run(ids, *args, _run=run, **kw):
+        rows = ids.shape[0]
+        ms = c["head_ms"] + c["head_row_ms"] * rows + rows * c["hidden_bytes"] / (c["d2h_gbps"] * 1e6)
+        with clock.charged(ms):
+            return _run(ids, *args, **kw)
+
+    head.run = head_run
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rtts", default="30,86,175")
+    ap.add_argument("--mbps", type=float, default=0.0, help="the link's bandwidth (0: unlimited)")
+    ap.add_argument("--modes", default="chain,tree,tree-ahead,stream,auto")
+    ap.add_argument("--prompts", type=int, default=6)
+    ap.add_argument("--new", type=int, default=128)
+    ap.add_argument("--ranks", type=Path, default=Path(__file__).parent / "results" / "pair_ranks.json")
+    ap.add_argument("--costs", type=json.loads, default={}, help="JSON overrides of the modelled costs")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME=SIZE,WIDTH,CHILDREN,INFLIGHT,AHEAD,PLAN",
+                    help="a mode of your own: nodes per frame, per draft step, kept per node, frames in flight at "
+                         "most, draft steps while a verdict travels, schedules (round, stream, streamN, auto)")
+    args = ap.parse_args()
+    for v in args.variant:
+        name, _, spec = v.partition("=")
+        *mode, plan = spec.split(",")
+        live_bench.MODES[name] = (*(int(x) for x in mode), plan)
+    costs = H200 | args.costs
+    harness.DEVICE = "cpu"
+    root = Path(tempfile.mkdtemp(prefix="sfchat-sim-"))
+    vocab = TINY_DRAFT["vocab_size"]
+    harness.write_checkpoint(root / "target", TINY_TARGET, seed=0, follows=vocab)
+    harness.write_checkpoint(root / "draft", TINY_DRAFT, seed=1)
+    ranks = json.loads(args.ranks.read_text())
+    synthetic = (torch.randperm(vocab, generator=torch.Generator().manual_seed(1234)), ranks)
+    specs, hello = live_bench.build(root / "target", root / "draft", "cpu", "float32", synthetic)
+    prompts = live_bench.prompts_for(root / "target", True, args.prompts)
+    prompts = [[t % vocab for t in p] for p in prompts]
+    clock = Clock()
+    charge_models(clock, specs, costs)
+    import sfchat.engine.speculator as speculator_mod
+    import sfchat.node.driver as driver_mod
+
+    speculator_mod.time = driver_mod.time = live_bench.time = clock
+    rtts = [float(x) for x in args.rtts.split(",")]
+    modes = args.modes.split(",")
+    res = {}
+    for rtt in rtts:
+        for mode in modes:
+            verifier = Verifier(TailLoader(torch.device("cpu")))
+            link = SimLink(clock, verifier, rtt, args.mbps, costs)
+            res[(mode, rtt)] = r = live_bench.run_mode(specs[mode], *live_bench.MODES[mode][3:], link, hello, prompts,
+                                                       args.new)
+            print(f"rtt {rtt:g} {mode}: " + live_bench.row(r, None), file=sys.stderr, flush=True)
+    print(f"SIMULATED on a virtual clock (bench/pipeline_sim.py), costs {costs}, {args.mbps or 'unlimited'} Mbit/s")
+    live_bench.print_table(res, rtts, modes, specs[modes[-1]].calibration.ranks)
+
+
+if __name__ == "__main__":
+    main()
