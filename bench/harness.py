@@ -83,7 +83,10 @@ def relay_and_tail(rtt_ms: int, models_dir: Path, session: str = "bench", mbps: 
                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
     url = None
     while url is None:
-        m = re.search(r"listening on ws://[^:]+:(\d+)", relay.stdout.readline())
+        line = relay.stdout.readline()
+        if not line:  # it exited before listening (a missing package, a port in use)
+            raise RuntimeError(f"sfchat-relay exited with {relay.wait()} before it listened")
+        m = re.search(r"listening on ws://[^:]+:(\d+)", line)
         url = f"ws://127.0.0.1:{m.group(1)}" if m else None
     tail = subprocess.Popen([sys.executable, "-m", "sfchat.cli", "--tail", "--relay", url, "--token", TOKEN,
                              "--secret", SECRET, "--session", session, "--device", DEVICE,
