@@ -77,12 +77,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-compile-draft", action="store_true",
                    help="skip torch.compile of the draft model (faster start, slower drafting)")
     g.add_argument("--max-in-flight", type=int, metavar="N",
-                   help=f"frames sent over the relay before their verdicts come, each hanging in the live tree "
-                        f"below the frames before it; the number in use follows the measured link and compute "
-                        f"(1 = one frame per round trip; default {d.max_in_flight})")
+                   help=f"frames sent over the relay before their verdicts come when the head streams shallow "
+                        f"frames (it measures whether that beats one frame per round trip on the link), each "
+                        f"hanging in the live tree below the frames before it; the number in use follows the "
+                        f"measured link and compute (1 = one frame per round trip always; default {d.max_in_flight})")
     g.add_argument("--draft-ahead", type=int, metavar="N",
                    help=f"draft steps the head may run while a verdict travels over the relay, growing the live "
-                        f"tree's likeliest nodes so the next frame is mostly drafted already (0 = none; "
+                        f"tree's likeliest nodes (measured to spare the next frame no steps of its own; 0 = none; "
                         f"default {d.draft_ahead})")
     g.add_argument("--max-context", type=int, help=f"context window in tokens (default {d.max_context})")
     g = p.add_argument_group("generation")

@@ -63,8 +63,8 @@ class Settings:
     draft_revision: str | None = None
     k: int | str = "auto"  # the draft's expansion steps per frame (a chain frame: K drafts); "auto": AUTO_K
     tree_budget: int | str = "auto"  # drafts per frame, best first over the live tree; 0: chain frames; "auto": AUTO_TREE_BUDGET on a GPU
-    max_in_flight: int = 4  # the most frames in flight, the policy picks how many (relay mode; 1: one per round trip)
-    draft_ahead: int = 0  # draft steps while a verdict travels (relay mode; 0: none, not yet measured on a GPU)
+    max_in_flight: int = 8  # the most frames in flight under the stream schedule, the policy picks how many and whether to stream (relay mode; 1: one per round trip)
+    draft_ahead: int = 0  # draft steps while a verdict travels (relay mode; 0: none: measured to spare a frame no steps)
     split: int | None = None  # default: half the layers
     device: str | None = None  # default: cuda if available, else cpu; "cuda:0,cuda:1" spreads a slice ("cpu,cpu": on the CPU)
     draft_device: str | None = None  # default: a second GPU when there is one, else the head's device

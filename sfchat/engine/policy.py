@@ -46,7 +46,7 @@ from dataclasses import dataclass
 WEIGHT = 0.2  # of the newest frame in every running estimate
 MIN_YIELD = 0.25  # a frame sent while others are in flight must be expected to commit this many tokens
 STREAM_STEPS = 2  # a streamed frame's own draft steps at most (bench/pipeline_sim.py: 2 was best or near it at 30-175 ms)
-TRIAL_MS, TRIAL_VERDICTS = 3000.0, 12  # a schedule's trial: at least this long and this many verdicts
+TRIAL_MS, TRIAL_VERDICTS = 1000.0, 12  # a schedule's trial: at least this long and this many verdicts
 SETTLE = 2  # verdicts after a switch that do not count, beyond the frames in flight (the pipeline fills or drains)
 REVISIT_MS = 60_000.0  # time under the best schedule before the others are measured again
 
@@ -130,14 +130,15 @@ class PipelinePolicy:
         if step_ms is not None:
             self.step_ms = _ema(self.step_ms, step_ms)
         self._fit(float(sent_bytes), max(0.0, rtt_ms))
-        m = self.measured.get(schedule or self.current.name)
+        name = schedule or self.current.name
+        m = self.measured.get(name)
         if m is None:
             return
-        self.counts[schedule or self.current.name] += 1
+        self.counts[name] += 1
         if build_ms is not None:
             m.build = _ema(m.build, build_ms)
         self.build = self.measured[self.current.name].build
-        if build_ms is None or (schedule or self.current.name) != self.current.name or not round_ms:
+        if build_ms is None or name != self.current.name or not round_ms:
             return  # a prefill, a frame of the schedule before, or no time measured: not this schedule's rate
         self._since_switch += 1
         if self._since_switch <= self._settle:
@@ -163,10 +164,10 @@ class PipelinePolicy:
             nxt, self._trial = min(others, key=lambda sc: self.measured[sc.name].counted), True
         self._left_ms, self._left_n = (TRIAL_MS, TRIAL_VERDICTS) if self._trial else (REVISIT_MS, 0)
         if nxt is not self.current:
-            self._settle = SETTLE + self.choose()  # the frames in flight now drain first
+            drain = self.choose()  # the frames in flight under the schedule left behind
             self.current, self._since_switch = nxt, 0
             self.build = self.measured[nxt.name].build
-            self._settle = max(self._settle, SETTLE + self.choose())  # and the new schedule's fill
+            self._settle = SETTLE + max(drain, self.choose())  # they drain, the new schedule's fill
 
     def _fit(self, x: float, y: float) -> None:
         self._x, self._y = _ema(self._x, x), _ema(self._y, y)

@@ -14,9 +14,11 @@ the context; each ``round(s, eos_ids, budget)`` returns the outcome of one verdi
 Frames in flight: a frame may be built before the verdicts of the frames before it are known;
 its nodes hang anywhere in the reply's live tree (``engine.live``), so a verdict that is not the
 likeliest outcome costs only the nodes below the outcomes that did not happen, never the frames
-behind it. Every frame has the layout's one size; ``m`` comes from the policy
-(``engine.policy.PipelinePolicy`` unless one is handed in; ``max_in_flight`` bounds ``m``; 1 is one
-frame per round trip), fed every verdict; a frame goes out while others are in flight only if the tree expects it to commit
+behind it. Every frame has the layout's one size; the policy (``engine.policy.PipelinePolicy``
+unless one is handed in; ``max_in_flight`` bounds ``m``; 1 is one frame per round trip), fed every
+verdict with the name of the schedule its frame was built under, gives the schedule each frame
+is built under: ``m`` (``choose()``) and the cap on the frame's own draft steps (``schedule().steps``).
+A frame goes out while others are in flight only if the tree expects it to commit
 at least the policy's ``min_yield`` tokens, and its own draft steps stop once one adds less than
 the policy's ``step_gain()`` to its expected yield. At most one frame is in flight over a link whose
 tail computes inside ``recv`` (local mode's ``MemoryLink``, ``overlaps = False``). Output never depends on any

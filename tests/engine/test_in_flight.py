@@ -159,3 +159,36 @@ def test_a_hello_after_a_reply_that_ended_with_frames_in_flight_takes_the_tails_
     assert ready.reused and driver.flight == type(driver.flight)()
     fin = finished(session, ids, 24)
     assert list(fin.token_ids) == ref
+
+
+@pytest.mark.parametrize("draft", [TARGET, "draft"])
+def test_the_policys_schedules_switching_mid_reply_change_no_token(zoo, draft, monkeypatch):
+    """The product's own policy, its trials cut to two verdicts so that it switches between one
+    frame per round trip and a stream of shallow frames in flight several times in one reply:
+    the reply is the target's own, and no streamed tree frame ran more than its cap of steps."""
+    from sfchat.engine import policy as pol
+
+    monkeypatch.setattr(pol, "TRIAL_MS", 0.0)
+    monkeypatch.setattr(pol, "TRIAL_VERDICTS", 2)
+    monkeypatch.setattr(pol, "REVISIT_MS", 1.0)
+    monkeypatch.setattr(pol, "SETTLE", 0)
+    s = Settings(model=str(zoo[TARGET]), draft=str(zoo[draft]), k=K, tree_budget=8, device="cpu", max_in_flight=4)
+    policy = pol.PipelinePolicy(4)
+    session = Head.open(s, link=Pipelined(), policy=policy)
+    session.eos = set()
+    built = []
+    frame = session.engine.spec.frame
+
+    def recorded(*args, **kw):
+        f = frame(*args, **kw)
+        if f is not None:
+            built.append((policy.schedule().name, f.steps))
+        return f
+
+    session.engine.spec.frame = recorded
+    ids = session.encode(PROMPT)
+    fin = finished(session, ids, 48)
+    assert list(fin.token_ids) == reference(zoo[TARGET], ids, 48, eos=-1)
+    assert policy.counts["round"] > 0 and policy.counts["stream"] > 0
+    assert max(steps for name, steps in built if name == "stream") <= pol.STREAM_STEPS
+    assert max(steps for name, steps in built if name == "round") > pol.STREAM_STEPS

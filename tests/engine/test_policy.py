@@ -1,18 +1,26 @@
-"""The pipeline policy, without models: frames in flight from measured verdicts."""
+"""The pipeline policy, without models: its schedules and frames in flight from measured verdicts."""
 
 from __future__ import annotations
 
-from sfchat.engine.policy import PipelinePolicy
+import pytest
+
+from sfchat.engine import policy as pol
+from sfchat.engine.policy import ROUND, STREAM, PipelinePolicy
 
 
-def feed(policy, n=30, tokens=4, sent_bytes=20_000, rtt_ms=86.0, tail_ms=10.0, build_ms=8.0, overhead_ms=1.0):
+def feed(policy, n=30, tokens=4, sent_bytes=20_000, rtt_ms=86.0, tail_ms=10.0, build_ms=8.0, overhead_ms=1.0,
+         round_ms=None, schedule=None, expected=None):
     for _ in range(n):
         policy.observe(tokens=tokens, sent_bytes=sent_bytes, rtt_ms=rtt_ms, tail_ms=tail_ms, build_ms=build_ms,
-                       overhead_ms=overhead_ms)
+                       overhead_ms=overhead_ms, round_ms=round_ms, schedule=schedule, expected=expected)
+
+
+def streaming(max_in_flight: int) -> PipelinePolicy:
+    return PipelinePolicy(max_in_flight, schedules=(STREAM,))
 
 
 def test_one_frame_until_a_steady_frame_was_measured():
-    policy = PipelinePolicy(max_in_flight=4)
+    policy = streaming(4)
     assert policy.choose() == 1
     feed(policy, n=1, build_ms=None)  # a first frame carries the prefill: not a steady frame's cost
     assert policy.choose() == 1
@@ -21,22 +29,72 @@ def test_one_frame_until_a_steady_frame_was_measured():
 
 
 def test_a_long_round_trip_fills_the_pipeline_and_a_short_one_does_not():
-    far = PipelinePolicy(max_in_flight=8)
+    far = streaming(8)
     feed(far, rtt_ms=86.0, tail_ms=10.0, build_ms=8.0)
     assert far.choose() == 8  # (8 + 1 + 86 + 10) / 10 ms: the tail is the slowest stage, ~10 frames wanted
-    near = PipelinePolicy(max_in_flight=8)
+    near = streaming(8)
     feed(near, rtt_ms=0.5, tail_ms=10.0, build_ms=8.0)
     assert near.choose() == 2  # the head and the tail each busy about half the round trip
     alone = PipelinePolicy(max_in_flight=1)  # local mode
     feed(alone)
-    assert alone.choose() == 1
+    assert alone.choose() == 1 and alone.schedules == (ROUND,)
 
 
 def test_the_link_is_fitted_as_latency_plus_bytes():
-    policy = PipelinePolicy(max_in_flight=4)
+    policy = streaming(4)
     for i in range(60):  # frames of two byte counts (a prefill, a tree) through a link of 50 ms + 0.1 ms/KB
         sent = 10_000 if i % 2 == 0 else 90_000
         policy.observe(tokens=3, sent_bytes=sent, rtt_ms=50.0 + sent * 1e-4, tail_ms=5.0, build_ms=5.0)
     assert abs(policy.base_ms - 50.0) < 1.0 and abs(policy.ms_per_byte - 1e-4) < 1e-5
     total, stage = policy.timing()
     assert stage == max(5.0, policy.bytes * policy.ms_per_byte) and total > 50.0 + 5.0 + 5.0
+
+
+def run(policy, rates: dict[str, tuple[float, float]], verdicts: int) -> list[str]:
+    """Verdicts of the schedule the policy follows, each committing and taking what ``rates`` says
+    for it: the schedules followed, verdict by verdict."""
+    seen = []
+    for _ in range(verdicts):
+        name = policy.schedule().name
+        tokens, ms = rates[name]
+        policy.observe(tokens=round(tokens), sent_bytes=20_000, rtt_ms=86.0, tail_ms=8.0, build_ms=10.0,
+                       round_ms=ms, schedule=name, expected=tokens)
+        seen.append(name)
+    return seen
+
+
+@pytest.mark.parametrize("faster", ["round", "stream"])
+def test_each_schedule_is_measured_then_the_faster_one_is_followed(faster):
+    policy = PipelinePolicy(8)
+    assert policy.schedule() is ROUND and policy.steps() is None and policy.choose() == 1
+    # round: 5 tokens per 120 ms; stream: 1 token per 30 ms (0.033 per ms) or per 15 ms (0.067)
+    rates = {"round": (5.0, 120.0), "stream": (1.0, 30.0 if faster == "round" else 15.0)}
+    seen = run(policy, rates, 600)
+    assert {"round", "stream"} <= set(seen[:400])  # both were tried
+    assert policy.measured["round"].rate() == pytest.approx(5 / 120)
+    assert policy.measured["stream"].rate() == pytest.approx(rates["stream"][0] / rates["stream"][1])
+    assert policy.schedule().name == faster
+    if faster == "stream":
+        assert policy.steps() == pol.STREAM_STEPS and policy.choose() > 1
+
+
+def test_a_trial_lasts_long_enough_and_the_others_are_measured_again():
+    policy = PipelinePolicy(8)
+    rates = {"round": (5.0, 100.0), "stream": (1.0, 50.0)}  # round is the faster
+    seen = run(policy, rates, 3000)
+    first_round = seen.index("stream")  # the verdicts round was measured on first
+    assert first_round >= pol.SETTLE + max(pol.TRIAL_VERDICTS, pol.TRIAL_MS / 100.0)
+    # after both were measured round is followed, and stream is tried again only after REVISIT_MS
+    back = seen.index("round", first_round)
+    again = seen.index("stream", back)
+    assert (again - back) * 100.0 >= pol.REVISIT_MS
+    time_in = {name: seen.count(name) * rates[name][1] for name in rates}
+    assert time_in["round"] > 0.9 * sum(time_in.values())  # the slower one costs at most a tenth of the time
+
+
+def test_verdicts_of_frames_built_under_another_schedule_or_carrying_a_prefill_do_not_count():
+    policy = PipelinePolicy(8)
+    feed(policy, n=50, schedule="stream", round_ms=10.0, expected=9.0)  # frames of the schedule before: drained
+    feed(policy, n=50, schedule="round", round_ms=10.0, expected=9.0, build_ms=None)  # prefill frames
+    assert policy.measured["round"].counted == 0 and policy.schedule() is ROUND
+    assert policy.measured["stream"].counted == 0

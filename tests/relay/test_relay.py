@@ -229,6 +229,27 @@ async def round_trips(port: int) -> tuple[float, float]:
     return statistics.median(samples), burst_time
 
 
+def test_an_emulated_bandwidth_carries_each_direction_one_frame_after_another():
+    """At 8 Mbit/s (1 MB/s) four frames of 250 kB take at least a second to reach the tail, in
+    order, while a small frame goes the other way. Only a lower bound: a loaded machine can be
+    slower, never faster than the emulation."""
+    async def scenario():
+        async with await serve(config(emulate_mbps=8.0)) as relay:
+            head, tail = await pair(relay.port, "bandwidth")
+            big = [bytes([i]) * 250_000 for i in range(4)]
+            start = time.perf_counter()
+            for item in big:
+                await head.send(item)
+            await tail.send(b"small")
+            assert await head.recv() == b"small"
+            got = [await tail.recv() for _ in big]
+            assert got == big
+            assert time.perf_counter() - start >= 0.95
+            await head.close()
+            await tail.close()
+    run(scenario())
+
+
 def test_emulated_rtt_adds_the_round_trip_once_per_frame_not_per_queue_position():
     async def scenario():
         async with await serve(config()) as relay:
