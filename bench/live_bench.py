@@ -190,8 +190,9 @@ def run_mode(spec, inflight: int, ahead: int, plan: str, link, hello, prompts, n
     del spec.frame
     counts = driver.policy.counts
     if len(counts) > 1:
-        print("measured tokens/ms: " + ", ".join(f"{k} {m.rate():.4f} ({m.counted})" for k, m in driver.policy.measured.items()),
-              file=sys.stderr)
+        p = driver.policy
+        print("measured tokens/ms: " + ", ".join(f"{k} {m.rate():.4f} ({m.counted})" for k, m in p.measured.items())
+              + f"; the link fitted as {p.base_ms:.1f} ms + {p.ms_per_byte * 1e6:.1f} ms/MB", file=sys.stderr)
     return (summary(stats, sum(map(len, ids_out)), wall, driver.policy.max_in_flight)
             | {"ids": ids_out, "schedules": {k: v / max(1, sum(counts.values())) for k, v in counts.items()},
                "frame_draft_ms": statistics.fmean(b[0] for b in built) if built else 0.0,

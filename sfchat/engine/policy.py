@@ -16,9 +16,9 @@ has the one shape of the frame layout):
   a trial (``TRIAL_MS`` and ``TRIAL_VERDICTS`` at least), then follows the best one, and measures
   the others again after ``REVISIT_MS`` (the link may change). Only verdicts of steady frames (no
   prefill) count, and none of the first after a switch (``SETTLE`` beyond the frames in flight
-  before and after it: the pipeline drains and fills); ``schedule()`` is the schedule now, ``steps()`` its cap on a frame's own draft steps
-  (None: the frame's ``--k``), ``choose()`` its frames in flight; ``counts`` the verdicts taken
-  under each;
+  before and after it: the pipeline drains and fills). ``schedule()`` is the schedule now (its
+  ``steps``: the cap on a frame's own draft steps, None: the frame's ``--k``), ``choose()`` its
+  frames in flight, ``counts`` the verdicts taken under each schedule;
 * the link: a verdict's latency less the tail's compute, fitted as ``base + bytes x cost`` over
   the frames (frames of different byte counts, prefill ones among them, show its throughput);
 * compute: the head's time to build a frame (draft and head slice, steady frames only, per
@@ -198,10 +198,6 @@ class PipelinePolicy:
     # -- the choice ----------------------------------------------------------------------------
     def schedule(self) -> Schedule:
         return self.current
-
-    def steps(self) -> int | None:
-        """The current schedule's cap on a frame's own draft steps (None: the frame's --k)."""
-        return self.current.steps
 
     def choose(self) -> int:
         """Frames to keep in flight: the schedule's, or as many as the timing asks for (one until a

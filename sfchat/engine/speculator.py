@@ -16,12 +16,12 @@ of frames in flight.
   the frame would be expected to commit fewer than ``min_yield`` tokens. The draft expands the
   tree's likeliest nodes up to ``steps`` times (a tree frame: fewer when ``max_steps`` says so,
   or once a step added less than ``step_gain`` tokens to the frame's expected yield; ``width``
-  at a time, only nodes whose children could still enter this frame; a prompt-lookup continuation is grafted under the root at no draft cost), the tree
-  chooses the frame's nodes best first, the head slice runs them
-  at one fixed shape, padded to ``frame_size`` rows (each row sees the context, its ancestors in
-  the head's scratch and itself), and the frame is encoded. Frames may be built while earlier
-  ones are in flight: a frame's nodes hang anywhere in the live tree, under nodes of earlier
-  frames whose verdicts are not known yet.
+  at a time, only nodes whose children could still enter this frame; a prompt-lookup
+  continuation is grafted under the root at no draft cost), the tree chooses the frame's nodes
+  best first, the head slice runs them at one fixed shape, padded to ``frame_size`` rows (each
+  row sees the context, its ancestors in the head's scratch and itself), and the frame is
+  encoded. Frames may be built while earlier ones are in flight: a frame's nodes hang anywhere
+  in the live tree, under nodes of earlier frames whose verdicts are not known yet.
 * ``grow(s, budget)``: one expansion step ahead of need, for the driver to run while a verdict
   travels (the likeliest nodes not yet expanded, anywhere in the live tree); False when there is
   nothing to expand or no room in the draft's pool. A frame built after it mostly takes nodes
