@@ -6,7 +6,7 @@ such notebooks (relay mode, each node spreading its half over its two T4s), per 
 memory each GPU needs at a 4096-token context and the longest context (a multiple of 256) that
 fits every GPU. Default settings throughout: split at half the layers, the 0.5B draft in fp16
 (compiled and graphed; one row with ``--draft-load-in-4bit``), the default frame of a GPU (64
-drafts per frame, ``--max-in-flight 4``: ``node.loading.frame_layout``, whose frame is verified at
+drafts per frame, ``--max-in-flight 8``: ``node.loading.frame_layout``, whose frame is verified at
 one shape, a CUDA graph per attention window, and whose live nodes take scratch slots). A T4
 is taken to have ``T4_FREE`` free (15 GB cards with the CUDA context up). Every figure is an
 estimate: nothing here was measured.
