@@ -13,7 +13,9 @@ has the one shape of the frame layout):
   nodes of the live tree (a stream of shallow frames whose nodes hang below those in flight).
   Which pays depends on the round trip against a draft step (a frame built under frames in flight
   bets on their outcomes): so the policy measures each schedule's committed tokens per ms on
-  a trial (``TRIAL_MS`` and ``TRIAL_VERDICTS`` at least), then follows the best one, and measures
+  a trial (``TRIAL_MS`` and ``TRIAL_VERDICTS`` at least; stream first: where the round trip is
+  long its verdicts come often and it is the likelier winner, where it is short its trial is
+  over soon), then follows the best one, and measures
   the others again after ``REVISIT_MS`` (the link may change). Only verdicts of steady frames (no
   prefill) count, and none of the first after a switch (``SETTLE`` beyond the frames in flight
   before and after it: the pipeline drains and fills). ``schedule()`` is the schedule now (its
@@ -89,7 +91,7 @@ class _Measured:
 class PipelinePolicy:
     min_yield = MIN_YIELD  # tokens a frame sent while others are in flight must be expected to commit
 
-    def __init__(self, max_in_flight: int = 1, schedules: tuple[Schedule, ...] = (ROUND, STREAM)):
+    def __init__(self, max_in_flight: int = 1, schedules: tuple[Schedule, ...] = (STREAM, ROUND)):
         self.max_in_flight = max(1, max_in_flight)
         self.schedules = schedules if self.max_in_flight > 1 else (ROUND,)
         self.measured = {sc.name: _Measured() for sc in self.schedules}

@@ -44,10 +44,10 @@ def tap(monkeypatch):
     t = Tap()
     forward = relay_session.Session.forward
 
-    def tapped(session, sender, frame, delay):
+    def tapped(session, sender, frame, *timing):  # timing: the emulated delay and bandwidth
         t.frames.append((sender.role, bytes(frame)))
         for out in (t.meddle(sender.role, bytes(frame)) if t.meddle else [frame]):
-            forward(session, sender, out, delay)
+            forward(session, sender, out, *timing)
 
     monkeypatch.setattr(relay_session.Session, "forward", tapped)
     return t
