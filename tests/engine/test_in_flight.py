@@ -163,17 +163,18 @@ def test_a_hello_after_a_reply_that_ended_with_frames_in_flight_takes_the_tails_
 
 @pytest.mark.parametrize("draft", [TARGET, "draft"])
 def test_the_policys_schedules_switching_mid_reply_change_no_token(zoo, draft, monkeypatch):
-    """The product's own policy, its trials cut to two verdicts so that it switches between one
-    frame per round trip and a stream of shallow frames in flight several times in one reply:
+    """The product's own policy, its trials cut to two verdicts and its stream held at three frames
+    in flight (so that the switches do not depend on this machine's timing), switching between a
+    stream of shallow frames in flight and one frame per round trip several times in one reply:
     the reply is the target's own, and no streamed tree frame ran more than its cap of steps."""
     from sfchat.engine import policy as pol
 
     monkeypatch.setattr(pol, "TRIAL_MS", 0.0)
     monkeypatch.setattr(pol, "TRIAL_VERDICTS", 2)
-    monkeypatch.setattr(pol, "REVISIT_MS", 1.0)
+    monkeypatch.setattr(pol, "REVISIT_MS", 0.0)
     monkeypatch.setattr(pol, "SETTLE", 0)
     s = Settings(model=str(zoo[TARGET]), draft=str(zoo[draft]), k=K, tree_budget=8, device="cpu", max_in_flight=4)
-    policy = pol.PipelinePolicy(4)
+    policy = pol.PipelinePolicy(4, schedules=(pol.Schedule("stream", pol.STREAM_STEPS, 3), pol.ROUND))
     session = Head.open(s, link=Pipelined(), policy=policy)
     session.eos = set()
     built = []
@@ -187,8 +188,9 @@ def test_the_policys_schedules_switching_mid_reply_change_no_token(zoo, draft, m
 
     session.engine.spec.frame = recorded
     ids = session.encode(PROMPT)
-    fin = finished(session, ids, 48)
-    assert list(fin.token_ids) == reference(zoo[TARGET], ids, 48, eos=-1)
-    assert policy.counts["round"] > 0 and policy.counts["stream"] > 0
+    fin = finished(session, ids, 96)
+    assert list(fin.token_ids) == reference(zoo[TARGET], ids, 96, eos=-1)
+    switches = sum(a != b for (a, _), (b, _) in zip(built, built[1:]))
+    assert policy.counts["round"] > 0 and policy.counts["stream"] > 0 and switches >= 2, built
     assert max(steps for name, steps in built if name == "stream") <= pol.STREAM_STEPS
     assert max(steps for name, steps in built if name == "round") > pol.STREAM_STEPS
