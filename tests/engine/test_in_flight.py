@@ -166,7 +166,9 @@ def test_the_policys_schedules_switching_mid_reply_change_no_token(zoo, draft, m
     """The product's own policy, its trials cut to two verdicts and its stream held at three frames
     in flight (so that the switches do not depend on this machine's timing), switching between a
     stream of shallow frames in flight and one frame per round trip several times in one reply:
-    the reply is the target's own, and no streamed tree frame ran more than its cap of steps."""
+    the reply is the target's own, and no streamed tree frame ran more than its cap of steps (a
+    round frame's steps stop where a step is worth less than its time: how many that is depends on
+    the timing)."""
     from sfchat.engine import policy as pol
 
     monkeypatch.setattr(pol, "TRIAL_MS", 0.0)
@@ -193,4 +195,3 @@ def test_the_policys_schedules_switching_mid_reply_change_no_token(zoo, draft, m
     switches = sum(a != b for (a, _), (b, _) in zip(built, built[1:]))
     assert policy.counts["round"] > 0 and policy.counts["stream"] > 0 and switches >= 2, built
     assert max(steps for name, steps in built if name == "stream") <= pol.STREAM_STEPS
-    assert max(steps for name, steps in built if name == "round") > pol.STREAM_STEPS
