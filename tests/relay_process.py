@@ -2,15 +2,26 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 TOKEN = "relay-process-token"
 ENV = dict(os.environ, PYTHONUNBUFFERED="1")
 REPO = Path(__file__).resolve().parents[1]
+
+
+async def settled(condition, timeout: float = 20.0) -> bool:
+    """Whether ``condition()`` holds within ``timeout`` s: the relay acts on what a test did in its own
+    time, and a loaded machine only delays it (a bound on each wait, not a measurement)."""
+    deadline = time.monotonic() + timeout
+    while not condition() and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+    return bool(condition())
 
 
 def status_kib(pid: int, field: str) -> int:

@@ -79,7 +79,7 @@ class End:
         pass
 
 
-def handshake_both(head: SecureLink, tail: SecureLink, timeout: float = 5) -> None:
+def handshake_both(head: SecureLink, tail: SecureLink, timeout: float = 30) -> None:
     """Pair the two ends, the tail's side in a thread (the head opens, the tail answers)."""
     errors = []
     worker = threading.Thread(target=lambda: _keep_error(errors, tail.handshake, timeout))

@@ -153,9 +153,8 @@ def unprobed(monkeypatch):
 
 
 def test_an_unreachable_hub_means_the_cache_only_and_an_error_at_once(unprobed, monkeypatch, sharded, capsys):
-    """No retries for half a minute: one probe, then local_files_only for every file."""
-    import time
-
+    """No retries for half a minute: one probe, then local_files_only for every file (huggingface_hub
+    alone would retry for about 23 s)."""
     calls = []
 
     def cache_only(repo_id, filename, revision=None, local_files_only=False, **kw):
@@ -165,12 +164,10 @@ def test_an_unreachable_hub_means_the_cache_only_and_an_error_at_once(unprobed, 
         raise errors.LocalEntryNotFoundError(f"{filename} is not cached")
 
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", cache_only)
-    t0 = time.perf_counter()
     with pytest.raises(UserError, match=r"'acme/nope' is not in the local cache and the hub cannot be reached "
                                         r"\(cannot connect to huggingface.co:443: Name or service not known\): "
                                         r"check the network"):
         ModelSource.open("acme/nope")
-    assert time.perf_counter() - t0 < 10  # huggingface_hub alone would retry for about 23 s
     src = ModelSource.open("acme/cached")
     assert src.local_files_only and src.weight_map and calls and all(calls)
     assert "hub cannot be reached (cannot connect to huggingface.co:443" in capsys.readouterr().err

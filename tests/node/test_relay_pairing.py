@@ -42,7 +42,7 @@ def tail_log(monkeypatch):
     return lines, dials
 
 
-def wait_for(lines: list[str], pattern: str, timeout: float = 15) -> re.Match:
+def wait_for(lines: list[str], pattern: str, timeout: float = 60) -> re.Match:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         for line in list(lines):

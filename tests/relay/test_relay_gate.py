@@ -16,7 +16,7 @@ from websockets.asyncio.client import connect
 
 from relay.logs import RateLimitedHandler
 from relay.server import RelayConfig, StartupError, descriptor_room, serve
-from relay_process import ENV, REPO, TOKEN
+from relay_process import ENV, REPO, TOKEN, settled
 
 
 def run(coro, timeout: float = 30.0):
@@ -80,8 +80,7 @@ def test_a_handshake_that_never_comes_is_closed_after_the_timeout():
             reader, writer = await idle(relay.port, "127.0.0.2")
             assert await dropped(reader, 10.0)
             writer.transport.abort()
-            await asyncio.sleep(0.1)
-            assert relay.gate.n_pending == 0 and relay.gate.open == 0
+            assert await settled(lambda: relay.gate.n_pending == 0 and relay.gate.open == 0)
     run(scenario())
 
 

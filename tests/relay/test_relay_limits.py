@@ -17,6 +17,7 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from relay.server import RelayConfig, serve
+from relay_process import settled
 from test_relay_link import TOKEN
 from test_two_machines import ENV
 
@@ -33,7 +34,7 @@ async def dial(port: int, session: str, role: str, token: str = TOKEN, **options
                          additional_headers={"Authorization": f"Bearer {token}"}, **options)
 
 
-async def until_event(ws, name: str, timeout: float = 20.0) -> None:
+async def until_event(ws, name: str, timeout: float = 60.0) -> None:
     deadline = asyncio.get_running_loop().time() + timeout
     while True:
         message = await asyncio.wait_for(ws.recv(), max(deadline - asyncio.get_running_loop().time(), 0.01))
@@ -76,8 +77,7 @@ def test_the_shared_buffer_closes_the_biggest_holders_and_frees_their_queues(cap
             assert await honest_tail.recv() == b"after the flood"
             await honest_head.close()
             await honest_tail.close()
-            await asyncio.sleep(0.2)
-            assert relay.budget.used == 0 and not relay.budget.holders
+            assert await settled(lambda: relay.budget.used == 0 and not relay.budget.holders)
             return len(cut)
     n_cut = run(scenario())
     assert caplog.text.count("relay buffer full: this side reads too slowly; closing it") >= 3 - n_cut >= 1

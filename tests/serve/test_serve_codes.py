@@ -243,7 +243,8 @@ def test_a_tail_that_never_answers_the_pairing_is_waited_for_no_longer_than_aske
             HeadDialer(dial_settings(relay.url, "silent"))(3)
     finally:
         silent.leave()
-    assert time.monotonic() - t0 < 45  # the fixed wait was 60 s
+    # the fixed wait was 60 s: 45 s is fifteen times the 3 s asked for, which no load reaches
+    assert time.monotonic() - t0 < 45
     assert silent.openings == 1
 
 

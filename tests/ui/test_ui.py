@@ -118,7 +118,7 @@ def pilot_test(fn):
     return run
 
 
-async def wait_for(pilot, condition, timeout: float = 5.0) -> None:
+async def wait_for(pilot, condition, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
         if time.monotonic() > deadline:

@@ -7,10 +7,11 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 from sfchat.config import Settings
-from sfchat.events import LoadProgress, ReplyFinished, ReplyStarted
+from sfchat.events import LoadProgress, ReplyFinished, ReplyStarted, TokensCommitted
 from sfchat.history import History
 from sfchat.node.head import Head
 from sfchat.node.worker import RuntimeWorker
@@ -67,11 +68,26 @@ async def test_reply_matches_one_shot_and_follow_up_reuses_the_cache(zoo, tmp_pa
     assert second.prefill_tokens == second.prompt_tokens - second.reused_tokens
 
 
+class HeldWorker(RecordingWorker):
+    """The real worker, held after the reply's first tokens until ``release`` is set: a quiet machine
+    would finish the whole reply between two looks of the test."""
+
+    def start(self, listener) -> None:
+        self.release = threading.Event()
+
+        def held(event):
+            listener(event)
+            if isinstance(event, TokensCommitted):
+                self.release.wait(120)
+
+        super().start(held)
+
+
 @pilot_test
 async def test_escape_cancels_a_real_reply_and_keeps_its_prefix(zoo, tmp_path):
     s = settings_for(zoo, "qwen3-untied")
     full = one_shot_text(s, "tell me more", 200)
-    worker = RecordingWorker(s)
+    worker = HeldWorker(s)
     db = tmp_path / "h.sqlite3"
     app = SfchatApp(worker, db, {"max_new_tokens": 200, "temperature": 0.0})
     async with app.run_test(size=(120, 40)) as pilot:
@@ -79,6 +95,7 @@ async def test_escape_cancels_a_real_reply_and_keeps_its_prefix(zoo, tmp_path):
         await send(pilot, "tell me more")
         await wait_for(pilot, lambda: app.state == "streaming", 60)
         await pilot.press("escape")
+        worker.release.set()
         await wait_for(pilot, lambda: not app.session.replying, 60)
         await pilot.pause()
         partial = app.query_one(ReplyMessage).markdown.source
