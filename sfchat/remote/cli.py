@@ -5,7 +5,8 @@ Contract: ``offer_chat(settings, chat_session, runtime)`` serves ``runtime`` (th
 ``chat_session`` (default: the head's session with ``-chat`` added), printing, with
 timestamps, the chat code and the command to run at home, then one line per thing worth knowing
 (a client attached or left, the head's link, loading, ready, a failure); returns on Ctrl+C
-(``KeyboardInterrupt``) after closing the runtime. The chat code is ``SFCHAT_CHAT_CODE`` when set,
+(``KeyboardInterrupt``) after closing the runtime. The chat code is ``SFCHAT_CHAT_CODE`` when set
+(held to the tail's rule, ``pairing.check_code``: a shorter one is a UserError before anything starts),
 else made here, and stays the same for the host's life; its resumption secret is kept in the
 state directory as the tail keeps its own (``chat-SESSION.resume``). ``remote_chat(settings)``
 runs the chat screen against such a head: ``--relay``, ``--session`` (the chat session) and the
@@ -26,7 +27,7 @@ import platformdirs
 from sfchat import UserError
 from sfchat.config import Settings, history_path
 from sfchat.events import LinkState, LoadProgress, RuntimeFailed, RuntimeReady
-from sfchat.link.pairing import Passcode
+from sfchat.link.pairing import Passcode, check_code
 from sfchat.link.relay import RelayLink
 from sfchat.link.resume import ResumeFile
 from sfchat.link.secure import SecureLink
@@ -53,6 +54,16 @@ def chat_resume_path(session: str) -> Path:
     return Path(state).expanduser() / f"chat-{session}.resume"
 
 
+def chat_code() -> str | None:
+    """``SFCHAT_CHAT_CODE`` held to the rule of every pairing code (``pairing.check_code``), or None:
+    the host makes one. Whoever pairs as the chat screen drives the head, so a short code is refused."""
+    code = os.environ.get("SFCHAT_CHAT_CODE") or None
+    if code is not None:
+        check_code(code, "SFCHAT_CHAT_CODE", "unset it and --offer-chat makes a code, or set a secret of your own "
+                                              "at least that long")
+    return code
+
+
 def home_command(s: Settings, session: str) -> str:
     return f"sfchat --remote --relay {s.relay} --session {session}"
 
@@ -65,7 +76,7 @@ def offer_chat(s: Settings, chat_session: str | None, runtime) -> int:
     if session == s.session:
         raise UserError(f"--chat-session must differ from --session ({session!r}): the chat screen has a relay "
                         "session of its own")
-    passcode = Passcode(os.environ.get("SFCHAT_CHAT_CODE") or None)
+    passcode = Passcode(chat_code())
     resumption = ResumeFile(chat_resume_path(session), log)
 
     def dial():

@@ -35,7 +35,7 @@ from typing import Callable
 from sfchat import UserError
 from sfchat.events import CodeWanted, LinkState, ReplyFinished, RuntimeFailed, TokensCommitted
 from sfchat.link import LinkClosed, PeerGone
-from sfchat.link.pairing import MIN_SECRET_CHARS
+from sfchat.link.pairing import check_code
 from sfchat.link.resume import Resumption
 from sfchat.link.secure import IntegrityError, PairingRefused, WrongCode, secure
 from sfchat.plaintext import plain
@@ -193,12 +193,16 @@ class RemoteRuntime:
     _reason = ""
 
     def _need_code(self) -> None:
-        """Ask the person for the chat code until one of the right shape is given."""
-        while not self._code or len(self._code) < MIN_SECRET_CHARS:
+        """Ask the person for the chat code until one that obeys ``pairing.check_code`` is given."""
+        while True:
             reason = self._reason or ("the chat code the head printed (sfchat --offer-chat), such as "
                                       "7-crossover-clockwork")
             if self._code:
-                reason = f"the chat code has {len(self._code)} characters: type the one the head printed"
+                try:
+                    check_code(self._code, "the chat code", "type the one the head printed")
+                    break
+                except UserError as exc:
+                    reason = str(exc)
             with self._cond:
                 self._asking, self._answer = True, None
             self.listener(CodeWanted(reason))
