@@ -4,7 +4,8 @@ Contract: ``offer_chat(settings, chat_session, runtime)`` serves ``runtime`` (th
 ``RuntimeWorker``, built by the caller) to one chat client through ``settings.relay`` under
 ``chat_session`` (default: the head's session with ``-chat`` added), printing, with
 timestamps, the chat code and the command to run at home, then one line per thing worth knowing
-(a client attached or left, the head's link, loading, ready, a failure); returns on Ctrl+C
+(a client attached or left, the head's link, loading, ready, a failure), every line through the
+process's one log limit (``sfchat.nodelog``, the tail's); returns on Ctrl+C
 (``KeyboardInterrupt``) after closing the runtime. The chat code is ``SFCHAT_CHAT_CODE`` when set
 (held to the tail's rule, ``pairing.check_code``: a shorter one is a UserError before anything starts),
 else made here, and stays the same for the host's life; its resumption secret is kept in the
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 from pathlib import Path
 
 import platformdirs
@@ -31,15 +31,14 @@ from sfchat.link.pairing import Passcode, check_code
 from sfchat.link.relay import RelayLink
 from sfchat.link.resume import ResumeFile
 from sfchat.link.secure import SecureLink
-from sfchat.plaintext import plain
+from sfchat.nodelog import node_log
 from sfchat.remote.client import RemoteRuntime
 from sfchat.remote.host import ChatHost
 
 JOIN_S = 5.0
 
 
-def log(message: str) -> None:
-    print(f"[sfchat chat {time.strftime('%H:%M:%S')}] {plain(message)}", file=sys.stderr, flush=True)
+log = node_log("chat")  # joins, pairing attempts and refused frames a stranger causes: the tail's one rate limit
 
 
 def chat_session_of(s: Settings, chat_session: str | None) -> str:

@@ -6,6 +6,7 @@ the head's runtime is scripted (``test_remote.ScriptedHead``) or hostile on purp
 from __future__ import annotations
 
 import queue
+import threading
 
 import pytest
 
@@ -16,7 +17,7 @@ from sfchat.link.pairing import require_secret
 from sfchat.remote.cli import offer_chat
 from sfchat.remote.client import RemoteRuntime
 
-from test_remote import WAIT, ScriptedHead
+from test_remote import WAIT, ScriptedHead, until
 
 
 def next_event(events: queue.Queue, kind: type):
@@ -52,3 +53,42 @@ def test_the_chat_screen_asks_again_for_a_short_chat_code_and_says_the_rule():
         client.close()
     assert "the chat code has 2 characters" in reason and "at least 8" in reason
     assert dials == []  # nothing tried with a code that breaks the rule
+
+
+class OwnedHead(ScriptedHead):
+    """A scripted head that keeps the chat host serving it (its listener's owner), to close it."""
+
+    def start(self, listener) -> None:
+        self.host = listener.__self__
+        super().start(listener)
+
+
+def test_a_stranger_joining_the_chat_slot_in_a_loop_cannot_fill_the_hosts_log(relay_url, monkeypatch, capsys):
+    """Round five: a token holder joining and leaving ``<session>-chat`` wrote 9,076 lines in 20 s.
+    The chat host's log passes the process's one limit (``sfchat.nodelog``), the tail's too."""
+    from sfchat import nodelog
+    from sfchat.link.relay import RelayLink
+    from sfchat.node import tail
+
+    from relay_process import TOKEN
+
+    frozen = nodelog.LogLimit(per_s=100, burst=1500, clock=lambda: 0.0)  # no refill: what is written is the burst
+    monkeypatch.setattr(nodelog, "LIMIT", frozen)
+    monkeypatch.delenv("SFCHAT_CHAT_CODE", raising=False)
+    head = OwnedHead()
+    served = []
+    thread = threading.Thread(target=lambda: served.append(
+        offer_chat(Settings(relay=relay_url, token=TOKEN, session="mine"), None, head)), daemon=True)
+    thread.start()
+    assert until(lambda: getattr(head, "host", None) is not None and head.host.link is not None)
+    for _ in range(60):  # a stranger in the chat screen's slot, joining and leaving
+        RelayLink(relay_url, TOKEN, "mine-chat", "head").close()
+    assert until(lambda: frozen.left_out >= 20), "the host never said the stranger left"
+    tail.log("a line of the tail's log in the same process")
+    head.host.close()
+    thread.join(WAIT)
+    written = capsys.readouterr().err
+    assert served == [0]
+    assert "chat code: " in written  # the first lines are written...
+    assert len(written) <= 1500 + written.count("\n")  # ...and no more than the burst, whoever caused them
+    assert "the tail's log" not in written  # one limit for the process, not one per node
