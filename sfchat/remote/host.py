@@ -67,7 +67,7 @@ class ChatHost:
         self._taken = 0  # the last command number taken from that client
         self._requests: deque[int] = deque()  # replies given to the runtime and not finished, oldest first
         self._waiting: deque[chat.Submit] = deque()  # submits held while an orphaned reply ends
-        self._streamed = ""  # the text of the reply in progress so far
+        self._streamed: list[str] = []  # the texts of the reply in progress so far, round by round
         self._ready: RuntimeReady | None = None
         self._link_state: LinkState | None = None
         self._progress: dict[tuple[str, str], LoadProgress] = {}
@@ -86,11 +86,12 @@ class ChatHost:
             request = self._requests[0] if reply and self._requests else ORPHAN
             match event:
                 case ReplyStarted():
-                    self._streamed = ""
+                    self._streamed = []
                 case TokensCommitted():
-                    self._streamed += event.text
+                    self._streamed.append(event.text)
                 case ReplyFinished():
-                    event = chat.Finished.of(event, self._streamed)
+                    event = chat.Finished.of(event, "".join(self._streamed))
+                    self._streamed = []
                     self._reply_ended()
                 case RuntimeFailed() if reply:
                     self._reply_ended()

@@ -12,12 +12,16 @@ import pytest
 
 from sfchat import UserError
 from sfchat.config import Settings
-from sfchat.events import CodeWanted
+from sfchat.events import (
+    CodeWanted, ReplyFinished, ReplyStarted, RoundStats, RuntimeFailed, RuntimeReady, TokensCommitted,
+)
 from sfchat.link.pairing import require_secret
 from sfchat.remote.cli import offer_chat
-from sfchat.remote.client import RemoteRuntime
+from sfchat.protocol import chat
+from sfchat.remote.client import CHARS_PER_TOKEN, RemoteRuntime
+from sfchat.tally import Tally
 
-from test_remote import WAIT, ScriptedHead, until
+from test_remote import WAIT, ScriptedHead, make_pair, until
 
 
 def next_event(events: queue.Queue, kind: type):
@@ -92,3 +96,58 @@ def test_a_stranger_joining_the_chat_slot_in_a_loop_cannot_fill_the_hosts_log(re
     assert "chat code: " in written  # the first lines are written...
     assert len(written) <= 1500 + written.count("\n")  # ...and no more than the burst, whoever caused them
     assert "the tail's log" not in written  # one limit for the process, not one per node
+
+
+class EndlessHead(ScriptedHead):
+    """A hostile head: every reply is round after round of ``text`` and ``ids`` until cancelled,
+    at most ``ROUNDS`` (on a client that never says stop, the test ends anyway). Each round waits
+    until the client has reported the one before or the head was cancelled (``delivered``: the
+    rounds the client reported), so that a cancel meets the reply in progress, whatever the speed."""
+
+    ROUNDS = 120
+
+    def __init__(self, text: str, ids: tuple[int, ...]):
+        super().__init__()
+        self.text, self.ids = text, ids
+        self.delivered = lambda: 0
+
+    def _generate(self) -> None:
+        self.listener(ReplyStarted(prompt_tokens=4, reused_tokens=0, prefill_tokens=4))
+        tally = Tally(4)
+        for i in range(self.ROUNDS):
+            stats = RoundStats(accepted=0, committed=len(self.ids), draft_ms=1.0, head_ms=1.0, tail_ms=1.0,
+                               rtt_ms=1.0, round_ms=1.0)
+            self.listener(TokensCommitted(self.text, self.ids, stats, 0.01 * (i + 1)))
+            tally.add(stats, 0.01 * (i + 1))
+            if not until(lambda: self._cancelled or self.delivered() > i) or self._cancelled:
+                break
+        self.listener(ReplyFinished("cancelled" if self._cancelled else "length", "", (), 4, **tally.figures()))
+        self.finished.set()
+
+
+@pytest.mark.parametrize("text, ids", [("x" * chat.MAX_CHUNK_CHARS, (7,)), ("y", tuple(range(1000)))],
+                         ids=["characters", "tokens"])
+def test_a_reply_past_what_was_asked_is_cut_said_and_stopped(relay_url, text, ids):
+    """Round five: a head answering a 16-token request with 64 Ki-character rounds made the client
+    hold 43.8 M characters."""
+    head = EndlessHead(text, ids)
+    host, _, client, _, _ = make_pair(relay_url, head)
+    ready = threading.Event()
+    client.start(lambda e: ready.set() if isinstance(e, RuntimeReady) else None)
+    head.delivered = lambda: sum(isinstance(e, TokensCommitted) for e in client.events)
+    try:
+        assert ready.wait(WAIT)
+        client.submit([{"role": "user", "content": "sixteen tokens, please"}], {"max_new_tokens": 16})
+        assert until(lambda: any(isinstance(e, (RuntimeFailed, ReplyFinished)) for e in client.events))
+        assert until(head.finished.is_set)
+        rounds = [e for e in client.events if isinstance(e, TokensCommitted)]
+        ended = [e for e in client.events if isinstance(e, (RuntimeFailed, ReplyFinished))]
+        assert sum(len(e.token_ids) for e in rounds) <= 16
+        assert sum(len(e.text) for e in rounds) <= 16 * CHARS_PER_TOKEN
+        assert len(ended) == 1 and isinstance(ended[0], RuntimeFailed) and not ended[0].fatal
+        assert "more than this screen asked for (16 tokens" in ended[0].message
+        assert head.cancels == 1  # the head was told to stop
+        assert client._replies == {}  # and nothing of that reply is held any more
+    finally:
+        client.close()
+        host.close()
