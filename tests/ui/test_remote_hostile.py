@@ -5,6 +5,7 @@ the head's runtime is scripted (``test_remote.ScriptedHead``) or hostile on purp
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import threading
 
@@ -13,15 +14,20 @@ import pytest
 from sfchat import UserError
 from sfchat.config import Settings
 from sfchat.events import (
-    CodeWanted, ReplyFinished, ReplyStarted, RoundStats, RuntimeFailed, RuntimeReady, TokensCommitted,
+    CodeWanted, LinkState, ReplyFinished, ReplyStarted, RoundStats, RuntimeFailed, RuntimeReady, TokensCommitted,
 )
 from sfchat.link.pairing import require_secret
+from sfchat.plaintext import plain
 from sfchat.remote.cli import offer_chat
 from sfchat.protocol import chat
 from sfchat.remote.client import CHARS_PER_TOKEN, RemoteRuntime
 from sfchat.tally import Tally
+from sfchat.ui import SfchatApp
+from sfchat.ui.metrics import MetricsPanel
 
 from test_remote import WAIT, ScriptedHead, make_pair, until
+from test_ui import READY, pilot_test, wait_for
+from test_ui_screen import screen_lines
 
 
 def next_event(events: queue.Queue, kind: type):
@@ -151,3 +157,32 @@ def test_a_reply_past_what_was_asked_is_cut_said_and_stopped(relay_url, text, id
     finally:
         client.close()
         host.close()
+
+
+BIDI = "\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069\u200e\u200f\u061c"
+
+
+class MirroredHead(ScriptedHead):
+    """A head whose model name and link detail carry bidirectional overrides."""
+
+    def _load(self) -> None:
+        self.listener(LinkState("connected", f"ws://relay\u202e{BIDI}moc.elpmaxe"))
+        self.listener(dataclasses.replace(READY, model=f"Qwen/evil\u202egpt{BIDI}.exe", draft=f"\u2067d{BIDI}raft"))
+
+
+@pilot_test
+async def test_the_header_shows_the_heads_one_line_texts_without_bidirectional_overrides(relay_url, tmp_path):
+    """Round five: U+202E and friends survived in the model name and link detail of the header."""
+    head = MirroredHead()
+    host, _, client, _, _ = make_pair(relay_url, head)
+    app = SfchatApp(client, tmp_path / "home.sqlite3")
+    async with app.run_test(size=(160, 30)) as pilot:
+        await wait_for(pilot, lambda: app.ready is not None, WAIT)
+        await pilot.pause()
+        header = screen_lines(app)[0]
+        link = app.query_one(MetricsPanel)._link.plain
+    host.close()
+    assert "evilgpt.exe" in header and "draft" in header
+    assert "moc.elpmaxe" in link
+    assert not set(BIDI) & set(header + link + app.ready.model + app.ready.draft)
+    assert plain(f"a{BIDI}b") == "ab" and plain("مرحبا") == "مرحبا"  # the letters of a right-to-left script stay
