@@ -24,9 +24,10 @@ from sfchat.remote.client import CHARS_PER_TOKEN, RemoteRuntime
 from sfchat.tally import Tally
 from sfchat.ui import SfchatApp
 from sfchat.ui.metrics import MetricsPanel
+from sfchat.ui.screens import ConfirmScreen
 
 from test_remote import WAIT, ScriptedHead, make_pair, until
-from test_ui import READY, pilot_test, wait_for
+from test_ui import READY, FakeRuntime, pilot_test, send, wait_for
 from test_ui_screen import screen_lines
 
 
@@ -186,3 +187,43 @@ async def test_the_header_shows_the_heads_one_line_texts_without_bidirectional_o
     assert "moc.elpmaxe" in link
     assert not set(BIDI) & set(header + link + app.ready.model + app.ready.draft)
     assert plain(f"a{BIDI}b") == "ab" and plain("مرحبا") == "مرحبا"  # the letters of a right-to-left script stay
+
+
+LINKS = "See [the manual](ssh://attacker.example/x) or [this](smb://attacker.example/share).\n\n[Docs](https://example.com/a?b=1)"
+
+
+async def click_text(pilot, text: str) -> None:
+    """A click on the first place the screen shows ``text``."""
+    for y, line in enumerate(screen_lines(pilot.app)):
+        if text in line:
+            await pilot.click(offset=(line.index(text) + 1, y))
+            await pilot.pause()
+            return
+    raise AssertionError(f"{text!r} is not on the screen")
+
+
+@pilot_test
+async def test_a_link_in_a_reply_opens_only_over_http_and_only_after_its_target_was_shown(tmp_path):
+    """Round five: a click on a reply's link opened any scheme markdown lets through (ssh:, smb:)
+    at once, and the link's text may say anything."""
+    app = SfchatApp(FakeRuntime(reply=LINKS), tmp_path / "links.sqlite3")
+    opened: list[str] = []
+    app.open_url = lambda url, **kwargs: opened.append(url)
+    async with app.run_test(size=(120, 30)) as pilot:
+        await wait_for(pilot, lambda: app.ready is not None)
+        await send(pilot, "links, please")
+        await wait_for(pilot, lambda: not app.session.replying)
+        await pilot.pause()
+        for text, target in (("the manual", "ssh://attacker.example/x"), ("this", "smb://attacker.example/share")):
+            await click_text(pilot, text)
+            assert not isinstance(app.screen, ConfirmScreen)
+            assert any(target in n.message and "Not opened" in n.message for n in app._notifications)
+        await click_text(pilot, "Docs")
+        await wait_for(pilot, lambda: isinstance(app.screen, ConfirmScreen))
+        assert "https://example.com/a?b=1" in app.screen.question  # the target, whatever the text says
+        await pilot.press("n")
+        await click_text(pilot, "Docs")
+        await wait_for(pilot, lambda: isinstance(app.screen, ConfirmScreen))
+        await pilot.press("y")
+        await pilot.pause()
+    assert opened == ["https://example.com/a?b=1"]
