@@ -30,12 +30,13 @@ from sfchat.events import LinkState, LoadProgress, RuntimeFailed, RuntimeReady
 from sfchat.link.pairing import Passcode, check_code
 from sfchat.link.relay import RelayLink
 from sfchat.link.resume import ResumeFile
-from sfchat.link.secure import SecureLink
+from sfchat.link.secure import Names, SecureLink
 from sfchat.nodelog import node_log
 from sfchat.remote.client import RemoteRuntime
 from sfchat.remote.host import ChatHost
 
 JOIN_S = 5.0
+CHAT_HOST = Names("the chat screen", "the chat screen", "this head")  # the chat link's ends, in the host's log
 
 
 log = node_log("chat")  # joins, pairing attempts and refused frames a stranger causes: the tail's one rate limit
@@ -80,7 +81,7 @@ def offer_chat(s: Settings, chat_session: str | None, runtime) -> int:
 
     def dial():
         return SecureLink(RelayLink(s.relay, s.token, session, "tail"), passcode, session, "tail", log=log,
-                          resumption=resumption)
+                          resumption=resumption, names=CHAT_HOST)
 
     host = ChatHost(runtime, dial, log, watch=report)
     log(f"chat code: {passcode.code if passcode.generated else '(SFCHAT_CHAT_CODE)'}")

@@ -227,3 +227,32 @@ async def test_a_link_in_a_reply_opens_only_over_http_and_only_after_its_target_
         await pilot.press("y")
         await pilot.pause()
     assert opened == ["https://example.com/a?b=1"]
+
+
+def test_the_chat_hosts_log_names_the_chat_screen_where_it_pairs_with_it(relay_url, monkeypatch, capsys):
+    """Issue 45, 2.2: the --offer-chat head's log said 'paired with a head' and 'this tail's
+    confirmation' of the chat screen."""
+    from relay_process import TOKEN
+    from sfchat.link.relay import RelayLink
+
+    monkeypatch.setenv("SFCHAT_CHAT_CODE", "4-crossover-clockwork")
+    head = OwnedHead()
+    thread = threading.Thread(target=offer_chat, args=(Settings(relay=relay_url, token=TOKEN, session="mine"),
+                                                       None, head), daemon=True)
+    thread.start()
+    client = RemoteRuntime(lambda: RelayLink(relay_url, TOKEN, "mine-chat", "head"), "4-wrong-code-here", "mine-chat")
+    events: queue.Queue = queue.Queue()
+    client.start(events.put)
+    try:
+        assert "wrong chat code" in next_event(events, CodeWanted).reason
+        client.set_code("4-crossover-clockwork")
+        next_event(events, RuntimeReady)
+    finally:
+        client.close()
+        if getattr(head, "host", None) is not None:
+            head.host.close()
+        thread.join(WAIT)
+    said = capsys.readouterr().err
+    assert "the chat screen did not accept this head's confirmation: a wrong code" in said
+    assert "paired with the chat screen on session 'mine-chat'" in said
+    assert "a head" not in said and "this tail" not in said
