@@ -6,7 +6,10 @@ Contract: ``offer_chat(settings, chat_session, runtime)`` serves ``runtime`` (th
 timestamps, the chat code and the command to run at home, then one line per thing worth knowing
 (a client attached or left, the head's link, loading, ready, a failure), every line through the
 process's one log limit (``sfchat.nodelog``, the tail's); returns on Ctrl+C
-(``KeyboardInterrupt``) after closing the runtime. The chat code is ``SFCHAT_CHAT_CODE`` when set
+(``KeyboardInterrupt``) after closing the runtime. A chat session whose slot on the relay is taken
+(the name is predictable: anyone with the relay token can take it first) is tried again for
+``SLOT_WAIT_S``, the log saying so and how to pick another session; past that a UserError says
+the same. The chat code is ``SFCHAT_CHAT_CODE`` when set
 (held to the tail's rule, ``pairing.check_code``: a shorter one is a UserError before anything starts),
 else made here, and stays the same for the host's life; its resumption secret is kept in the
 state directory as the tail keeps its own (``chat-SESSION.resume``). ``remote_chat(settings)``
@@ -28,7 +31,7 @@ from sfchat import UserError
 from sfchat.config import Settings, history_path
 from sfchat.events import LinkState, LoadProgress, RuntimeFailed, RuntimeReady
 from sfchat.link.pairing import Passcode, check_code
-from sfchat.link.relay import RelayLink
+from sfchat.link.relay import RelayLink, SlotTaken, join_while_taken
 from sfchat.link.resume import ResumeFile
 from sfchat.link.secure import Names, SecureLink
 from sfchat.nodelog import node_log
@@ -36,6 +39,7 @@ from sfchat.remote.client import RemoteRuntime
 from sfchat.remote.host import ChatHost
 
 JOIN_S = 5.0
+SLOT_WAIT_S = 30.0  # how long the chat host retries a chat session whose slot is taken
 CHAT_HOST = Names("the chat screen", "the chat screen", "this head")  # the chat link's ends, in the host's log
 
 
@@ -64,6 +68,11 @@ def chat_code() -> str | None:
     return code
 
 
+def another_session(s: Settings) -> str:
+    return ("To use another one, start this head with --chat-session NAME (any name of yours, not guessable) "
+            f"and the chat screen with sfchat --remote --relay {s.relay} --session NAME")
+
+
 def home_command(s: Settings, session: str) -> str:
     return f"sfchat --remote --relay {s.relay} --session {session}"
 
@@ -79,9 +88,19 @@ def offer_chat(s: Settings, chat_session: str | None, runtime) -> int:
     passcode = Passcode(chat_code())
     resumption = ResumeFile(chat_resume_path(session), log)
 
+    def taken(exc: SlotTaken) -> None:
+        log(f"{exc}: someone holding the relay token (or another --offer-chat) holds the slot of chat session "
+            f"{session!r}; trying again for {SLOT_WAIT_S:.0f} s. {another_session(s)}")
+
+    def join() -> RelayLink:
+        try:
+            return join_while_taken(lambda: RelayLink(s.relay, s.token, session, "tail"), SLOT_WAIT_S, taken)
+        except SlotTaken as exc:
+            raise UserError(f"{exc} for {SLOT_WAIT_S:.0f} s: someone else holds the slot of chat session "
+                            f"{session!r}. {another_session(s)}") from None
+
     def dial():
-        return SecureLink(RelayLink(s.relay, s.token, session, "tail"), passcode, session, "tail", log=log,
-                          resumption=resumption, names=CHAT_HOST)
+        return SecureLink(join(), passcode, session, "tail", log=log, resumption=resumption, names=CHAT_HOST)
 
     host = ChatHost(runtime, dial, log, watch=report)
     log(f"chat code: {passcode.code if passcode.generated else '(SFCHAT_CHAT_CODE)'}")

@@ -256,3 +256,45 @@ def test_the_chat_hosts_log_names_the_chat_screen_where_it_pairs_with_it(relay_u
     assert "the chat screen did not accept this head's confirmation: a wrong code" in said
     assert "paired with the chat screen on session 'mine-chat'" in said
     assert "a head" not in said and "this tail" not in said
+
+
+def test_a_stranger_in_the_chat_sessions_slot_is_named_and_waited_out(relay_url, monkeypatch):
+    """Round five: a token holder who took ``<session>-chat`` first stopped --offer-chat at once."""
+    from relay_process import TOKEN
+    from sfchat.link.relay import RelayLink
+    from sfchat.remote import cli
+
+    said: list[str] = []
+    monkeypatch.setattr(cli, "log", said.append)
+    monkeypatch.delenv("SFCHAT_CHAT_CODE", raising=False)
+    squatter = RelayLink(relay_url, TOKEN, "mine-chat", "tail")
+    head = OwnedHead()
+    thread = threading.Thread(target=offer_chat, args=(Settings(relay=relay_url, token=TOKEN, session="mine"),
+                                                       None, head), daemon=True)
+    thread.start()
+    try:
+        assert until(lambda: any("holds the slot of chat session 'mine-chat'" in line for line in said)), said
+        assert any("--chat-session NAME" in line for line in said)
+        squatter.close()  # the slot comes free within the host's wait: it takes it
+        assert until(lambda: getattr(head, "host", None) is not None and head.host.link is not None)
+    finally:
+        squatter.close()
+        if getattr(head, "host", None) is not None:
+            head.host.close()
+        thread.join(WAIT)
+
+
+def test_a_stranger_who_keeps_the_chat_sessions_slot_ends_the_wait_with_the_way_out(relay_url, monkeypatch):
+    from relay_process import TOKEN
+    from sfchat.link.relay import RelayLink
+    from sfchat.remote import cli
+
+    monkeypatch.setattr(cli, "SLOT_WAIT_S", 1.0)  # the wait itself is the other test's
+    monkeypatch.delenv("SFCHAT_CHAT_CODE", raising=False)
+    squatter = RelayLink(relay_url, TOKEN, "mine-chat", "tail")
+    try:
+        with pytest.raises(UserError, match="someone else holds the slot of chat session 'mine-chat'") as refused:
+            offer_chat(Settings(relay=relay_url, token=TOKEN, session="mine"), None, ScriptedHead())
+    finally:
+        squatter.close()
+    assert "--chat-session NAME" in str(refused.value) and f"--remote --relay {relay_url} --session NAME" in str(refused.value)
