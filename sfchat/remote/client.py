@@ -14,7 +14,10 @@ falls back to), and the person is asked for the code again (``CodeWanted``), as 
 the host's runtime to ``listener`` (the host's figures, so the metrics panel shows the head's);
 ``submit``, ``cancel``, ``new_chat``, ``set_code`` and ``close`` never block: a command is
 numbered, kept until the host acknowledges it, and sent again after a reconnect, so nothing is
-lost or done twice. A lost link is dialled again with backoff, as long as the runtime is open;
+lost or done twice. A lost link is dialled again with backoff, as long as the runtime is open,
+and so is one that is silent for ``chat.SILENCE_S`` (the host sends at least every
+``chat.KEEPALIVE_S``; so does this runtime once attached): a relay that withholds or replays a
+frame, or a host that ended the pairing, is noticed within that and shown;
 meanwhile ``LinkState`` says so ("reconnecting", "waiting" for a host that is not there), and
 the host's own link state is shown again once it is back.
 
@@ -37,6 +40,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import threading
+import time
 from typing import Callable
 
 from sfchat import UserError
@@ -233,14 +237,23 @@ class RemoteRuntime:
     def _take_all(self, link) -> str:
         link.send(chat.encode(chat.Attach(self.client, self._host, self._seen)))
         welcomed = False
+        heard = kept_alive = time.monotonic()
         while True:
+            now = time.monotonic()
+            if now - heard > chat.SILENCE_S:
+                return (f"nothing from the head for {chat.SILENCE_S:.0f} s: the relay may be holding frames back, "
+                        "or the head ended the pairing")
+            if welcomed and now - kept_alive >= chat.KEEPALIVE_S:
+                kept_alive = now
+                link.send(chat.encode(chat.Ack(self._seen)))
             try:
-                frame = link.recv(timeout=POLL_S)
+                frame = link.recv(timeout=min(POLL_S, chat.KEEPALIVE_S))
             except TimeoutError:
                 self._check_open()
                 continue
             except (PeerGone, LinkClosed, IntegrityError) as exc:
                 return str(exc) or type(exc).__name__
+            heard = time.monotonic()
             try:
                 msg = chat.decode(frame)
             except chat.ChatError as exc:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import queue
 import threading
+import time
 
 import pytest
 
@@ -298,3 +299,60 @@ def test_a_stranger_who_keeps_the_chat_sessions_slot_ends_the_wait_with_the_way_
     finally:
         squatter.close()
     assert "--chat-session NAME" in str(refused.value) and f"--remote --relay {relay_url} --session NAME" in str(refused.value)
+
+
+class Meddler:
+    """The relay's hand on the frames the chat host receives: ``withhold`` drops them, ``replay``
+    delivers the next one twice."""
+
+    def __init__(self, inner) -> None:
+        self.recv_inner, self.withhold, self.replay, self.again = inner.recv, False, False, None
+        inner.recv = self.recv
+
+    def recv(self, timeout=None):
+        if self.again is not None:
+            frame, self.again = self.again, None
+            return frame
+        deadline = time.monotonic() + (timeout or 0.0)
+        while True:
+            frame = self.recv_inner(max(deadline - time.monotonic(), 0.0) if timeout is not None else None)
+            if self.replay:
+                self.replay, self.again = False, frame
+            if not self.withhold:
+                return frame
+            if timeout is not None and time.monotonic() >= deadline:
+                raise TimeoutError("withheld")
+
+
+@pytest.mark.parametrize("meddling", ["replay", "withhold"])
+def test_a_stalled_or_refused_chat_link_is_noticed_on_both_sides_and_shown(relay_url, monkeypatch, meddling):
+    """Round five: after the relay replayed or withheld one sealed frame the host refused it and
+    paired afresh, but the screen was never told: "generating" with no end."""
+    from test_remote import PIECES, REPLY, streamed
+
+    monkeypatch.setattr(chat, "KEEPALIVE_S", 0.2)  # the deadlines are the mechanism's, shortened for the test
+    monkeypatch.setattr(chat, "SILENCE_S", 1.5)
+    head = ScriptedHead()
+    host, _, client, _, log = make_pair(relay_url, head)
+    ready = threading.Event()
+    client.start(lambda e: ready.set() if isinstance(e, RuntimeReady) else None)
+    try:
+        assert ready.wait(WAIT) and until(lambda: host.link is not None and host._attached)
+        meddler = Meddler(host.link.inner)
+        head.release(2)
+        client.submit([{"role": "user", "content": "tell me"}], {"max_new_tokens": 64})
+        assert until(lambda: streamed(client) == "".join(PIECES[:2]))
+        setattr(meddler, meddling, True)  # the next frame from the screen (its keepalive at the latest)
+        assert until(lambda: any("ending this chat client's pairing" in line for line in log)), log
+        meddler.withhold = False
+        head.release()  # the rest of the reply is made while the screen does not hear the host
+        said = [e for e in client.events if isinstance(e, LinkState) and e.state == "reconnecting"]
+        assert until(lambda: any(isinstance(e, LinkState) and e.state == "reconnecting" and "nothing from the head"
+                                 in e.detail for e in client.events)), said
+        assert until(lambda: any(isinstance(e, ReplyFinished) for e in client.events))  # resumed: nothing lost
+        assert streamed(client) == REPLY
+    finally:
+        client.close()
+        host.close()
+    why = "replayed" if meddling == "replay" else "nothing from the chat client for 2 s"
+    assert any(why in line and "ending this chat client's pairing" in line for line in log), log
