@@ -15,6 +15,9 @@ commands put no secret on a command line (where ``ps`` shows it to every user of
   host's public IP or DNS name from another network, and wss:// behind a TLS proxy (or the
   certificate's name when the relay serves TLS itself).
 
+A relay that emulates a link (``--emulate-rtt-ms``, ``--emulate-mbps``) says so in two lines of
+capitals marked ``!!!``: it slows every session down on purpose, which only a benchmark wants.
+
 Every string in the banner that came from outside (the host flag, the addresses the system
 reports) goes through ``plain`` first. This module knows nothing of websockets or sessions.
 """
@@ -126,10 +129,11 @@ def banner(host: str, port: int, tls: bool, token: str, token_generated: bool, e
         url, where = _where(host, port, tls, [plain(a) for a in addresses or []])
     everywhere = " (every address of this host)" if host in WILDCARDS else ""
     lines = [f"sfchat-relay listening on {ws_url(plain(host) or '0.0.0.0', port, tls)}{everywhere}", *where]
-    if emulate_rtt_ms:
-        lines.append(f"emulating a round trip of {emulate_rtt_ms:g} ms")
-    if emulate_mbps:
-        lines.append(f"emulating a link of {emulate_mbps:g} Mbit/s each way")
+    emulated = [f"a round trip of {emulate_rtt_ms:g} ms"] * bool(emulate_rtt_ms) + \
+        [f"{emulate_mbps:g} Mbit/s each way"] * bool(emulate_mbps)
+    if emulated:
+        lines += [f"!!! EMULATING A SLOW LINK ({', '.join(emulated)}): EVERY FRAME IS HELD BACK ON PURPOSE",
+                  "!!! FOR BENCHMARKS ONLY: for real use, restart without --emulate-rtt-ms and --emulate-mbps"]
     if token_generated:
         lines += ["token generated for this run (start the relay with SFCHAT_TOKEN set to keep one);",
                   "on both machines first (in a notebook: store it as the secret SFCHAT_TOKEN instead):",

@@ -2,8 +2,8 @@
 
 Contract
 --------
-``main(argv)`` parses the flags (every one described in ``--help``; a bad one is one error line
-and exit 2; ``--token`` on the command line is accepted with a warning that ``ps`` shows it),
+``main(argv)`` parses the flags (every one described in ``--help``; a bad one, a number that is
+not finite or out of its range among them, is one error line and exit 2; ``--token`` on the command line is accepted with a warning that ``ps`` shows it),
 installs the rate-limited log handler (``relay.logs``) for every logger, prints the startup
 banner (``relay.banner``) once listening, runs the relay until SIGTERM or SIGINT and returns 0;
 a startup mistake (bad certificate, port in use, too few file descriptors for the limits asked)
@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import ctypes
 import logging
+import math
 import os
 import secrets
 import signal
@@ -28,21 +29,28 @@ from relay.banner import banner
 from relay.logs import RateLimitedHandler
 from relay.server import MAX_FRAME_BYTES, RelayConfig, StartupError, log, serve
 
+MAX_EMULATED_RTT_MS = 10_000.0  # a WAN round trip past 10 s is no link to rehearse
+EMULATED_MBPS = (0.1, 100_000.0)  # below 0.1 Mbit/s one large frame takes most of a minute
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):
         # One line, no usage block: the relay often runs under a process manager's log.
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
-def _bounded(kind, low, high=None):
+def _bounded(kind, low, high=None, off=None):
+    """A flag's parser: a finite number in ``low..high`` (``off``, when given, is allowed too)."""
     def parse(text: str):
         try:
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-        if value < low or (high is not None and value > high):
-            limit = f"{low}..{high}" if high is not None else f">= {low}"
-            raise argparse.ArgumentTypeError(f"{text} is out of range ({limit})")
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"{text} is not a finite number")
+        if value != off and (value < low or (high is not None and value > high)):
+            limit = f"{low:g}..{high:g}" if high is not None else f">= {low:g}"
+            raise argparse.ArgumentTypeError(f"{text} is out of range ({limit}{f', or {off:g}' if off is not None else ''})")
         return value
     return parse
 
@@ -68,11 +76,13 @@ def _parser() -> argparse.ArgumentParser:
                         "a TLS proxy, ws://203.0.113.7:8765 behind NAT): used in the printed commands")
     p.add_argument("--certfile", help="TLS certificate (PEM) to serve wss://")
     p.add_argument("--keyfile", help="TLS private key (PEM), if not inside --certfile")
-    p.add_argument("--emulate-rtt-ms", type=_bounded(float, 0.0), default=0.0, metavar="MS",
-                   help="delay every forwarded frame by MS/2 each way, to rehearse a WAN locally")
-    p.add_argument("--emulate-mbps", type=_bounded(float, 0.0), default=0.0, metavar="MBIT",
-                   help="carry each direction at MBIT megabits per second, one frame after another, to "
-                        "rehearse a WAN's bandwidth locally (default 0: unlimited)")
+    p.add_argument("--emulate-rtt-ms", type=_bounded(float, 0.0, MAX_EMULATED_RTT_MS), default=0.0, metavar="MS",
+                   help=f"for benchmarks only: delay every forwarded frame by MS/2 each way, to rehearse a WAN "
+                        f"locally (0..{MAX_EMULATED_RTT_MS:g}; default 0: no delay)")
+    p.add_argument("--emulate-mbps", type=_bounded(float, *EMULATED_MBPS, off=0.0), default=0.0, metavar="MBIT",
+                   help=f"for benchmarks only: carry each direction at MBIT megabits per second, one frame after "
+                        f"another, to rehearse a WAN's bandwidth locally ({EMULATED_MBPS[0]:g}..{EMULATED_MBPS[1]:g}; "
+                        f"default 0: unlimited)")
     d = RelayConfig(token="")
     p.add_argument("--max-sessions", type=_bounded(int, 1), default=d.max_sessions,
                    help=f"sessions (head/tail pairs, or one side waiting) at most; a client that would "
@@ -133,6 +143,8 @@ async def _run(config: RelayConfig, token_generated: bool, token_on_command_line
         relay = await serve(config)
     except OSError as exc:
         raise StartupError(f"cannot listen on {config.host}:{config.port}: {exc.strerror or exc}") from None
+    if config.emulate_rtt_ms or config.emulate_mbps:
+        log.warning("this relay delays frames on purpose (--emulate-rtt-ms, --emulate-mbps): for benchmarks only")
     if token_on_command_line:
         log.warning("--token on the command line is visible to every user of this machine (ps, /proc): "
                     "set SFCHAT_TOKEN instead")

@@ -1,8 +1,10 @@
 """Text from the network, made safe to show: the one sanitiser of sfchat.
 
 Contract: ``plain(text)`` returns ``text`` with ANSI/VT escape sequences (CSI, OSC, DCS and other
-ESC sequences, and their 8-bit C1 forms) and every other control character removed; newlines
-and tabs become spaces, so that a message stays on one line. It does not escape markup: the
+ESC sequences, and their 8-bit C1 forms), every other control character and the bidirectional
+formatting characters (U+202A-U+202E, U+2066-U+2069, U+200E, U+200F, U+061C: they would show a
+line's characters in another order than they are) removed; newlines and tabs become spaces, so
+that a message stays on one line and reads in the order it was written. It does not escape markup: the
 UI shows the result only through widgets and calls that take text literally (``Content(...)``,
 ``Text(...)``, ``notify(..., markup=False)``).
 
@@ -26,6 +28,8 @@ _ESCAPES = re.compile(
     r"|\x1b[ -/]*[0-~]?"
 )
 _CONTROLS = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+# bidirectional overrides, embeddings, isolates and marks: they reorder what follows them on the line
+_BIDI = re.compile("[\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
 _BLANKS = re.compile(r"[\t\n\r]")
 MAX_CHARS = 2000  # a message longer than this is cut: nobody reads it, and it could flood the screen
 
@@ -33,7 +37,7 @@ MAX_CHARS = 2000  # a message longer than this is cut: nobody reads it, and it c
 def plain(text: object) -> str:
     """``text`` without escape sequences or control characters, on one line."""
     s = _ESCAPES.sub("", str(text))
-    s = _CONTROLS.sub("", _BLANKS.sub(" ", s))
+    s = _BIDI.sub("", _CONTROLS.sub("", _BLANKS.sub(" ", s)))
     return s if len(s) <= MAX_CHARS else s[:MAX_CHARS] + "…"
 
 

@@ -42,7 +42,9 @@ attempts test only a guess of a 256-bit secret, but each costs the tail a key ex
 a budget of their own (``Passcode.resumes``: ``RESUME_BURST`` at once, then one per
 ``RESUME_INTERVAL_S``), held the same way, and never spend the code's. ``TailPairer.take`` never raises, whatever a
 would-be head sends (``SecureLink`` checks the framing first); failed attempts are logged
-through ``log``, failed resumptions at 1, 10, 100 ... so that a flood cannot flood the log.
+through ``log``, failed resumptions at 1, 10, 100 ... so that a flood cannot flood the log. The
+log names the two sides by ``Names`` (a head and this tail; the chat host: the chat screen and
+this head).
 """
 
 from __future__ import annotations
@@ -181,12 +183,20 @@ class HeadPairer:
         return Step([frame(CONFIRM, confirm)], keys)
 
 
+class Names(NamedTuple):
+    """How the answering side's log names the one that opens pairings, and itself."""
+
+    a_peer: str = "a head"
+    the_peer: str = "the head"
+    this: str = "this tail"
+
+
 class TailPairer:
     """The tail's side: answers within the code's budget, one attempt of each kind per connection."""
 
     def __init__(self, passcode: Passcode, session: str, resumption: Resumption | None = None,
-                 log: Callable[[str], None] = lambda message: None):
-        self.passcode, self.session, self.log = passcode, session, log
+                 log: Callable[[str], None] = lambda message: None, names: Names = Names()):
+        self.passcode, self.session, self.log, self.names = passcode, session, log, names
         self.resumption = resumption if resumption is not None else Resumption()
         self.failed_resumptions = 0
         self.attempt: TailPairing | None = None
@@ -203,7 +213,7 @@ class TailPairer:
     def reset(self) -> None:
         """Forget any attempt (an open one failed); this connection's attempts stay made."""
         if self.attempt is not None:
-            self._failed("the head left or started over before confirming")
+            self._failed(f"{self.names.the_peer} left or started over before confirming")
         self._held = None
 
     def _failed(self, why: str) -> None:
@@ -229,13 +239,13 @@ class TailPairer:
             try:
                 keys, secret = attempt.finish(body)
             except pairing.WrongCode:
-                self._failed("the head's confirmation does not verify: a wrong code")
+                self._failed(f"{self.names.the_peer}'s confirmation does not verify: a wrong code")
                 return Step([frame(REFUSE, bytes([WRONG]))])
             self.attempt = None
             self._paired(attempt.kind, secret)
             return Step([], keys)
-        self._failed("the head did not accept this tail's confirmation: a wrong code" if kind == REFUSE else
-                     "the tail's own answer came back")
+        self._failed(f"{self.names.the_peer} did not accept {self.names.this}'s confirmation: a wrong code"
+                     if kind == REFUSE else f"{self.names.this}'s own answer came back")
         return Step([])
 
     def _budget(self, kind: str):
@@ -295,8 +305,8 @@ class TailPairer:
     def _paired(self, kind: str, secret: bytes | None) -> None:
         if kind == "resume":
             self.passcode.resumes.give_back()
-            self.log(f"a head resumed its pairing on session {self.session!r} (no code needed)")
+            self.log(f"{self.names.a_peer} resumed its pairing on session {self.session!r} (no code needed)")
             return
         self.passcode.paired()
         self.resumption.keep(secret)
-        self.log(f"paired with a head on session {self.session!r}")
+        self.log(f"paired with {self.names.a_peer} on session {self.session!r}")

@@ -51,7 +51,8 @@ costs a key exchange). ``HeadAttempts`` (``HEAD_ATTEMPTS``, one per process) is 
 budget of code attempts, the tail's on both counts, per session name and in total, so that
 whoever answers as a tail tests guesses no faster than a head can against a tail.
 ``AttemptBudget`` is the token bucket all three use. ``require_secret`` is relay mode's policy
-for the code (or ``--insecure``). Torch-free.
+for the code (or ``--insecure``); ``check_code`` is the one length rule for every code, the chat
+code included. Torch-free.
 """
 
 from __future__ import annotations
@@ -282,6 +283,15 @@ def require_secret(secret: str | None, insecure: bool, role: str = "head") -> No
         raise UserError("relay mode encrypts head <-> tail traffic end to end and needs the pairing code that "
                         "`sfchat --tail` printed: type it when asked (on a terminal), or set SFCHAT_CODE; the "
                         "relay never sees it. --insecure sends plaintext through the relay instead")
-    if len(secret) < MIN_SECRET_CHARS:
-        raise UserError(f"the pairing code has {len(secret)} characters: use the one the tail printed, or a "
-                        f"secret of at least {MIN_SECRET_CHARS}")
+    check_code(secret, "the pairing code", "use the one the tail printed, or a secret of your own at least that long")
+
+
+def check_code(code: str, what: str, remedy: str) -> None:
+    """The rule for every code that pairs two sfchat nodes (a tail's, a chat host's, the one a head
+    or a chat screen is given): at least ``MIN_SECRET_CHARS`` characters as SPAKE2 sees them
+    (``codes.normalize``: case, surrounding space and runs of separators do not count), else a
+    ``UserError`` that names the code (``what``), says the rule and how to mend it (``remedy``)."""
+    counted = len(codes.normalize(code))
+    if counted < MIN_SECRET_CHARS:
+        raise UserError(f"{what} has {counted} characters (runs of spaces and hyphens count as one): a code must "
+                        f"have at least {MIN_SECRET_CHARS}; {remedy}")

@@ -8,7 +8,8 @@ returns once the relay has welcomed it, so ``peer_present`` is accurate from the
 Mistakes the user can fix (bad URL, unreachable host, wrong token, session slot taken)
 raise ``sfchat.UserError`` with a one-line message that says what to check (``probe.HINT``);
 a slot already taken (HTTP 409, or close code 4409 when two clients raced for it) is the
-``SlotTaken`` kind, which a head may retry; a token refused (HTTP 401) is ``TokenRefused``.
+``SlotTaken`` kind, which ``join_while_taken`` retries for a while (the one way every node
+does); a token refused (HTTP 401) is ``TokenRefused``.
 
 * ``send(frame)`` hands one binary frame to the relay, from any thread; it returns once the
   frame is in the socket's buffer and raises ``LinkClosed`` when the link is gone.
@@ -49,8 +50,10 @@ import asyncio
 import json
 import logging
 import queue
+import random
 import threading
 import time
+from typing import Callable
 
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, InvalidURI
@@ -69,6 +72,7 @@ PING_INTERVAL = 20.0  # the relay tolerates 60 s without a pong: WAN spikes must
 PING_TIMEOUT = 60.0
 CLOSE_TIMEOUT = 5.0
 EVENT_BYTES = 256  # what one queued relay event counts against the inbox budget
+SLOT_RETRY_S = (0.1, 0.3)  # seconds between two tries of a taken slot (``join_while_taken``)
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +83,23 @@ class SlotTaken(UserError):
 
 class TokenRefused(UserError):
     """The relay refused the token (HTTP 401)."""
+
+
+def join_while_taken(join: Callable[[], "RelayLink"], wait_s: float, taken: Callable[[SlotTaken], None]) -> "RelayLink":
+    """``join()`` again while the relay says the slot is taken, every ``SLOT_RETRY_S`` (drawn afresh:
+    a slot freed for a moment is taken at once) for up to ``wait_s`` seconds; ``taken`` is told
+    the first refusal. Past the wait the last ``SlotTaken`` is raised; other errors at once."""
+    deadline, told = time.monotonic() + wait_s, False
+    while True:
+        try:
+            return join()
+        except SlotTaken as exc:
+            if time.monotonic() >= deadline:
+                raise
+            if not told:
+                taken(exc)
+                told = True
+            time.sleep(random.uniform(*SLOT_RETRY_S))
 
 
 class RelayLink:

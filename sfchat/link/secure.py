@@ -2,7 +2,7 @@
 
 Contract
 --------
-``SecureLink(inner, code, session, role, log, resumption)`` wraps any frame link with RelayLink's
+``SecureLink(inner, code, session, role, log, resumption, names)`` wraps any frame link with RelayLink's
 surface (``send``, ``recv``, ``wait_peer``, ``peer_present``, ``close``), pairs the two nodes
 (``sfchat.link.pairer``: SPAKE2 over the short code, or over the resumption secret an earlier
 code pairing left in ``resumption``; keys for this pairing only) and seals every frame with
@@ -21,7 +21,7 @@ tail does not encrypt), other ``IntegrityError``s. The tail (``code`` a ``pairin
 by its links) serves one head after another on one relay connection: a failed or forged
 pairing attempt never raises there; it is answered within the code's budget (an opening that
 must wait for its turn is answered from inside ``recv`` or ``handshake`` once the turn comes),
-counted and reported through ``log``. An integrity error of a paired tail ends that head's
+counted and reported through ``log``, in the words of ``names`` (``pairer.Names``). An integrity error of a paired tail ends that head's
 session; ``restart()`` forgets the pairing (and the error) so that the same connection serves
 the next.
 
@@ -66,8 +66,8 @@ from sfchat import UserError
 from sfchat.link import pairing
 from sfchat.link.padding import pad, unpad
 from sfchat.link.pairer import (  # noqa: F401  (the pairing errors are this link's errors too)
-    DATA, HEAD_BYTES, INTEGRITY, MAGIC, SIZES, CodeNeeded, HeadPairer, IntegrityError, PairingRefused, PlaintextPeer,
-    ResumptionRefused, SecretMismatch, TailPairer, WrongCode,
+    DATA, HEAD_BYTES, INTEGRITY, MAGIC, SIZES, CodeNeeded, HeadPairer, IntegrityError, Names, PairingRefused,
+    PlaintextPeer, ResumptionRefused, SecretMismatch, TailPairer, WrongCode,
 )
 from sfchat.link.pairing import Passcode
 from sfchat.link.resume import Resumption
@@ -109,7 +109,8 @@ class SecureLink:
     overlaps = True  # over a relay: the other node computes on its own machine
 
     def __init__(self, inner, code: "str | Passcode | None", session: str, role: str,
-                 log: Callable[[str], None] | None = None, resumption: Resumption | None = None):
+                 log: Callable[[str], None] | None = None, resumption: Resumption | None = None,
+                 names: Names = Names()):
         if role not in DIRECTIONS:
             raise ValueError(f"role must be 'head' or 'tail', not {role!r}")
         if not code and (role == "tail" or resumption is None or resumption.secret is None):
@@ -121,7 +122,7 @@ class SecureLink:
             self._pairer: HeadPairer | TailPairer = HeadPairer(code, session, resumption)
         else:
             passcode = code if isinstance(code, Passcode) else Passcode(code)
-            self._pairer = TailPairer(passcode, session, resumption, self.log)
+            self._pairer = TailPairer(passcode, session, resumption, self.log, names)
         self._out_dir, self._in_dir = DIRECTIONS[role], DIRECTIONS[self.other]
         self._aad = {d: LABEL + session.encode() + d for d in DIRECTIONS.values()}
         self._lock = threading.RLock()  # pairing state, and seal + send as one step (counter order)
@@ -300,7 +301,8 @@ class SecureLink:
             if self.role == "tail" and not self.keyed:  # from a would-be head: nothing to end yet
                 self._dropped_stale += 1
                 if self._dropped_stale == 1:  # once per pairing: a flood must not flood the log
-                    self.log(f"ignored {len(frame)} bytes from an unpaired head that are no pairing message")
+                    self.log(f"ignored {len(frame)} bytes that are no pairing message from "
+                             f"{self._pairer.names.a_peer} not paired yet")
                 return None
             raise IntegrityError(f"{INTEGRITY} (a frame that is not sealed)")
         if kind in SIZES:

@@ -26,7 +26,6 @@ wait_timeout)`` is one dial of a fresh dialer. Torch-free.
 
 from __future__ import annotations
 
-import random
 import time
 from typing import Callable
 
@@ -35,7 +34,7 @@ from sfchat.config import Settings
 from sfchat.events import LinkState
 from sfchat.link import pairing
 from sfchat.link.pairing import ATTEMPT_INTERVAL_S, BURST, require_secret
-from sfchat.link.relay import RelayLink, SlotTaken
+from sfchat.link.relay import RelayLink, SlotTaken, join_while_taken
 from sfchat.link.resume import Resumption
 from sfchat.link.secure import CodeNeeded, WrongCode, secure
 from sfchat.plaintext import plain
@@ -43,7 +42,6 @@ from sfchat.plaintext import plain
 ASK_CODE = ("the tail printed a pairing code when it started (sfchat --tail), such as 7-crossover-clockwork: "
             "type it here; the relay never sees it")
 SLOT_WAIT_S = 30.0  # how long a head retries a session whose head slot is taken
-SLOT_RETRY_S = (0.1, 0.3)  # seconds between two tries, drawn afresh each time
 CONNECT_WAIT_S = 30.0  # the relay's answer to a dial
 PAIRING_WAIT_S = 60.0  # the tail's answers to the pairing
 MIN_WAIT_S = 1.0  # the least any wait of a dial is given
@@ -148,20 +146,18 @@ class HeadDialer:
     def _join(self, deadline: float | None) -> RelayLink:
         """A relay connection as the session's head, once a tail is there."""
         s = self.s
-        slot_deadline, told = time.monotonic() + self._left(deadline, SLOT_WAIT_S), False
-        while True:
-            try:
-                link = RelayLink(s.relay, s.token, s.session, "head", connect_timeout=self._left(deadline, CONNECT_WAIT_S))
-                break
-            except SlotTaken as exc:
-                if time.monotonic() >= slot_deadline:
-                    raise UserError(f"{exc} for {SLOT_WAIT_S:.0f} s: is another head running on session "
-                                    f"{s.session!r}? (or pick another --session)") from None
-                if not told:
-                    self.on_event(LinkState("waiting", f"{exc}: trying again (another head of yours, or "
-                                                       "someone else holding the relay token)"))
-                    told = True
-                time.sleep(random.uniform(*SLOT_RETRY_S))  # often: a slot freed for a moment is taken at once
+
+        def taken(exc: SlotTaken) -> None:
+            self.on_event(LinkState("waiting", f"{exc}: trying again (another head of yours, or someone else "
+                                               "holding the relay token)"))
+
+        try:
+            link = join_while_taken(lambda: RelayLink(s.relay, s.token, s.session, "head",
+                                                      connect_timeout=self._left(deadline, CONNECT_WAIT_S)),
+                                    self._left(deadline, SLOT_WAIT_S), taken)
+        except SlotTaken as exc:
+            raise UserError(f"{exc} for {SLOT_WAIT_S:.0f} s: is another head running on session {s.session!r}? "
+                            "(or pick another --session)") from None
         if not link.peer_present:
             self.on_event(LinkState("waiting", self._waiting()))
             try:

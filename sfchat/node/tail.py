@@ -10,9 +10,9 @@ that refuses the token (it restarted with a new one) is no outage: after ``TOKEN
 refusals in a row the tail stops with an error that says so. Returns only on Ctrl+C (or, in
 tests, after one head with ``once``).
 
-The log: every line is ``plaintext.plain`` (a HELLO's model name, a peer's error text) and all of
-them pass one rate limit (``LOG_BYTES_PER_S``, a burst of ``LOG_BURST_BYTES``), so that no peer
-can make the tail write more than that; lines left out are counted in the next one shown.
+The log (``sfchat.nodelog``): every line is ``plaintext.plain`` (a HELLO's model name, a peer's
+error text) and all of them pass the process's one rate limit, so that no peer can make the tail
+write more than it allows; lines left out are counted in the next one shown.
 
 Pairing (``sfchat.link.secure``, ``sfchat.link.pairer``): without a code of its own the tail
 makes one (``7-crossover-clockwork``), prints it and pairs with the head that types it; the code
@@ -30,7 +30,6 @@ directories are opened only inside ``--models-dir``.
 from __future__ import annotations
 
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -47,43 +46,12 @@ from sfchat.engine.verifier import TailError, Verifier
 from sfchat.node.tail_loader import TailLoader
 from sfchat.protocol.messages import Failure
 from sfchat.link.secure import IntegrityError, PlaintextPeer, SecureLink
-from sfchat.plaintext import plain
+from sfchat.nodelog import node_log
 
 STATS_EVERY_S = 30.0
 REDIAL_MAX_S = 10.0  # the longest wait between two dials of an unreachable relay
 TOKEN_REFUSALS = 4  # refusals of the token in a row after which the tail stops
-LOG_BYTES_PER_S = 2048  # what the tail's log may write per second, on average...
-LOG_BURST_BYTES = 64 << 10  # ...and at once
-
-
-class LogLimit:
-    """One rate limit for every line of the tail's log: a token bucket of bytes; ``clock`` is for tests."""
-
-    def __init__(self, per_s: float = LOG_BYTES_PER_S, burst: int = LOG_BURST_BYTES, clock=time.monotonic):
-        self.per_s, self.burst, self.clock = per_s, burst, clock
-        self.room, self.at = float(burst), clock()
-        self.left_out = 0
-
-    def admit(self, line: str) -> str | None:
-        """``line`` as it may be written now (with a count of the lines left out before it), or None."""
-        now = self.clock()
-        self.room, self.at = min(self.burst, self.room + (now - self.at) * self.per_s), now
-        if self.room < len(line):
-            self.left_out += 1
-            return None
-        self.room -= len(line)
-        if self.left_out:
-            line, self.left_out = f"({self.left_out} log lines left out: too many) {line}", 0
-        return line
-
-
-_limit = LogLimit()
-
-
-def log(msg: str) -> None:
-    line = _limit.admit(f"[sfchat tail {time.strftime('%H:%M:%S')}] {plain(msg)}")
-    if line is not None:
-        print(line, file=sys.stderr, flush=True)
+log = node_log("tail")
 
 
 def show_code(code: str) -> None:

@@ -21,7 +21,10 @@ host's next ``seq`` and the client's ``request`` it belongs to, 0 for none), and
 Sequenced messages are numbered 1, 2, 3 ... by their sender; a receiver takes only the number
 after the last it took and drops every other, and the sender sends again, after a reconnect,
 what the other side has not acknowledged (``Welcome.taken``, ``Attach.seen``, ``Ack``): so a
-reconnect of either side loses and repeats nothing (``sfchat.remote``).
+reconnect of either side loses and repeats nothing (``sfchat.remote``). Once attached, each side
+sends an ``Ack`` (its last number again) at least every ``KEEPALIVE_S``, and a side that hears
+nothing for ``SILENCE_S`` takes the link as stalled (a relay holding frames back, a pairing the
+other side ended): the client dials again and resumes, the host ends that pairing.
 
 An ``Update`` carries the event's own fields, and nothing of what the client has already:
 a ``TokensCommitted`` its text, token ids and round figures; a ``ReplyFinished`` its figures
@@ -74,6 +77,8 @@ NODES = ("head", "tail", "draft")
 FINISH_REASONS = ("eos", "length", "context", "cancelled")
 MODES = ("local", "relay")
 CLIENT_ID = re.compile(r"[0-9a-f]{32}")
+KEEPALIVE_S = 5.0  # an attached side sends at least this often
+SILENCE_S = 20.0  # an attached side that hears nothing for this long takes the link as stalled
 
 
 class ChatError(WireError):

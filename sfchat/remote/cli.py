@@ -4,8 +4,13 @@ Contract: ``offer_chat(settings, chat_session, runtime)`` serves ``runtime`` (th
 ``RuntimeWorker``, built by the caller) to one chat client through ``settings.relay`` under
 ``chat_session`` (default: the head's session with ``-chat`` added), printing, with
 timestamps, the chat code and the command to run at home, then one line per thing worth knowing
-(a client attached or left, the head's link, loading, ready, a failure); returns on Ctrl+C
-(``KeyboardInterrupt``) after closing the runtime. The chat code is ``SFCHAT_CHAT_CODE`` when set,
+(a client attached or left, the head's link, loading, ready, a failure), every line through the
+process's one log limit (``sfchat.nodelog``, the tail's); returns on Ctrl+C
+(``KeyboardInterrupt``) after closing the runtime. A chat session whose slot on the relay is taken
+(the name is predictable: anyone with the relay token can take it first) is tried again for
+``SLOT_WAIT_S``, the log saying so and how to pick another session; past that a UserError says
+the same. The chat code is ``SFCHAT_CHAT_CODE`` when set
+(held to the tail's rule, ``pairing.check_code``: a shorter one is a UserError before anything starts),
 else made here, and stays the same for the host's life; its resumption secret is kept in the
 state directory as the tail keeps its own (``chat-SESSION.resume``). ``remote_chat(settings)``
 runs the chat screen against such a head: ``--relay``, ``--session`` (the chat session) and the
@@ -18,7 +23,6 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 from pathlib import Path
 
 import platformdirs
@@ -26,19 +30,20 @@ import platformdirs
 from sfchat import UserError
 from sfchat.config import Settings, history_path
 from sfchat.events import LinkState, LoadProgress, RuntimeFailed, RuntimeReady
-from sfchat.link.pairing import Passcode
-from sfchat.link.relay import RelayLink
+from sfchat.link.pairing import Passcode, check_code
+from sfchat.link.relay import RelayLink, SlotTaken, join_while_taken
 from sfchat.link.resume import ResumeFile
-from sfchat.link.secure import SecureLink
-from sfchat.plaintext import plain
+from sfchat.link.secure import Names, SecureLink
+from sfchat.nodelog import node_log
 from sfchat.remote.client import RemoteRuntime
 from sfchat.remote.host import ChatHost
 
 JOIN_S = 5.0
+SLOT_WAIT_S = 30.0  # how long the chat host retries a chat session whose slot is taken
+CHAT_HOST = Names("the chat screen", "the chat screen", "this head")  # the chat link's ends, in the host's log
 
 
-def log(message: str) -> None:
-    print(f"[sfchat chat {time.strftime('%H:%M:%S')}] {plain(message)}", file=sys.stderr, flush=True)
+log = node_log("chat")  # joins, pairing attempts and refused frames a stranger causes: the tail's one rate limit
 
 
 def chat_session_of(s: Settings, chat_session: str | None) -> str:
@@ -53,6 +58,21 @@ def chat_resume_path(session: str) -> Path:
     return Path(state).expanduser() / f"chat-{session}.resume"
 
 
+def chat_code() -> str | None:
+    """``SFCHAT_CHAT_CODE`` held to the rule of every pairing code (``pairing.check_code``), or None:
+    the host makes one. Whoever pairs as the chat screen drives the head, so a short code is refused."""
+    code = os.environ.get("SFCHAT_CHAT_CODE") or None
+    if code is not None:
+        check_code(code, "SFCHAT_CHAT_CODE", "unset it and --offer-chat makes a code, or set a secret of your own "
+                                              "at least that long")
+    return code
+
+
+def another_session(s: Settings) -> str:
+    return ("To use another one, start this head with --chat-session NAME (any name of yours, not guessable) "
+            f"and the chat screen with sfchat --remote --relay {s.relay} --session NAME")
+
+
 def home_command(s: Settings, session: str) -> str:
     return f"sfchat --remote --relay {s.relay} --session {session}"
 
@@ -65,12 +85,22 @@ def offer_chat(s: Settings, chat_session: str | None, runtime) -> int:
     if session == s.session:
         raise UserError(f"--chat-session must differ from --session ({session!r}): the chat screen has a relay "
                         "session of its own")
-    passcode = Passcode(os.environ.get("SFCHAT_CHAT_CODE") or None)
+    passcode = Passcode(chat_code())
     resumption = ResumeFile(chat_resume_path(session), log)
 
+    def taken(exc: SlotTaken) -> None:
+        log(f"{exc}: someone holding the relay token (or another --offer-chat) holds the slot of chat session "
+            f"{session!r}; trying again for {SLOT_WAIT_S:.0f} s. {another_session(s)}")
+
+    def join() -> RelayLink:
+        try:
+            return join_while_taken(lambda: RelayLink(s.relay, s.token, session, "tail"), SLOT_WAIT_S, taken)
+        except SlotTaken as exc:
+            raise UserError(f"{exc} for {SLOT_WAIT_S:.0f} s: someone else holds the slot of chat session "
+                            f"{session!r}. {another_session(s)}") from None
+
     def dial():
-        return SecureLink(RelayLink(s.relay, s.token, session, "tail"), passcode, session, "tail", log=log,
-                          resumption=resumption)
+        return SecureLink(join(), passcode, session, "tail", log=log, resumption=resumption, names=CHAT_HOST)
 
     host = ChatHost(runtime, dial, log, watch=report)
     log(f"chat code: {passcode.code if passcode.generated else '(SFCHAT_CHAT_CODE)'}")

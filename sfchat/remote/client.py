@@ -14,7 +14,10 @@ falls back to), and the person is asked for the code again (``CodeWanted``), as 
 the host's runtime to ``listener`` (the host's figures, so the metrics panel shows the head's);
 ``submit``, ``cancel``, ``new_chat``, ``set_code`` and ``close`` never block: a command is
 numbered, kept until the host acknowledges it, and sent again after a reconnect, so nothing is
-lost or done twice. A lost link is dialled again with backoff, as long as the runtime is open;
+lost or done twice. A lost link is dialled again with backoff, as long as the runtime is open,
+and so is one that is silent for ``chat.SILENCE_S`` (the host sends at least every
+``chat.KEEPALIVE_S``; so does this runtime once attached): a relay that withholds or replays a
+frame, or a host that ended the pairing, is noticed within that and shown;
 meanwhile ``LinkState`` says so ("reconnecting", "waiting" for a host that is not there), and
 the host's own link state is shown again once it is back.
 
@@ -23,19 +26,27 @@ nothing of it but its KV cache). A host restarted since (another instance) has l
 progress: that reply fails with a ``RuntimeFailed`` that says so (not fatal: send it again).
 ``set_code`` answers whichever question is open: this runtime's own (the chat code) or the
 host's (its tail's pairing code, which then crosses sealed). Every text from the host is made
-plain by ``protocol.chat.update_event`` before it is reported. Torch-free.
+plain by ``protocol.chat.update_event`` before it is reported.
+
+A reply is bounded by what was asked for (``Reply``): at most ``max_new_tokens`` token ids and
+``CHARS_PER_TOKEN`` characters per token (and never more than ``chat.MAX_REPLY_CHARS``), kept as
+a list of the rounds' texts. A head that sends more gets the part within the bounds reported,
+then a ``RuntimeFailed`` (not fatal) that says the reply was cut, and a ``Cancel``; whatever more
+of that reply comes is dropped. Torch-free.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
+import time
 from typing import Callable
 
 from sfchat import UserError
 from sfchat.events import CodeWanted, LinkState, ReplyFinished, RuntimeFailed, TokensCommitted
 from sfchat.link import LinkClosed, PeerGone
-from sfchat.link.pairing import MIN_SECRET_CHARS
+from sfchat.link.pairing import check_code
 from sfchat.link.resume import Resumption
 from sfchat.link.secure import IntegrityError, PairingRefused, WrongCode, secure
 from sfchat.plaintext import plain
@@ -46,6 +57,7 @@ POLL_S = 1.0
 PAIR_TIMEOUT_S = 60.0
 REDIAL_S = (0.5, 10.0)
 ACK_EVERY = 16  # updates taken before an acknowledgement (and at every reply's end)
+CHARS_PER_TOKEN = 256  # characters of a reply per token asked for (a token's text is a few; the longest, dozens)
 
 
 class Closed(Exception):
@@ -69,7 +81,7 @@ class RemoteRuntime:
         self._seen = 0  # the last update taken from it
         self._acked = 0
         self._next_request = 0
-        self._replies: dict[int, list] = {}  # request -> [text so far, token ids so far]
+        self._replies: dict[int, Reply] = {}  # request -> what came of it so far
         self._host_link: LinkState | None = None  # what the host last said of its own link
         self.thread: threading.Thread | None = None
 
@@ -81,11 +93,12 @@ class RemoteRuntime:
 
     def submit(self, messages: list[dict], params: dict) -> None:
         turns = tuple((m["role"], m["content"]) for m in messages)
+        asked = chat.Params.of(params)
         with self._cond:
             self._next_request += 1
             request = self._next_request
-            self._replies[request] = ["", ()]
-        self.commands.put(lambda seq: chat.Submit(seq, request, turns, chat.Params.of(params)))
+            self._replies[request] = Reply(asked.max_new_tokens)
+        self.commands.put(lambda seq: chat.Submit(seq, request, turns, asked))
 
     def cancel(self) -> None:
         with self._cond:
@@ -193,12 +206,16 @@ class RemoteRuntime:
     _reason = ""
 
     def _need_code(self) -> None:
-        """Ask the person for the chat code until one of the right shape is given."""
-        while not self._code or len(self._code) < MIN_SECRET_CHARS:
+        """Ask the person for the chat code until one that obeys ``pairing.check_code`` is given."""
+        while True:
             reason = self._reason or ("the chat code the head printed (sfchat --offer-chat), such as "
                                       "7-crossover-clockwork")
             if self._code:
-                reason = f"the chat code has {len(self._code)} characters: type the one the head printed"
+                try:
+                    check_code(self._code, "the chat code", "type the one the head printed")
+                    break
+                except UserError as exc:
+                    reason = str(exc)
             with self._cond:
                 self._asking, self._answer = True, None
             self.listener(CodeWanted(reason))
@@ -220,14 +237,23 @@ class RemoteRuntime:
     def _take_all(self, link) -> str:
         link.send(chat.encode(chat.Attach(self.client, self._host, self._seen)))
         welcomed = False
+        heard = kept_alive = time.monotonic()
         while True:
+            now = time.monotonic()
+            if now - heard > chat.SILENCE_S:
+                return (f"nothing from the head for {chat.SILENCE_S:.0f} s: the relay may be holding frames back, "
+                        "or the head ended the pairing")
+            if welcomed and now - kept_alive >= chat.KEEPALIVE_S:
+                kept_alive = now
+                link.send(chat.encode(chat.Ack(self._seen)))
             try:
-                frame = link.recv(timeout=POLL_S)
+                frame = link.recv(timeout=min(POLL_S, chat.KEEPALIVE_S))
             except TimeoutError:
                 self._check_open()
                 continue
             except (PeerGone, LinkClosed, IntegrityError) as exc:
                 return str(exc) or type(exc).__name__
+            heard = time.monotonic()
             try:
                 msg = chat.decode(frame)
             except chat.ChatError as exc:
@@ -263,20 +289,65 @@ class RemoteRuntime:
         event = chat.update_event(u)
         if isinstance(event, LinkState):
             self._host_link = event
+        events = [event]
         if u.request:
             with self._cond:
-                reply = self._replies.get(u.request)
-                if reply is None:
-                    event = None  # a reply of an earlier host's numbering
-                elif isinstance(event, TokensCommitted):
-                    reply[0] += event.text
-                    reply[1] += event.token_ids
-                elif isinstance(event, chat.Finished):
-                    event = chat.finished_event(event, reply[0], reply[1])
-                if isinstance(event, (ReplyFinished, RuntimeFailed)):
-                    self._replies.pop(u.request, None)
-        if event is not None:
+                events = self._reply_events(u.request, event)
+        for event in events:
             self.listener(event)
-        if self._seen - self._acked >= ACK_EVERY or isinstance(event, (ReplyFinished, RuntimeFailed)):
+        if self._seen - self._acked >= ACK_EVERY or any(isinstance(e, (ReplyFinished, RuntimeFailed)) for e in events):
             self._acked = self._seen
             link.send(chat.encode(chat.Ack(self._seen)))
+
+    def _reply_events(self, request: int, event) -> list:
+        """What to report of a reply's event (under the lock): nothing of a reply this runtime does
+        not wait for; past what was asked, the part within it and a failure that says so, and the
+        head is asked to stop (the rest of that reply is dropped as it comes)."""
+        reply = self._replies.get(request)
+        if reply is None:
+            return []  # a reply of an earlier host's numbering, or one cut already
+        over = False
+        if isinstance(event, TokensCommitted):
+            event, over = reply.take(event)
+        elif isinstance(event, chat.Finished):
+            over = event.text is not None and len(event.text) > reply.max_chars
+            event = None if over else chat.finished_event(event, reply.text(), tuple(reply.ids))
+        events = [e for e in (event, reply.overrun() if over else None) if e is not None]
+        if over:
+            self.commands.put(lambda seq: chat.Cancel(seq, request))
+        if over or isinstance(event, (ReplyFinished, RuntimeFailed)):
+            self._replies.pop(request, None)
+        return events
+
+
+class Reply:
+    """A reply the screen asked for: its text and token ids as they came, in lists (the memory a
+    reply takes grows with it, never with the square of its rounds), bounded by what was asked:
+    ``max_tokens`` token ids and ``max_chars`` characters (``CHARS_PER_TOKEN`` a token, at most
+    ``chat.MAX_REPLY_CHARS``)."""
+
+    def __init__(self, max_tokens: int):
+        self.max_tokens = max_tokens
+        self.max_chars = min(max_tokens * CHARS_PER_TOKEN, chat.MAX_REPLY_CHARS)
+        self.parts: list[str] = []
+        self.ids: list[int] = []
+        self.chars = 0
+
+    def take(self, event: TokensCommitted) -> tuple[TokensCommitted, bool]:
+        """The part of ``event`` within the bounds (kept), and whether the head went past them."""
+        text = event.text[:self.max_chars - self.chars]
+        ids = event.token_ids[:self.max_tokens - len(self.ids)]
+        if text:
+            self.parts.append(text)
+        self.ids.extend(ids)
+        self.chars += len(text)
+        over = len(text) < len(event.text) or len(ids) < len(event.token_ids)
+        return (dataclasses.replace(event, text=text, token_ids=tuple(ids)) if over else event), over
+
+    def text(self) -> str:
+        return "".join(self.parts)
+
+    def overrun(self) -> RuntimeFailed:
+        return RuntimeFailed(f"the head sent more than this screen asked for ({self.max_tokens} tokens, "
+                             f"{self.max_chars} characters at most): the reply is cut there, and the head was "
+                             "asked to stop")

@@ -9,7 +9,10 @@ chat client (``remote.client.RemoteRuntime``). ``dial()`` returns the host's rel
 host printed) and a ``ResumeFile``, so a client pairs by the code once and resumes after
 that, as a head does with its tail; code attempts wait for their turn in the code's budget.
 ``serve()`` starts the runtime and serves until ``close()`` (from another thread); a relay
-connection that is lost is dialled again with backoff, and nothing a client sends ends it.
+connection that is lost is dialled again with backoff, and nothing a client sends ends it. An
+attached client is sent an ``Ack`` every ``chat.KEEPALIVE_S``; one that is not heard for
+``chat.SILENCE_S``, or whose frame fails the link's integrity check, loses its pairing (the same
+relay connection waits for it to pair again), and, no longer kept alive, notices.
 ``watch(event)`` sees every runtime event first (the command line prints some).
 
 Updates (every runtime event, as a ``protocol.chat.Update``) are numbered and kept in an
@@ -36,6 +39,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import threading
+import time
 from collections import deque
 from typing import Callable
 
@@ -67,13 +71,14 @@ class ChatHost:
         self._taken = 0  # the last command number taken from that client
         self._requests: deque[int] = deque()  # replies given to the runtime and not finished, oldest first
         self._waiting: deque[chat.Submit] = deque()  # submits held while an orphaned reply ends
-        self._streamed = ""  # the text of the reply in progress so far
+        self._streamed: list[str] = []  # the texts of the reply in progress so far, round by round
         self._ready: RuntimeReady | None = None
         self._link_state: LinkState | None = None
         self._progress: dict[tuple[str, str], LoadProgress] = {}
         self._code_wanted: CodeWanted | None = None
         self._fatal: RuntimeFailed | None = None
         self._closed = threading.Event()
+        self._attached = False  # a client is attached on the present pairing (this thread's)
         self.link = None
 
     # -- the runtime's events (its thread) -----------------------------------------------------------
@@ -86,11 +91,12 @@ class ChatHost:
             request = self._requests[0] if reply and self._requests else ORPHAN
             match event:
                 case ReplyStarted():
-                    self._streamed = ""
+                    self._streamed = []
                 case TokensCommitted():
-                    self._streamed += event.text
+                    self._streamed.append(event.text)
                 case ReplyFinished():
-                    event = chat.Finished.of(event, self._streamed)
+                    event = chat.Finished.of(event, "".join(self._streamed))
+                    self._streamed = []
                     self._reply_ended()
                 case RuntimeFailed() if reply:
                     self._reply_ended()
@@ -186,6 +192,7 @@ class ChatHost:
             welcome = chat.Welcome(self.instance, resumed, base, self._taken)
         link.send(chat.encode(welcome))
         self.updates.attach(link, base)
+        self._attached = True
         self.log(f"a chat client {'came back' if resumed else 'attached'}")
 
     def _fresh_client(self, client: str) -> None:
@@ -212,6 +219,7 @@ class ChatHost:
                 try:
                     self._serve_link(self.link)
                 except LinkClosed as exc:
+                    self._attached = False
                     self.updates.detach()
                     if self._closed.is_set():
                         return
@@ -225,20 +233,30 @@ class ChatHost:
             self.runtime.close()
 
     def _serve_link(self, link) -> None:
+        heard = kept_alive = time.monotonic()
         while not self._closed.is_set():
+            now = time.monotonic()
+            if self._attached and now - heard > chat.SILENCE_S:
+                self._end_pairing(link, f"nothing from the chat client for {chat.SILENCE_S:.0f} s (the relay may be "
+                                        "holding its frames back)")
+            elif self._attached and now - kept_alive >= chat.KEEPALIVE_S:
+                kept_alive = now
+                with self._lock:
+                    taken = self._taken
+                link.send(chat.encode(chat.Ack(taken)))
             try:
-                frame = link.recv(timeout=POLL_S)
+                frame = link.recv(timeout=min(POLL_S, chat.KEEPALIVE_S))
             except TimeoutError:
                 continue
             except PeerGone:
+                self._attached = False
                 self.updates.detach()
                 self.log("the chat client left; its updates are kept for when it comes back")
                 continue
             except IntegrityError as exc:
-                self.updates.detach()
-                self.log(f"{plain(exc)}; ending this chat client's pairing")
-                link.restart()  # same relay connection: a meddler must not free the host's slot
+                self._end_pairing(link, plain(exc))
                 continue
+            heard = time.monotonic()
             try:
                 msg = chat.decode(frame)
             except chat.ChatError as exc:
@@ -250,6 +268,14 @@ class ChatHost:
                 raise
             except Exception as exc:  # a runtime that refuses a command: said, never the host's end
                 self.log(f"the chat client's {type(msg).__name__} failed: {plain(exc)}")
+
+    def _end_pairing(self, link, why: str) -> None:
+        """The paired client is no longer trusted or heard: it must pair (resume) again, and it
+        notices (this host's keepalives stop)."""
+        self._attached = False
+        self.updates.detach()
+        self.log(f"{why}; ending this chat client's pairing")
+        link.restart()  # same relay connection: a meddler must not free the host's slot
 
     def _redial(self):
         delay = REDIAL_S[0]

@@ -6,15 +6,20 @@ Switching chats (a new one, one from the history) is refused while a reply runs 
 first) and greyed out in the footer meanwhile; Cancel exists only while a reply runs. The palette
 lists sfchat's commands (``COMMANDS``) and Textual's generic ones, except Textual's "Keys" panel:
 sfchat's own keys are in ``HelpScreen``, which "Keys" and F1 open. A ``HistoryError`` (the file
-locked or damaged) becomes one error notice, said once and not at every save.
+locked or damaged) becomes one error notice, said once and not at every save. A click on a link
+in a reply opens it only when it is http(s) and its target has nothing to hide (``plain`` leaves
+it as it is), and only after ``ConfirmScreen`` showed the target and got a "y" (the link's text
+may say anything); any other link is named in a notification and not opened.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from urllib.parse import urlsplit
 
 from textual.app import App, SystemCommand
 from textual.screen import Screen
+from textual.widgets import Markdown
 
 from sfchat.history import ChatSummary, HistoryError
 from sfchat.plaintext import plain
@@ -22,7 +27,7 @@ from sfchat.ui.chat import ChatView, reply_summary
 from sfchat.ui.help import HelpScreen
 from sfchat.ui.metrics import MetricsPanel
 from sfchat.ui.prompt import PromptInput
-from sfchat.ui.screens import HistoryScreen
+from sfchat.ui.screens import ConfirmScreen, HistoryScreen
 
 COMMANDS = (  # the command palette's entries: title, what it does, the action
     ("New chat", "Start a new conversation (Ctrl+N)", "new_chat"),
@@ -32,6 +37,7 @@ COMMANDS = (  # the command palette's entries: title, what it does, the action
     ("Metrics explained", "What each figure of the metrics panel means", "explain_figures"),
     ("Copy reply", "Copy the last reply to the clipboard (Ctrl+Y)", "copy_reply"),
 )
+OPENABLE = ("http", "https")  # the schemes of the links in a reply that a click may open
 
 
 class UserActions(App[None]):
@@ -113,6 +119,16 @@ class UserActions(App[None]):
             return
         self.copy_to_clipboard(text)
         self.notify(f"Copied the last reply ({len(text)} characters).")
+
+    def on_markdown_link_clicked(self, event: Markdown.LinkClicked) -> None:
+        event.stop()
+        href, target = event.href, plain(event.href)
+        if target != href or urlsplit(href).scheme.lower() not in OPENABLE:
+            self.notify(f"Not opened: {target} (only http and https links open)", title="link",
+                        severity="warning", markup=False)
+            return
+        self.push_screen(ConfirmScreen(f"Open this link in your browser?\n\n{target}"),
+                         lambda yes: self.open_url(href) if yes else None)
 
     def action_help(self, section: str = "keys") -> None:
         if not isinstance(self.screen, HelpScreen):

@@ -8,7 +8,8 @@ a tail" until it comes, the queued message until it is sent). A streaming
 the slowest part of the whole chat on a fast link. At most one ``Markdown.append`` is in flight:
 a tick that finds the previous one still rendering leaves the text queued for the next tick,
 so a slow terminal gets fewer, larger updates instead of a growing backlog. Text from the model
-or the user is always shown literally: it never passes through Textual markup.
+or the user is always shown literally: it never passes through Textual markup. A reply's links
+open nothing by themselves: a click is the app's to decide (``actions``).
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ class ReplyMessage(Vertical):
         self._rendering: AwaitComplete | None = None
 
     def compose(self) -> ComposeResult:
-        yield Markdown(self._initial)
+        yield Markdown(self._initial, open_links=False)  # the app decides (ui.actions): http(s), after asking
         yield Static(classes="reply-info")
 
     @property

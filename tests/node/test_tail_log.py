@@ -42,7 +42,7 @@ def test_a_hello_model_name_reaches_the_tails_log_as_plain_text(zoo, tmp_path):
 
 
 def test_every_line_of_the_tails_log_passes_one_rate_limit():
-    from sfchat.node.tail import LOG_BURST_BYTES, LogLimit
+    from sfchat.nodelog import LOG_BURST_BYTES, LogLimit
 
     now = [0.0]
     limit = LogLimit(per_s=100, burst=1000, clock=lambda: now[0])

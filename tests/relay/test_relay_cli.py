@@ -205,3 +205,26 @@ def test_every_flag_is_described_in_help():
     done = subprocess.run([sys.executable, "-m", "relay", "--help"], cwd=REPO,
                           capture_output=True, text=True, timeout=20)
     assert done.returncode == 0 and "--max-sessions" in done.stdout and "--log-level" in done.stdout
+
+
+@pytest.mark.parametrize("flag, value", [("--emulate-rtt-ms", "inf"), ("--emulate-rtt-ms", "nan"),
+                                         ("--emulate-rtt-ms", "1e9"), ("--emulate-mbps", "1e-320"),
+                                         ("--emulate-mbps", "inf"), ("--emulate-mbps", "NaN")])
+def test_an_emulated_link_that_is_not_finite_or_absurd_is_one_error_line(flag, value):
+    """Round five: ``--emulate-rtt-ms inf`` was accepted, and then no frame was ever delivered."""
+    line = cli_error("--host", "127.0.0.1", "--port", "0", "--token", TOKEN, flag, value)
+    assert f"argument {flag}: {value} is" in line
+    assert "not a finite number" in line or "out of range" in line
+
+
+def test_a_relay_that_emulates_a_link_says_loudly_that_it_is_for_benchmarks(relay_cli):
+    from relay.banner import banner
+
+    proc, port, shown, stderr = relay_cli("--emulate-rtt-ms", "86", "--emulate-mbps", "100",
+                                          env=dict(os.environ, SFCHAT_TOKEN=TOKEN))
+    loud = [line for line in shown.splitlines() if line.startswith("!!!")]
+    assert len(loud) == 2 and "86 ms" in loud[0] and "100 Mbit/s" in loud[0] and "FOR BENCHMARKS ONLY" in loud[1]
+    assert "!!!" not in banner("127.0.0.1", 8765, False, "t", False, 0)  # a relay for real use says nothing of it
+    proc.terminate()
+    proc.wait(10)
+    assert "for benchmarks only" in stderr.read_text()  # in its log too
