@@ -19,6 +19,8 @@ one the tail runs in this process; ``policy`` replaces the one that picks frames
   ``tally.Tally`` of the rounds. The KV cache of a conversation that continues the previous one
   is reused by the engine; nothing is reset between replies.
 * ``ask(messages, ...)``: ``encode`` then ``reply``.
+* ``watch(timeout)``, between replies: a link to the tail that is gone is reported and dialled
+  again (``driver.RoundDriver.watch``).
 * ``new_chat()`` forgets the conversation; ``close()`` closes the link.
 
 Single-threaded: the thread that opens a head is the only one to use it (CUDA graph state is
@@ -99,6 +101,9 @@ class Head:
             yield TokensCommitted(stream.push(committed, final=finish is not None), committed, out.stats, elapsed)
         yield ReplyFinished(finish_reason=finish, text=stream.text, token_ids=tuple(tokens),
                             prompt_tokens=len(prompt_ids), tree_budget=self.info.tree_budget, **tally.figures())
+
+    def watch(self, timeout: float) -> None:
+        self.engine.watch(timeout)
 
     def new_chat(self) -> None:
         self.engine.reset()

@@ -8,9 +8,12 @@ thread that opens the head (``open_head(settings, on_event)``, by default ``open
 relay link in relay mode, dialled and redialled by one ``connect.HeadDialer``, in-process
 otherwise) and then takes requests from a queue, one at a
 time, calling ``serve(request)`` for each (a subclass's), until ``stop()`` queues the end; then
-it closes the link and reports ``LinkState("closed")``. CUDA graph state is thread-local and
-one generation at a time is what the GPU can do: nothing but this thread touches the head.
-``loaded`` is set once the head is open or failed to open (``load_error``, a ``UserError``).
+it closes the link and reports ``LinkState("closed")``. While no request comes it watches the
+link every ``WATCH_S`` s (``Head.watch``): a relay that closed the link or stopped answering is
+reported then, with what the relay says when dialled again (a refused token), not at the next
+message; what the watch raises is reported as a ``LinkState("reconnecting", ...)``. CUDA graph
+state is thread-local and one generation at a time is what the GPU can do: nothing but this
+thread touches the head. ``loaded`` is set once the head is open or failed to open (``load_error``, a ``UserError``).
 
 ``RuntimeWorker(settings)`` implements the runtime interface the chat UI drives.
 ``start(listener)`` starts the thread; every event (``LoadProgress``, ``LinkState``,
@@ -50,6 +53,8 @@ from sfchat.node.head import Head
 from sfchat.node.prompts import make_sampling
 
 STOP = object()  # the request that ends the thread
+WATCH_S = 1.0  # how often an idle thread looks at its link
+WATCH_DIAL_S = 30.0  # the most one idle dial of a lost link may take
 
 
 class CodeNotGiven(Exception):
@@ -112,14 +117,26 @@ class CudaThread(ABC):
             return
         self.loaded.set()
         try:
-            while (request := self.requests.get()) is not STOP and self.serve(request):
-                pass
+            while True:
+                try:
+                    request = self.requests.get(timeout=WATCH_S)
+                except queue.Empty:
+                    self._watch()
+                    continue
+                if request is STOP or not self.serve(request):
+                    break
         finally:
             try:
                 self.head.close()
             except Exception:
                 pass
             self.on_event(LinkState("closed"))
+
+    def _watch(self) -> None:
+        try:
+            self.head.watch(WATCH_DIAL_S)
+        except Exception as exc:  # e.g. no pairing code given: the next message dials again
+            self.on_event(LinkState("reconnecting", str(exc) or type(exc).__name__))
 
 
 class RuntimeWorker(CudaThread):
