@@ -252,7 +252,9 @@ def need_model_side() -> None:
 
 def with_models(s: Settings) -> Settings:
     """The models to run: the user's, else this machine's defaults; the CPU default model is
-    built on first use, and said so in one line."""
+    built on first use, and said so in one line. A relay head checks them here, before it asks
+    for a code or pairs (``head.open_sources``: a default draft of another tokenizer is refused
+    now, not inside the chat screen once the tail is paired)."""
     need_model_side()
     import torch
 
@@ -264,6 +266,10 @@ def with_models(s: Settings) -> Settings:
         draft = "without a draft (the fastest on a CPU)" if chosen.draft == "none" else f"draft {chosen.draft}"
         print(f"sfchat: no CUDA GPU and no --model: using {CPU_MODEL}, a small model to try sfchat out with (its "
               f"answers are a toy's), {draft}; --model picks another", file=sys.stderr)
+    if chosen.relay:
+        from sfchat.node.head import open_sources
+
+        open_sources(chosen, show_download)
     return chosen
 
 
@@ -301,7 +307,7 @@ def run(argv: list[str] | None) -> int:
         from sfchat.node.worker import RuntimeWorker
         from sfchat.remote.cli import offer_chat
 
-        s = with_models(ask_secret(s, False))
+        s = ask_secret(with_models(s), False)
         return offer_chat(s, getattr(args, "chat_session", None), RuntimeWorker(s))
     if getattr(args, "tail", False):
         need_model_side()
@@ -309,11 +315,11 @@ def run(argv: list[str] | None) -> int:
 
         return serve(ask_secret(s, True))
     if getattr(args, "serve", False):
-        return serve_http(with_models(ask_secret(s, False)), args)
+        return serve_http(ask_secret(with_models(s), False), args)
     prompt = getattr(args, "prompt", None)
     if prompt is None:
         need_terminal()
-    s = with_models(ask_secret(s, False))
+    s = ask_secret(with_models(s), False)
     if prompt is not None:
         return one_shot(s, prompt, getattr(args, "json", False))
     return chat(s)
@@ -363,7 +369,7 @@ def start_server(argv: list[str] = (), load_timeout: float | None = None):
     check_relay(s)
     if warning := exposure_warning(options):
         print(warning, file=sys.stderr, flush=True)
-    server = Server(with_models(ask_secret(s, False)), options, on_event=report)
+    server = Server(ask_secret(with_models(s), False), options, on_event=report)
     try:
         server.start(load_timeout=load_timeout)
     except BaseException:

@@ -2,10 +2,12 @@
 
 Contract
 --------
-``Head.open(settings, on_event, link=None, policy=None, redial=None)`` refuses a device this
-machine lacks, then opens the target (refusing an unsupported model before fetching anything
-else), its tokenizer and the draft's (which must be the same; a refused default draft is named
-as the default, with ``--draft none`` as the way out), then the engine (``loading.open_engine``:
+``open_sources(settings, on_event)`` refuses a device this machine lacks, then opens the target
+(refusing an unsupported model before fetching anything else), its tokenizer and the draft's
+(which must be the same; a refused default draft is named as the default, with ``--draft none``
+as the way out): configs and tokenizers only, so a relay head checks them before it pairs.
+``Head.open(settings, on_event, link=None, policy=None, redial=None, sources=None)`` takes those
+(``open_sources`` when none are given), then opens the engine (``loading.open_engine``:
 draft, head slice, graphs, the tail's handshake). A relay link is dialled by the caller (a
 ``connect.HeadDialer``, handed in as ``redial`` too, to reconnect with) and handed in; without
 one the tail runs in this process; ``policy`` replaces the one that picks frames in flight
@@ -58,18 +60,26 @@ def open_draft(s: Settings, tokenizer, on_event: Callable) -> ModelSource:
     return dsrc
 
 
+def open_sources(s: Settings, on_event: Callable = lambda e: None) -> tuple[ModelSource, object, ModelSource | None]:
+    """The target's source, its tokenizer and the draft's source (None without a draft), each
+    checked: the devices, the target's architecture, the draft's tokenizer against the target's.
+    Cheap (configs and tokenizers, no weights): a relay head runs it before it pairs with a tail,
+    so that a model it cannot run is refused before anyone types a code."""
+    check_devices(s)
+    src = ModelSource.open(s.model, s.revision, progress_events(on_event, "head"))
+    architecture(src.config)  # refuse an unsupported model before fetching anything else
+    tokenizer = load_tokenizer(src, s.revision)
+    return src, tokenizer, open_draft(s, tokenizer, on_event) if uses_draft(s) else None
+
+
 class Head:
     def __init__(self, settings: Settings, tokenizer, engine: RoundDriver, eos: set[int], info: RuntimeReady):
         self.settings, self.tokenizer, self.engine, self.eos, self.info = settings, tokenizer, engine, eos, info
 
     @classmethod
     def open(cls, s: Settings, on_event: Callable = lambda e: None, link=None, policy=None,
-             redial: Callable | None = None) -> "Head":
-        check_devices(s)
-        src = ModelSource.open(s.model, s.revision, progress_events(on_event, "head"))
-        architecture(src.config)  # refuse an unsupported model before fetching anything else
-        tokenizer = load_tokenizer(src, s.revision)
-        dsrc = open_draft(s, tokenizer, on_event) if uses_draft(s) else None
+             redial: Callable | None = None, sources: tuple | None = None) -> "Head":
+        src, tokenizer, dsrc = sources or open_sources(s, on_event)
         engine, info = open_engine(s, on_event, link, src, dsrc, policy, redial)
         return cls(s, tokenizer, engine, eos_ids(src, tokenizer), info)
 

@@ -49,7 +49,7 @@ from sfchat.config import Settings
 from sfchat.events import CodeWanted, LinkState, RuntimeFailed
 from sfchat.link.secure import SecretMismatch
 from sfchat.node.connect import HeadDialer
-from sfchat.node.head import Head
+from sfchat.node.head import Head, open_sources
 from sfchat.node.prompts import make_sampling
 
 STOP = object()  # the request that ends the thread
@@ -62,10 +62,12 @@ class CodeNotGiven(Exception):
 
 
 def open_head(settings: Settings, on_event: Callable, ask_code: Callable[[str], str] | None = None) -> Head:
-    """The default: what one-shot mode does (a relay link in relay mode, else in-process);
-    ``ask_code(reason)`` gives another pairing code when the one in use is missing or wrong."""
+    """The default: what one-shot mode does (a relay link in relay mode, else in-process), the
+    models checked before the tail is dialled (``head.open_sources``); ``ask_code(reason)`` gives
+    another pairing code when the one in use is missing or wrong."""
+    sources = open_sources(settings, on_event)
     dial = HeadDialer(settings, on_event, ask_code)
-    return Head.open(settings, on_event, dial(), redial=dial)
+    return Head.open(settings, on_event, dial(), redial=dial, sources=sources)
 
 
 class CudaThread(ABC):
