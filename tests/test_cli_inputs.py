@@ -65,3 +65,15 @@ def test_a_relay_head_refuses_the_default_draft_of_another_tokenizer_before_it_o
     assert "the draft Qwen/Qwen2.5-0.5B-Instruct, the default when --draft is not given, cannot be used" in \
         done.stderr and "--draft none" in done.stderr, done.stderr
 
+
+def test_a_mistyped_flag_is_the_error_and_a_short_usage_not_every_flag(tmp_path):
+    done = sfchat("--split", "half", env=cli_env(tmp_path))
+    assert done.returncode == 2
+    assert done.stderr.splitlines() == ["usage: sfchat [options] (sfchat --help lists them)",
+                                        "sfchat: error: argument --split: invalid int value: 'half'"]
+
+
+def test_a_bad_serve_port_blames_the_port_alone(tmp_path):
+    done = sfchat("--serve", "--port", "99999", "--device", "cpu", env=cli_env(tmp_path))
+    assert done.returncode == 2
+    assert done.stderr.splitlines() == ["sfchat: error: --port must be 0..65535, not 99999"]
