@@ -256,6 +256,7 @@ def chat(s: Settings) -> int:
     from sfchat.config import history_path
     from sfchat.node.worker import RuntimeWorker
     from sfchat.ui import run_tui
+    from sfchat.ui.metrics import short_model
 
     path = Path(s.history) if s.history else history_path()
     try:
@@ -266,7 +267,7 @@ def chat(s: Settings) -> int:
               "top_p": s.top_p, "seed": s.seed}
     mode = f"relay {s.relay} session {s.session}" if s.relay else "local"
     worker = RuntimeWorker(s)
-    run_tui(worker, path, params, f"sfchat — {s.model} ({mode}) — loading…")
+    run_tui(worker, path, params, f"sfchat — {short_model(s.model)} ({mode}) — loading…")
     if not worker.join(SHUTDOWN_S):
         print("sfchat: the runtime was still loading; stopped it", file=sys.stderr)
         sys.stdout.flush()
