@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 from sfchat import UserError
-from sfchat.config import CPU_MODEL, GPU_MODEL, Settings, machine_defaults
+from sfchat.config import CPU_MODEL, GPU_MODEL, Settings, given_params, machine_defaults
 from sfchat.console import show_download
 from sfchat.flags import build_parser, refuse_ignored, settings_from
 from sfchat.plaintext import plain, printable
@@ -63,7 +63,6 @@ def one_shot(s: Settings, prompt: str, as_json: bool) -> int:
     from sfchat.events import LinkState, ReplyFinished, TokensCommitted
     from sfchat.node.connect import HeadDialer
     from sfchat.node.head import Head
-    from sfchat.node.prompts import make_sampling
 
     troubled = []
 
@@ -84,7 +83,9 @@ def one_shot(s: Settings, prompt: str, as_json: bool) -> int:
         raise UserError(f"no tail joined session {s.session!r} at {s.relay} within {s.reconnect_timeout:g} s "
                         "(--reconnect-timeout): is `sfchat --tail` running with this --session?") from None
     head = Head.open(s, report, link, redial=dial)
-    sampling = make_sampling(s.temperature, s.top_k, s.top_p, s.seed)
+    for note in head.defaults.notes:
+        print(f"sfchat: warning: {plain(note)}", file=sys.stderr)
+    sampling = head.sampling()
     final = None
     shown = printable if sys.stdout.isatty() else str  # every token is the tail's choice: no escapes on a terminal
     for ev in head.ask([{"role": "user", "content": prompt}], s.max_new_tokens, sampling):
@@ -263,8 +264,7 @@ def chat(s: Settings) -> int:
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # chats are private
     except OSError as exc:
         raise UserError(f"cannot create the history directory {path.parent}: {exc}") from None
-    params = {"max_new_tokens": s.max_new_tokens, "temperature": s.temperature, "top_k": s.top_k,
-              "top_p": s.top_p, "seed": s.seed}
+    params = given_params(s)
     mode = f"relay {s.relay} session {s.session}" if s.relay else "local"
     worker = RuntimeWorker(s)
     run_tui(worker, path, params, f"sfchat — {short_model(s.model)} ({mode}) — loading…")

@@ -50,7 +50,6 @@ from sfchat.events import CodeWanted, LinkState, RuntimeFailed
 from sfchat.link.secure import SecretMismatch
 from sfchat.node.connect import HeadDialer
 from sfchat.node.head import Head, open_sources
-from sfchat.node.prompts import make_sampling
 
 STOP = object()  # the request that ends the thread
 WATCH_S = 1.0  # how often an idle thread looks at its link
@@ -232,8 +231,8 @@ class RuntimeWorker(CudaThread):
 
     def _reply(self, messages: list[dict], params: dict) -> None:
         s = self.settings
-        sampling = make_sampling(params.get("temperature", s.temperature), params.get("top_k", s.top_k),
-                                 params.get("top_p", s.top_p), params.get("seed", s.seed))
+        sampling = self.head.sampling(params.get("temperature"), params.get("top_k"), params.get("top_p"),
+                                      params.get("seed"))
         limit = int(params.get("max_new_tokens", s.max_new_tokens))
         for event in self.head.ask(messages, limit, sampling, self.cancelled.is_set):
             self.listener(event)

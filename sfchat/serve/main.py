@@ -165,6 +165,8 @@ def serve(settings: Settings, options: ServeOptions) -> int:
     server.bind()
     print(f"sfchat: loading {plain(settings.model)} ...", file=sys.stderr, flush=True)
     info = server.load()
+    for note in server.generator.head.defaults.notes:
+        print(f"sfchat: warning: {plain(note)}", file=sys.stderr, flush=True)
     try:
         print(f"sfchat: serving {plain(served_name(info.model))} (OpenAI-compatible, {info.mode} mode) at "
               f"{server.url}/v1 - metrics at {server.url}/metrics{'; API key required' if options.api_key else ''}",
