@@ -16,6 +16,10 @@ Models: ``model`` and ``draft`` stay None unless the user chose them (flag, env 
 for a relay head (its tail loads the same model id and is the one with the GPU), that is
 ``GPU_MODEL`` with ``GPU_DRAFT``; in local mode without one it is ``CPU_MODEL``, the small real
 model that ``sfchat-model smollm2`` builds into the user cache dir, with ``CPU_DRAFT``.
+
+Sampling: ``temperature``, ``top_k`` and ``top_p`` stay None unless the user chose them; the
+head then takes the model's own defaults from its ``generation_config.json`` (bounded by the same
+``RULES``: ``model.generation``), and without those samples greedily.
 """
 
 from __future__ import annotations
@@ -73,9 +77,9 @@ class Settings:
     draft_load_in_4bit: bool = False  # NF4 draft model
     max_context: int = 4096
     max_new_tokens: int = 1024
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
+    temperature: float | None = None  # None: the model's own default, else 0 (greedy); see node.head.Head.sampling
+    top_k: int | None = None  # None: the model's own default, else 0 (off)
+    top_p: float | None = None  # None: the model's own default, else 1 (off)
     seed: int | None = None
     system: str | None = None
     chat_template: bool = True
@@ -243,6 +247,13 @@ def merged(overrides: dict, path: Path | None = None) -> Settings:
     given = {name: check(name, value, "--" + name.replace("_", "-"), from_text=True)
              for name, value in overrides.items() if name in RULES}
     return dataclasses.replace(settings, **given)
+
+
+def given_params(settings: Settings) -> dict:
+    """The generation parameters a chat screen sends with every prompt: the reply limit, the seed,
+    and the sampling settings the user chose (the others are the head's to fill)."""
+    sampling = {k: getattr(settings, k) for k in ("temperature", "top_k", "top_p") if getattr(settings, k) is not None}
+    return {"max_new_tokens": settings.max_new_tokens, "seed": settings.seed, **sampling}
 
 
 def cpu_model_dir() -> Path:

@@ -71,8 +71,14 @@ def new_model(vocab: int, layers: int, seed: int):
 
 
 def save(model, tok, path: Path) -> Path:
+    """The model and tokenizer at ``path``; its generation_config.json asks for SAMPLING, as a chat
+    model's authors ship their defaults (the engine must sample them exactly when no flag is given)."""
     model.generation_config.eos_token_id = tok.convert_tokens_to_ids("<|im_end|>")
     model.generation_config.pad_token_id = tok.pad_token_id
+    model.generation_config.do_sample = True
+    model.generation_config.temperature = SAMPLING.temperature
+    model.generation_config.top_k = SAMPLING.top_k
+    model.generation_config.top_p = SAMPLING.top_p
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return path
@@ -133,28 +139,32 @@ def outcome(tokens, eos: int) -> tuple:
     return tuple(tokens) + (-1,) * (N_NEW - len(tokens))
 
 
-def speculative_sample(session, ids, s: Sampling, n: int, first_seed: int):
-    """Outcome counts of ``n`` replies seeded first_seed, first_seed + 1, ...; summed accepted histogram."""
+def speculative_sample(session, ids, s: Sampling | None, n: int, first_seed: int):
+    """Outcome counts of ``n`` replies seeded first_seed, first_seed + 1, ...; summed accepted
+    histogram. ``s`` None: the head's own sampling, no setting given (the model's defaults)."""
     (eos,) = session.eos
     counts, histogram = Counter(), np.zeros(wire.MAX_NODES, dtype=int)
     for i in range(n):
-        final = reply(session, ids, N_NEW, replace(s, seed=first_seed + i))
+        drawn = session.sampling(seed=first_seed + i) if s is None else replace(s, seed=first_seed + i)
+        final = reply(session, ids, N_NEW, drawn)
         counts[outcome(final.token_ids, eos)] += 1
         histogram[:len(final.accepted_histogram)] += final.accepted_histogram
     return counts, histogram
 
 
-def generate_sample(path, ids, s: Sampling, n: int, seed: int, batch: int = 4000) -> Counter:
+def generate_sample(path, ids, s: Sampling | None, n: int, seed: int, batch: int = 4000) -> Counter:
+    """Outcome counts of ``n`` replies of ``generate()``: sampled with ``s``, or with None as the
+    model's own generation_config.json says (no sampling argument given)."""
     model = AutoModelForCausalLM.from_pretrained(path).eval()
     eos = model.generation_config.eos_token_id
     torch.manual_seed(seed)
     counts = Counter()
+    # top_k always explicit: generate's default would be 50, Sampling's 0 means "off"
+    given = {} if s is None else {"do_sample": True, "temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p}
     for done in range(0, n, batch):
         prompt = torch.tensor([ids]).expand(min(batch, n - done), -1)
-        # top_k always explicit: generate's default would be 50, Sampling's 0 means "off"
-        out = model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=True,
-                             temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, max_new_tokens=N_NEW,
-                             pad_token_id=model.generation_config.pad_token_id)
+        out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=N_NEW,
+                             pad_token_id=model.generation_config.pad_token_id, **given)
         counts.update(outcome(row, eos) for row in out[:, len(ids):].tolist())
     return counts
 
@@ -235,7 +245,7 @@ def describe(p_views: dict[str, float]) -> str:
     return ", ".join(f"{name} {p:.3g}" for name, p in p_views.items())
 
 
-def _speculative_part(target, draft, ids, s: Sampling, n: int, first_seed: int, tree_budget: int = 0,
+def _speculative_part(target, draft, ids, s: Sampling | None, n: int, first_seed: int, tree_budget: int = 0,
                       in_flight: int = 1):
     """One worker's share of ``speculative_sample`` (a process of its own: it loads its session);
     with ``in_flight`` > 1, every round goes out that many frames ahead of its verdicts."""
@@ -250,7 +260,7 @@ def _speculative_part(target, draft, ids, s: Sampling, n: int, first_seed: int, 
     return speculative_sample(session, ids, s, n, first_seed)
 
 
-def parallel_speculative_sample(models, ids, s: Sampling, n: int, first_seed: int, tree_budget: int = 0,
+def parallel_speculative_sample(models, ids, s: Sampling | None, n: int, first_seed: int, tree_budget: int = 0,
                                 in_flight: int = 1):
     """``speculative_sample`` over two processes when there are two cores: the same seeds, so
     the same outcomes as one process would give."""

@@ -23,7 +23,7 @@ LAYERS = [
     ["sfchat.engine"],
     ["sfchat.node"],
     ["sfchat.ui", "sfchat.serve", "sfchat.remote"],
-    ["sfchat.cli"],
+    ["sfchat.cli", "sfchat.flags"],
 ]
 # what never imports torch, directly or through the modules it imports
 TORCH_FREE = ["sfchat.protocol", "sfchat.link", "sfchat.ui", "sfchat.remote", "sfchat.events", "sfchat.tally", "sfchat.plaintext",

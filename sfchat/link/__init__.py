@@ -10,6 +10,8 @@ A ``Link`` carries whole binary frames in order between the two nodes of one ses
   ``LinkClosed`` once the link is gone.
 * ``last_arrival``: when the frame ``recv`` last returned arrived (``time.perf_counter``), or
   None before the first.
+* ``closed_reason``: why the link is gone, or None while it is up; known without a ``recv``, so
+  an idle head can look at it.
 * ``overlaps``: whether the other node computes while this one works between a ``send`` and the
   ``recv`` of its answer (a relay link: yes; local mode's in-process link, whose tail runs inside
   ``recv``: no), which decides whether rounds in flight can pay.
@@ -42,5 +44,8 @@ class Link(Protocol):
 
     @property
     def last_arrival(self) -> float | None: ...
+
+    @property
+    def closed_reason(self) -> str | None: ...
 
     def close(self) -> None: ...

@@ -20,6 +20,10 @@ does); a token refused (HTTP 401) is ``TokenRefused``.
   ``TimeoutError`` when nothing arrived in time.
   ``last_arrival`` is when the frame it last returned came off the socket (``time.perf_counter``).
 * ``wait_peer(timeout)`` blocks until the other role is connected to the relay.
+* ``closed_reason`` is why the connection is gone (the relay's close code and reason, or that it
+  was lost), None while it is up; it is known as soon as the connection ends, without a ``recv``:
+  an idle node looks at it. websockets pings the relay every ``PING_INTERVAL`` s, so a relay that
+  vanished without closing is noticed within ``PING_INTERVAL + PING_TIMEOUT`` s.
 
 Frames sent while the other role is absent are dropped by the relay (it says so once per
 absence; logged here as a warning).
@@ -227,6 +231,11 @@ class RelayLink:
                 self._peer_present = False
                 self._inbox.put(LinkClosed(reason))
             self._state.notify_all()
+
+    @property
+    def closed_reason(self) -> str | None:
+        with self._state:
+            return self._closed
 
     @property
     def peer_present(self) -> bool:

@@ -3,7 +3,7 @@
 Contract
 --------
 ``SecureLink(inner, code, session, role, log, resumption, names)`` wraps any frame link with RelayLink's
-surface (``send``, ``recv``, ``wait_peer``, ``peer_present``, ``close``), pairs the two nodes
+surface (``send``, ``recv``, ``wait_peer``, ``peer_present``, ``closed_reason``, ``close``), pairs the two nodes
 (``sfchat.link.pairer``: SPAKE2 over the short code, or over the resumption secret an earlier
 code pairing left in ``resumption``; keys for this pairing only) and seals every frame with
 AES-256-GCM. ``recv`` returns only frames that the other node sealed for this pairing, in the
@@ -249,6 +249,11 @@ class SecureLink:
         sealed = self._seal.encrypt(nonce, pad(frame), header + self._aad[self._out_dir])
         self._sent += 1  # before sending: a nonce is never used twice, whatever send does
         self.inner.send(header + sealed)
+
+    @property
+    def closed_reason(self) -> str | None:
+        """Why the inner link is gone, None while it is up."""
+        return getattr(self.inner, "closed_reason", None)
 
     @property
     def last_arrival(self) -> float | None:

@@ -2,10 +2,12 @@
 
 Contract
 --------
-``Head.open(settings, on_event, link=None, policy=None, redial=None)`` refuses a device this
-machine lacks, then opens the target (refusing an unsupported model before fetching anything
-else), its tokenizer and the draft's (which must be the same; a refused default draft is named
-as the default, with ``--draft none`` as the way out), then the engine (``loading.open_engine``:
+``open_sources(settings, on_event)`` refuses a device this machine lacks, then opens the target
+(refusing an unsupported model before fetching anything else), its tokenizer and the draft's
+(which must be the same; a refused default draft is named as the default, with ``--draft none``
+as the way out): configs and tokenizers only, so a relay head checks them before it pairs.
+``Head.open(settings, on_event, link=None, policy=None, redial=None, sources=None)`` takes those
+(``open_sources`` when none are given), then opens the engine (``loading.open_engine``:
 draft, head slice, graphs, the tail's handshake). A relay link is dialled by the caller (a
 ``connect.HeadDialer``, handed in as ``redial`` too, to reconnect with) and handed in; without
 one the tail runs in this process; ``policy`` replaces the one that picks frames in flight
@@ -19,6 +21,11 @@ one the tail runs in this process; ``policy`` replaces the one that picks frames
   ``tally.Tally`` of the rounds. The KV cache of a conversation that continues the previous one
   is reused by the engine; nothing is reset between replies.
 * ``ask(messages, ...)``: ``encode`` then ``reply``.
+* ``sampling(temperature, top_k, top_p, seed)``: a reply's ``Sampling``, each value None taken from
+  the settings, else from the model's own ``generation_config.json`` (``model.generation``, read
+  once at ``open``; ``defaults.notes`` says what of it was left out), else greedy.
+* ``watch(timeout)``, between replies: a link to the tail that is gone is reported and dialled
+  again (``driver.RoundDriver.watch``).
 * ``new_chat()`` forgets the conversation; ``close()`` closes the link.
 
 Single-threaded: the thread that opens a head is the only one to use it (CUDA graph state is
@@ -33,13 +40,16 @@ from typing import Callable, Iterator
 from sfchat import UserError
 from sfchat.config import GPU_DRAFT, Settings
 from sfchat.events import ReplyFinished, ReplyStarted, RuntimeReady, TokensCommitted
+from sfchat.model.generation import Defaults, generation_defaults
 from sfchat.model.slices import architecture
 from sfchat.model.source import ModelSource
 from sfchat.node.driver import RoundDriver
 from sfchat.node.loading import check_devices, check_same_tokenizer, open_engine, progress_events, uses_draft
-from sfchat.node.prompts import TextStream, encode, eos_ids, load_tokenizer, with_system
+from sfchat.node.prompts import TextStream, encode, eos_ids, load_tokenizer, make_sampling, with_system
 from sfchat.protocol.wire import Sampling
 from sfchat.tally import Tally
+
+BUILT_IN = {"temperature": 0.0, "top_k": 0, "top_p": 1.0}  # greedy, without the model's or the user's choice
 
 
 def open_draft(s: Settings, tokenizer, on_event: Callable) -> ModelSource:
@@ -56,20 +66,43 @@ def open_draft(s: Settings, tokenizer, on_event: Callable) -> ModelSource:
     return dsrc
 
 
+def open_sources(s: Settings, on_event: Callable = lambda e: None) -> tuple[ModelSource, object, ModelSource | None]:
+    """The target's source, its tokenizer and the draft's source (None without a draft), each
+    checked: the devices, the target's architecture, the draft's tokenizer against the target's.
+    Cheap (configs and tokenizers, no weights): a relay head runs it before it pairs with a tail,
+    so that a model it cannot run is refused before anyone types a code."""
+    check_devices(s)
+    src = ModelSource.open(s.model, s.revision, progress_events(on_event, "head"))
+    architecture(src.config)  # refuse an unsupported model before fetching anything else
+    tokenizer = load_tokenizer(src, s.revision)
+    return src, tokenizer, open_draft(s, tokenizer, on_event) if uses_draft(s) else None
+
+
 class Head:
-    def __init__(self, settings: Settings, tokenizer, engine: RoundDriver, eos: set[int], info: RuntimeReady):
+    def __init__(self, settings: Settings, tokenizer, engine: RoundDriver, eos: set[int], info: RuntimeReady,
+                 defaults: Defaults = Defaults({})):
         self.settings, self.tokenizer, self.engine, self.eos, self.info = settings, tokenizer, engine, eos, info
+        self.defaults = defaults
 
     @classmethod
     def open(cls, s: Settings, on_event: Callable = lambda e: None, link=None, policy=None,
-             redial: Callable | None = None) -> "Head":
-        check_devices(s)
-        src = ModelSource.open(s.model, s.revision, progress_events(on_event, "head"))
-        architecture(src.config)  # refuse an unsupported model before fetching anything else
-        tokenizer = load_tokenizer(src, s.revision)
-        dsrc = open_draft(s, tokenizer, on_event) if uses_draft(s) else None
+             redial: Callable | None = None, sources: tuple | None = None) -> "Head":
+        src, tokenizer, dsrc = sources or open_sources(s, on_event)
         engine, info = open_engine(s, on_event, link, src, dsrc, policy, redial)
-        return cls(s, tokenizer, engine, eos_ids(src, tokenizer), info)
+        return cls(s, tokenizer, engine, eos_ids(src, tokenizer), info, generation_defaults(src))
+
+    def sampling(self, temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
+                 seed: int | None = None) -> Sampling:
+        """One reply's sampling: each value given, else the setting (a flag, the config file), else
+        the model's own default (its generation_config.json), else greedy, top-k and top-p off."""
+        def pick(name: str, given):
+            for value in (given, getattr(self.settings, name), self.defaults.values.get(name)):
+                if value is not None:
+                    return value
+            return BUILT_IN[name]
+
+        return make_sampling(pick("temperature", temperature), pick("top_k", top_k), pick("top_p", top_p),
+                             seed if seed is not None else self.settings.seed)
 
     def encode(self, messages: list[dict]) -> list[int]:
         """Prompt ids of a conversation, under the system prompt rule."""
@@ -99,6 +132,9 @@ class Head:
             yield TokensCommitted(stream.push(committed, final=finish is not None), committed, out.stats, elapsed)
         yield ReplyFinished(finish_reason=finish, text=stream.text, token_ids=tuple(tokens),
                             prompt_tokens=len(prompt_ids), tree_budget=self.info.tree_budget, **tally.figures())
+
+    def watch(self, timeout: float) -> None:
+        self.engine.watch(timeout)
 
     def new_chat(self) -> None:
         self.engine.reset()

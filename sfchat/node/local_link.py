@@ -1,6 +1,6 @@
 """The in-memory link of local mode: the tail's ``Verifier`` in the same process and thread.
 
-Contract: the same ``send(frame)`` / ``recv(timeout)`` / ``close()`` surface as the relay link,
+Contract: the same ``send(frame)`` / ``recv(timeout)`` / ``closed_reason`` / ``close()`` surface as the relay link,
 carrying the same encoded frames, so local mode exercises the wire codec exactly as relay mode
 does; only the transport differs. ``send`` only queues a frame; the tail's work runs inside the
 ``recv`` that waits for its answer, so the head's clocks see it as waiting, not as sending.
@@ -44,6 +44,10 @@ class MemoryLink:
             raise LinkClosed("the in-process tail sent no reply")
         self.last_arrival, frame = self.inbox.popleft()
         return frame
+
+    @property
+    def closed_reason(self) -> str | None:
+        return "link closed" if self.closed else None
 
     def close(self) -> None:
         self.closed = True

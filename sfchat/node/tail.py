@@ -8,7 +8,8 @@ A lost relay connection is re-dialled with backoff (up to ``REDIAL_MAX_S`` betwe
 long as the relay cannot be reached: the tail is meant to be left running in a notebook. A relay
 that refuses the token (it restarted with a new one) is no outage: after ``TOKEN_REFUSALS``
 refusals in a row the tail stops with an error that says so. Returns only on Ctrl+C (or, in
-tests, after one head with ``once``).
+tests, with ``once``: after one head, or when the relay connection is lost, so that no tail
+outlives its test and writes its log among the next tests' output).
 
 The log (``sfchat.nodelog``): every line is ``plaintext.plain`` (a HELLO's model name, a peer's
 error text) and all of them pass the process's one rate limit, so that no peer can make the tail
@@ -98,6 +99,9 @@ def serve(s: Settings, once: bool = False) -> int:
                     return 1
                 link.restart()  # same relay connection: a meddler must not free the tail's slot
             except LinkClosed as exc:
+                if once:
+                    log(f"relay connection lost: {exc}; stopping (once)")
+                    return 1
                 log(f"relay connection lost: {exc}; reconnecting")
                 link.close()
                 link = _reconnect(s, passcode, resumption)

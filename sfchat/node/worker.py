@@ -8,9 +8,12 @@ thread that opens the head (``open_head(settings, on_event)``, by default ``open
 relay link in relay mode, dialled and redialled by one ``connect.HeadDialer``, in-process
 otherwise) and then takes requests from a queue, one at a
 time, calling ``serve(request)`` for each (a subclass's), until ``stop()`` queues the end; then
-it closes the link and reports ``LinkState("closed")``. CUDA graph state is thread-local and
-one generation at a time is what the GPU can do: nothing but this thread touches the head.
-``loaded`` is set once the head is open or failed to open (``load_error``, a ``UserError``).
+it closes the link and reports ``LinkState("closed")``. While no request comes it watches the
+link every ``WATCH_S`` s (``Head.watch``): a relay that closed the link or stopped answering is
+reported then, with what the relay says when dialled again (a refused token), not at the next
+message; what the watch raises is reported as a ``LinkState("reconnecting", ...)``. CUDA graph
+state is thread-local and one generation at a time is what the GPU can do: nothing but this
+thread touches the head. ``loaded`` is set once the head is open or failed to open (``load_error``, a ``UserError``).
 
 ``RuntimeWorker(settings)`` implements the runtime interface the chat UI drives.
 ``start(listener)`` starts the thread; every event (``LoadProgress``, ``LinkState``,
@@ -46,10 +49,11 @@ from sfchat.config import Settings
 from sfchat.events import CodeWanted, LinkState, RuntimeFailed
 from sfchat.link.secure import SecretMismatch
 from sfchat.node.connect import HeadDialer
-from sfchat.node.head import Head
-from sfchat.node.prompts import make_sampling
+from sfchat.node.head import Head, open_sources
 
 STOP = object()  # the request that ends the thread
+WATCH_S = 1.0  # how often an idle thread looks at its link
+WATCH_DIAL_S = 30.0  # the most one idle dial of a lost link may take
 
 
 class CodeNotGiven(Exception):
@@ -57,10 +61,12 @@ class CodeNotGiven(Exception):
 
 
 def open_head(settings: Settings, on_event: Callable, ask_code: Callable[[str], str] | None = None) -> Head:
-    """The default: what one-shot mode does (a relay link in relay mode, else in-process);
-    ``ask_code(reason)`` gives another pairing code when the one in use is missing or wrong."""
+    """The default: what one-shot mode does (a relay link in relay mode, else in-process), the
+    models checked before the tail is dialled (``head.open_sources``); ``ask_code(reason)`` gives
+    another pairing code when the one in use is missing or wrong."""
+    sources = open_sources(settings, on_event)
     dial = HeadDialer(settings, on_event, ask_code)
-    return Head.open(settings, on_event, dial(), redial=dial)
+    return Head.open(settings, on_event, dial(), redial=dial, sources=sources)
 
 
 class CudaThread(ABC):
@@ -112,14 +118,26 @@ class CudaThread(ABC):
             return
         self.loaded.set()
         try:
-            while (request := self.requests.get()) is not STOP and self.serve(request):
-                pass
+            while True:
+                try:
+                    request = self.requests.get(timeout=WATCH_S)
+                except queue.Empty:
+                    self._watch()
+                    continue
+                if request is STOP or not self.serve(request):
+                    break
         finally:
             try:
                 self.head.close()
             except Exception:
                 pass
             self.on_event(LinkState("closed"))
+
+    def _watch(self) -> None:
+        try:
+            self.head.watch(WATCH_DIAL_S)
+        except Exception as exc:  # e.g. no pairing code given: the next message dials again
+            self.on_event(LinkState("reconnecting", str(exc) or type(exc).__name__))
 
 
 class RuntimeWorker(CudaThread):
@@ -213,8 +231,8 @@ class RuntimeWorker(CudaThread):
 
     def _reply(self, messages: list[dict], params: dict) -> None:
         s = self.settings
-        sampling = make_sampling(params.get("temperature", s.temperature), params.get("top_k", s.top_k),
-                                 params.get("top_p", s.top_p), params.get("seed", s.seed))
+        sampling = self.head.sampling(params.get("temperature"), params.get("top_k"), params.get("top_p"),
+                                      params.get("seed"))
         limit = int(params.get("max_new_tokens", s.max_new_tokens))
         for event in self.head.ask(messages, limit, sampling, self.cancelled.is_set):
             self.listener(event)

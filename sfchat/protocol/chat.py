@@ -181,12 +181,13 @@ class Attach:
 
 @dataclass(frozen=True)
 class Params:
-    """Generation parameters of a request, in the ranges ``sfchat.config`` allows."""
+    """Generation parameters of a request, in the ranges ``sfchat.config`` allows; a sampling
+    setting None is the head's to choose (its flags, else the model's own default)."""
 
     max_new_tokens: int = 1024
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
     seed: int | None = None
 
     def as_dict(self) -> dict:
@@ -199,11 +200,12 @@ class Params:
         seed = d.get("seed")
         if seed is not None and (type(seed) is not int or not -(1 << 63) <= seed < (1 << 64)):
             raise ChatError(f"seed={shown(seed)} is not a whole number of at most 64 bits")
-        top_p = number(d, "top_p", 0.0, 1.0)
-        if top_p <= 0:
+        top_p = None if d.get("top_p") is None else number(d, "top_p", 0.0, 1.0)
+        if top_p is not None and top_p <= 0:
             raise ChatError("top_p must be above 0")
-        return cls(integer(d, "max_new_tokens", 1, 1 << 20), number(d, "temperature", 0.0, 2.0),
-                   integer(d, "top_k", 0, 1 << 20), top_p, seed)
+        temperature = None if d.get("temperature") is None else number(d, "temperature", 0.0, 2.0)
+        top_k = None if d.get("top_k") is None else integer(d, "top_k", 0, 1 << 20)
+        return cls(integer(d, "max_new_tokens", 1, 1 << 20), temperature, top_k, top_p, seed)
 
     @classmethod
     def of(cls, params: dict) -> "Params":

@@ -28,7 +28,7 @@ from pathlib import Path
 import platformdirs
 
 from sfchat import UserError
-from sfchat.config import Settings, history_path
+from sfchat.config import Settings, given_params, history_path
 from sfchat.events import LinkState, LoadProgress, RuntimeFailed, RuntimeReady
 from sfchat.link.pairing import Passcode, check_code
 from sfchat.link.relay import RelayLink, SlotTaken, join_while_taken
@@ -149,8 +149,7 @@ def remote_chat(s: Settings) -> int:
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     except OSError as exc:
         raise UserError(f"cannot create the history directory {path.parent}: {exc}") from None
-    params = {"max_new_tokens": s.max_new_tokens, "temperature": s.temperature, "top_k": s.top_k,
-              "top_p": s.top_p, "seed": s.seed}
+    params = given_params(s)
     runtime = RemoteRuntime(lambda: RelayLink(s.relay, s.token, s.session, "head"), s.secret, s.session)
     run_tui(runtime, path, params, f"sfchat — the head at {s.relay}, session {s.session} — connecting…")
     runtime.join(JOIN_S)

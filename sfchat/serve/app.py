@@ -304,9 +304,7 @@ def build_app(generator: GenerationThread, metrics: ServerMetrics, options: Serv
                 pass
 
         job = Job(ids, req.max_tokens or min(s.max_new_tokens, info.max_context),
-                  s.temperature if req.temperature is None else req.temperature,
-                  s.top_k if req.top_k is None else req.top_k, s.top_p if req.top_p is None else req.top_p,
-                  s.seed if req.seed is None else req.seed, req.stop, deliver,
+                  req.temperature, req.top_k, req.top_p, req.seed, req.stop, deliver,
                   client=request.client.host if request.client else "")
         try:
             generator.submit(job)

@@ -50,7 +50,6 @@ from sfchat.config import Settings
 from sfchat.link.pairing import require_secret
 from sfchat.link.secure import CodeNeeded, SecretMismatch
 from sfchat.events import LinkState, ReplyFinished, ReplyStarted, TokensCommitted
-from sfchat.node.prompts import make_sampling
 from sfchat.node.worker import STOP, CudaThread, open_head
 from sfchat.plaintext import plain
 from sfchat.serve.metrics import ServerMetrics
@@ -73,9 +72,9 @@ class TokenizerBusy(Exception):
 class Job:
     prompt_ids: list[int]
     max_tokens: int
-    temperature: float
-    top_k: int
-    top_p: float
+    temperature: float | None  # None (each of these three): the head's settings, else the model's default
+    top_k: int | None
+    top_p: float | None
     seed: int | None
     stops: tuple[str, ...]
     deliver: Callable[[tuple], None]
@@ -221,7 +220,7 @@ class GenerationThread(CudaThread):
             self.cache_client = job.client
         queued_s = time.perf_counter() - job.submitted
         stops = StopMatcher(job.stops)
-        sampling = make_sampling(job.temperature, job.top_k, job.top_p, job.seed)
+        sampling = session.sampling(job.temperature, job.top_k, job.top_p, job.seed)
         tokens: list[int] = []
         started = final = None
         for ev in session.reply(job.prompt_ids, job.max_tokens, sampling,

@@ -14,7 +14,8 @@ flag (with a warning on stderr: a command line is visible to every user of the m
 ``SFCHAT_API_KEY``. uvicorn runs with its h11 protocol behind the ``gate`` (no socket-counting
 ``limit_concurrency``, no proxy headers: a client is its socket's address), and a shutdown
 waits at most ``SHUTDOWN_S`` for requests in progress. ``report(event)`` writes loading and
-link events on stderr, every string in them ``plaintext.plain``.
+link events on stderr, every string in them ``plaintext.plain`` (not "local", nor the "closed" of
+the server's own shutdown: Ctrl+C is no link failure).
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ def api_key_from(flag: str | None) -> str | None:
 def report(ev) -> None:
     """A loading or link event as a line on stderr (``--serve`` has no screen)."""
     show_download(ev)
-    if isinstance(ev, LinkState) and ev.state != "local":
+    if isinstance(ev, LinkState) and ev.state not in ("local", "closed"):
         detail = f": {plain(ev.detail)}" if ev.detail else ""
         print(f"sfchat: link {plain(ev.state)}{detail}", file=sys.stderr, flush=True)
 
@@ -164,6 +165,8 @@ def serve(settings: Settings, options: ServeOptions) -> int:
     server.bind()
     print(f"sfchat: loading {plain(settings.model)} ...", file=sys.stderr, flush=True)
     info = server.load()
+    for note in server.generator.head.defaults.notes:
+        print(f"sfchat: warning: {plain(note)}", file=sys.stderr, flush=True)
     try:
         print(f"sfchat: serving {plain(served_name(info.model))} (OpenAI-compatible, {info.mode} mode) at "
               f"{server.url}/v1 - metrics at {server.url}/metrics{'; API key required' if options.api_key else ''}",

@@ -67,7 +67,7 @@ class ChatRequest:
     messages: tuple[dict, ...]  # {"role": ..., "content": str}; "developer" is given as "system"
     model: str | None = None
     max_tokens: int | None = None  # None: the server's --max-new-tokens
-    temperature: float | None = None  # None: the server's --temperature
+    temperature: float | None = None  # None: the server's --temperature, else the model's own default
     top_p: float | None = None
     top_k: int | None = None  # an extension (vLLM has it too)
     seed: int | None = None

@@ -1,7 +1,8 @@
 """Lossless sampling, the distribution: what the engine samples is what generate() samples.
 
 The first tokens of many seeded speculative replies (a draft that really differs from the
-target, K=3, temperature, top-k and top-p all active) are tested against the exact distribution
+target, K=3, temperature, top-k and top-p all active: the target model's own defaults, from its
+generation_config.json, which generate() takes too) are tested against the exact distribution
 that ``generate(do_sample=True)`` samples from (the target's logits through transformers' own
 warpers, expanded over every prefix) by chi-square goodness-of-fit tests. A large
 ``generate()`` sample passes the same tests; samples of the same size from slightly wrong
@@ -66,13 +67,17 @@ def test_the_sample_size_catches_a_five_percent_shift(exact):
 
 
 def test_speculative_sampling_is_distributed_as_generate(models, prompt_ids, exact):
+    """No sampling setting given on either side: generate() and the engine both sample with the
+    model's own generation_config.json (do_sample, temperature, top-k and top-p all set)."""
     # the exact distribution is the one generate() samples from
-    p_views = view_pvalues(generate_sample(models["target"], prompt_ids, SAMPLING, N_GEN, seed=1234), exact)
+    p_views = view_pvalues(generate_sample(models["target"], prompt_ids, None, N_GEN, seed=1234), exact)
     print(f"\ngenerate() n={N_GEN} against the exact distribution: {describe(p_views)}")
     assert combined(p_views) > ALPHA, describe(p_views)
 
-    assert load(models).encode(PROMPT) == prompt_ids
-    spec, histogram = parallel_speculative_sample(models, prompt_ids, SAMPLING, N_SPEC, first_seed=0)
+    session = load(models)
+    assert session.encode(PROMPT) == prompt_ids
+    assert session.sampling(seed=0) == replace(SAMPLING, seed=0)  # the model's defaults, no flag given
+    spec, histogram = parallel_speculative_sample(models, prompt_ids, None, N_SPEC, first_seed=0)
     # every depth of the walk ran often: 0..K drafts on the committed path
     assert (histogram[:K + 1] >= 150).all(), histogram
     p_views = view_pvalues(spec, exact)
@@ -95,7 +100,7 @@ def test_speculative_sampling_is_distributed_as_generate(models, prompt_ids, exa
 def test_tree_sampling_is_distributed_as_generate(models, prompt_ids, exact):
     """Trees of 6 drafts per frame (the draft's likeliest continuations and their siblings): the
     same tests, the same sample size, on other seeds."""
-    spec, histogram = parallel_speculative_sample(models, prompt_ids, SAMPLING, N_SPEC, first_seed=50_000,
+    spec, histogram = parallel_speculative_sample(models, prompt_ids, None, N_SPEC, first_seed=50_000,
                                                   tree_budget=6)
     assert (histogram[:K] >= 200).all(), histogram  # every depth of the walk below K
     p_views = view_pvalues(spec, exact)

@@ -81,12 +81,15 @@ def cli_runs(models, tmp_path_factory):
             "--k", str(K), "--device", "cpu", "--prompt", PROMPT[0]["content"], "--max-new-tokens", str(CLI_NEW),
             "--temperature", str(s.temperature), "--top-k", str(s.top_k), "--top-p", str(s.top_p), "--json"]
 
-    def run(seed):
-        return subprocess.run(args + ["--seed", str(seed)], cwd=home, env=env, capture_output=True, text=True,
+    def run(seed, flags=args):
+        return subprocess.run(flags + ["--seed", str(seed)], cwd=home, env=env, capture_output=True, text=True,
                               timeout=300)
 
+    own = args[:args.index("--temperature")] + ["--json"]  # no sampling flag: the model's own defaults
+    greedy = own[:-1] + ["--temperature", "0", "--json"]
     with ThreadPoolExecutor(max_workers=2) as pool:
-        yield {seed: pool.submit(run, seed) for seed in (3, 4)}
+        yield {seed: pool.submit(run, seed) for seed in (3, 4)} | {"own": pool.submit(run, 5, own),
+                                                                   "greedy": pool.submit(run, 5, greedy)}
 
 
 def test_cli_sampling_flags_and_seed(models, prompt_ids, cli_runs):
@@ -96,7 +99,7 @@ def test_cli_sampling_flags_and_seed(models, prompt_ids, cli_runs):
         return list(reply(session, prompt_ids, CLI_NEW, s).token_ids)
 
     token_ids = {}
-    for seed, future in cli_runs.items():
+    for seed, future in ((seed, cli_runs[seed]) for seed in (3, 4)):
         done = future.result()
         assert done.returncode == 0, done.stderr
         token_ids[seed] = json.loads(done.stdout)["token_ids"]
@@ -108,6 +111,18 @@ def test_cli_sampling_flags_and_seed(models, prompt_ids, cli_runs):
     s = replace(CLI_SAMPLING, seed=3)
     for changed in (replace(s, temperature=1.5), replace(s, top_k=2), replace(s, top_p=0.5), replace(s, seed=0)):
         assert here(changed) != token_ids[3], changed
+
+
+def test_without_sampling_flags_the_cli_samples_with_the_models_defaults_and_temperature_0_is_greedy(
+        models, prompt_ids, cli_runs):
+    """The sampling models' generation_config.json asks for SAMPLING: with no flag the CLI draws
+    what those settings draw; --temperature 0 overrides them and is greedy generate()."""
+    session = load(models)
+    own, greedy = (cli_runs[name].result() for name in ("own", "greedy"))
+    assert own.returncode == 0 and greedy.returncode == 0, own.stderr + greedy.stderr
+    assert json.loads(own.stdout)["token_ids"] == list(reply(session, prompt_ids, CLI_NEW,
+                                                             replace(SAMPLING, seed=5)).token_ids)
+    assert json.loads(greedy.stdout)["token_ids"] == greedy_generate(models, prompt_ids, CLI_NEW)
 
 
 # -- frames on the wire ---------------------------------------------------------------------------

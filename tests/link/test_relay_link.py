@@ -24,13 +24,14 @@ TOKEN = "link-test-token"
 class ThreadedRelay:
     """An in-process relay on its own event loop thread, for blocking clients to dial."""
 
-    def __init__(self, **options):
+    def __init__(self, token: str = TOKEN, port: int = 0, **options):
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._thread.start()
-        config = RelayConfig(token=TOKEN, host="127.0.0.1", port=0, **options)
+        config = RelayConfig(token=token, host="127.0.0.1", port=port, **options)
         self._relay = asyncio.run_coroutine_threadsafe(serve(config), self._loop).result(10)
-        self.url = f"ws://127.0.0.1:{self._relay.port}"
+        self.port = self._relay.port
+        self.url = f"ws://127.0.0.1:{self.port}"
 
     def stop(self) -> None:
         async def shutdown():
@@ -164,6 +165,18 @@ def test_relay_shutdown_closes_the_link(relay, links):
     assert not tail.peer_present
     with pytest.raises(LinkClosed):
         tail.wait_peer(5)
+
+
+def test_an_idle_link_knows_it_is_closed_without_a_recv(relay, links):
+    """An idle head calls no recv: the closing must show on the link by itself (it did only when
+    the next message was sent, a minute later, as "link closed with code 1001")."""
+    head = links("head")
+    assert head.closed_reason is None
+    relay.stop()
+    deadline = time.monotonic() + 10
+    while head.closed_reason is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert "1001" in head.closed_reason
 
 
 def test_close_is_idempotent_and_final(links):

@@ -84,3 +84,31 @@ def test_a_tail_whose_relay_restarted_with_a_new_token_says_so_and_stops(tmp_pat
     assert tail.returncode == 2
     assert err.count("refused the token") >= TOKEN_REFUSALS
     assert "the relay runs with another token now" in err.splitlines()[-1]
+
+
+def test_a_tail_in_once_mode_ends_with_its_relay_instead_of_dialling_it_forever(zoo, monkeypatch):
+    """A test's tail kept dialling a relay its test had stopped, and its lines ("relay not
+    reachable ... retrying") landed among the next tests' progress dots."""
+    import threading
+
+    from sfchat.node import tail as tail_node
+    from test_relay_link import ThreadedRelay
+    from test_relay_security import settings
+
+    lines = []
+    monkeypatch.setattr(tail_node, "log", lines.append)
+    relay = ThreadedRelay()
+    result = []
+    thread = threading.Thread(target=lambda: result.append(tail_node.serve(settings(relay.url, "gone", zoo["llama-tied"]),
+                                                                      once=True)), daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not any("connected to" in line for line in lines) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        relay.stop()
+        thread.join(60)
+    finally:
+        relay.dispose()
+    assert result == [1] and not any("retrying" in line for line in lines), lines
+    assert "relay connection lost" in lines[-1]

@@ -158,3 +158,17 @@ def test_a_notebook_ships_clean_with_every_code_cell_explained(name):
             assert before.cell_type == "markdown", f"{name}: no explanation before {cell.source[:60]!r}"
             assert cell.outputs == [] and cell.execution_count is None, f"{name} ships with outputs"
     assert f"(notebooks/{name})" in (REPO / "README.md").read_text()
+
+
+def test_a_failed_chat_in_the_head_notebook_leaves_no_turn_in_the_history():
+    """A chat() whose request failed kept its user turn in `history`, so sending it again sent it twice."""
+    nb = nbformat.read(NOTEBOOKS / "head.ipynb", as_version=4)
+    cell = next(c.source for c in nb.cells if c.cell_type == "code" and "def chat(" in c.source)
+    scope = {"PORT": free_port(), "MAX_TOKENS": 8, "served": "model", "plain": plain}  # nothing listens there
+    exec(cell, scope)
+    scope["client"] = scope["client"].with_options(max_retries=0)
+    import openai
+
+    with pytest.raises(openai.APIConnectionError):
+        scope["chat"]("hello")
+    assert scope["history"] == []

@@ -27,6 +27,7 @@ EVENTS = [LoadProgress("head", "download", 3, 10, "model.safetensors"), READY, L
 MESSAGES = [chat.Attach("cd" * 16, HOST, 7), chat.Attach("cd" * 16, "", 0),
             chat.Welcome(HOST, True, 7, 3),
             chat.Submit(1, 1, (("system", "be brief"), ("user", "hi <|im_end|>")), chat.Params(64, 0.7, 40, 0.9, 5)),
+            chat.Submit(2, 2, (("user", "hi"),), chat.Params.of({"max_new_tokens": 64})),  # sampling: the head's
             chat.Cancel(2, 1), chat.NewChat(3), chat.GiveCode(4, "7-crossover-clockwork"), chat.Ack(9),
             *[chat.Update(i + 1, i % 2, e) for i, e in enumerate(EVENTS)]]
 
@@ -34,6 +35,13 @@ MESSAGES = [chat.Attach("cd" * 16, HOST, 7), chat.Attach("cd" * 16, "", 0),
 @pytest.mark.parametrize("msg", MESSAGES, ids=lambda m: type(m).__name__ + "-" + type(getattr(m, "event", m)).__name__)
 def test_every_message_round_trips(msg):
     assert chat.decode(chat.encode(msg)) == msg
+
+
+def test_a_screen_that_sets_no_sampling_leaves_it_to_the_head():
+    """The head samples with its flags, else the model's own defaults: a chat screen without
+    sampling flags must not send greedy settings of its own (it sent temperature 0 always)."""
+    params = chat.decode(chat.encode(chat.Submit(1, 1, (("user", "hi"),), chat.Params.of({"max_new_tokens": 8})))).params
+    assert (params.temperature, params.top_k, params.top_p) == (None, None, None)
 
 
 def frame(kind: chat.ChatType, body: dict | bytes, version: int = chat.CHAT_VERSION, magic: bytes = chat.MAGIC) -> bytes:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -399,6 +400,10 @@ def test_sfchat_serve_runs_with_the_key_from_the_environment(zoo, tmp_path):
         r = c.chat.completions.create(model="qwen2-untied", messages=[{"role": "user", "content": "hi"}],
                                       max_tokens=3)
         assert r.usage.completion_tokens >= 1 and r.model_extra["sfchat"]["k"] == 0
+        proc.send_signal(signal.SIGINT)  # Ctrl+C: a local server has no link to report as closed
+        rest = proc.communicate(timeout=60)[1]
+        assert proc.returncode in (0, 130) and "sfchat: link" not in rest, rest
     finally:
-        proc.terminate()
-        proc.wait(30)
+        if proc.poll() is None:
+            proc.terminate()
+            proc.wait(30)

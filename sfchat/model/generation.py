@@ -1,0 +1,71 @@
+"""A model's own sampling defaults, read from its ``generation_config.json``.
+
+Contract: ``generation_defaults(source)`` returns the sampling settings the model's authors ship
+(``temperature``, ``top_p``, ``top_k``; the keys the file sets, nothing else), as transformers'
+``generate()`` and vLLM take them: a file whose ``do_sample`` is false (or absent, transformers'
+default) asks for greedy decoding and gives ``{"temperature": 0.0}``; no file (or one that cannot
+be read) gives ``{}``. The file comes from a directory or a hub repository somebody else made,
+so it is hostile: it is read only up to ``MAX_BYTES``, parsed by transformers'
+``GenerationConfig`` (a file it refuses counts as none), and each value must pass the same
+``config.RULES`` as a flag or the config file; a value that does not (a temperature of 50, a
+``top_k`` of ``"20"``, NaN) is left out, and ``notes`` says so in one line per value left out,
+each plain text. ``repetition_penalty`` and the other warpers are not read: sampling stays exact
+only for warpers the tail applies from each node's own context, and a repetition penalty depends
+on the node's whole path.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import NamedTuple
+
+from sfchat.config import RULES
+from sfchat.plaintext import plain
+
+FILE = "generation_config.json"
+MAX_BYTES = 64 << 10  # a real one is under 1 KiB
+KEYS = ("temperature", "top_p", "top_k")
+
+
+class Defaults(NamedTuple):
+    values: dict  # setting name -> value, each within config.RULES
+    notes: tuple[str, ...] = ()  # values left out, and why, for the user
+
+
+def generation_defaults(source) -> Defaults:
+    """The sampling defaults of ``source`` (a ``model.source.ModelSource``)."""
+    try:
+        path = source.file(FILE, optional=True)
+    except (FileNotFoundError, OSError):
+        return Defaults({})
+    except Exception as exc:  # the hub refused or failed: the model runs without its defaults
+        return Defaults({}, (f"{FILE} of {plain(source.name)} could not be fetched: {plain(exc)[:200]}",))
+    with open(path, "rb") as f:
+        raw = f.read(MAX_BYTES + 1)
+    return parse(raw, plain(source.name))
+
+
+def parse(raw: bytes, name: str = "the model") -> Defaults:
+    """The defaults in the bytes of a ``generation_config.json`` (see the module's contract)."""
+    from transformers import GenerationConfig
+
+    if len(raw) > MAX_BYTES:
+        return Defaults({}, (f"{FILE} of {name} is over {MAX_BYTES >> 10} KiB: not read",))
+    try:
+        data = json.loads(raw.decode("utf-8"))
+        if type(data) is not dict:
+            raise ValueError("not a JSON object")
+        config = GenerationConfig.from_dict(dict(data))
+    except Exception as exc:  # any refusal of a hostile file: the model runs without its defaults
+        return Defaults({}, (f"{FILE} of {name} is not a generation config ({plain(type(exc).__name__)}): not read",))
+    if config.do_sample is not True:
+        return Defaults({"temperature": 0.0})
+    values, notes = {}, []
+    for key in KEYS:
+        if key not in data or data[key] is None:
+            continue
+        try:
+            values[key] = RULES[key].check(data[key])
+        except ValueError as exc:
+            notes.append(f"{FILE} of {name}: {key} {plain(exc)}; left out")
+    return Defaults(values, tuple(notes))

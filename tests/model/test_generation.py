@@ -1,0 +1,77 @@
+"""A model's own sampling defaults (``model.generation``): read from generation_config.json as
+generate() reads them, bounded like a flag, and overridden by the user's settings."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from sfchat.config import Settings
+from sfchat.model.generation import MAX_BYTES, generation_defaults, parse
+from sfchat.model.source import ModelSource
+from sfchat.node.head import Head
+from sfchat.protocol.wire import Sampling
+
+QWEN = {"bos_token_id": 151643, "do_sample": True, "eos_token_id": [151645, 151643], "pad_token_id": 151643,
+        "repetition_penalty": 1.05, "temperature": 0.7, "top_k": 20, "top_p": 0.8}
+
+
+def raw(data) -> bytes:
+    return json.dumps(data).encode()
+
+
+def test_a_chat_models_sampling_is_taken_and_its_repetition_penalty_is_not():
+    assert parse(raw(QWEN)) == ({"temperature": 0.7, "top_p": 0.8, "top_k": 20}, ())
+
+
+@pytest.mark.parametrize("data", [{"bos_token_id": 1, "eos_token_id": 2}, {"do_sample": False, "temperature": 0.7},
+                                  {"do_sample": "yes", "temperature": 0.7}])
+def test_without_do_sample_the_model_asks_for_greedy_as_generate_does(data):
+    assert parse(raw(data)) == ({"temperature": 0.0}, ())
+
+
+@pytest.mark.parametrize("key, value, wanted", [
+    ("temperature", 50, "temperature must be a number between 0 and 2, not 50.0"),
+    ("temperature", True, "temperature must be a number between 0 and 2, not True"),
+    ("top_k", "20", "top_k must be a whole number between 0 and 1048576, not '20'"),
+    ("top_k", 20.0, "top_k must be a whole number between 0 and 1048576, not 20.0"),
+    ("top_p", 0, "top_p must be a number above 0 and at most 1, not 0.0"),
+    ("top_p", 1e309, "top_p must be a number above 0 and at most 1, not inf"),
+])
+def test_a_value_out_of_bounds_is_left_out_and_said_so(key, value, wanted):
+    values, notes = parse(raw(QWEN | {key: value}), "m")
+    assert key not in values and len(values) == 2
+    assert notes == (f"generation_config.json of m: {wanted}; left out",)
+
+
+@pytest.mark.parametrize("text, why", [
+    (b"[1, 2]", "is not a generation config (ValueError)"),
+    (b"\xff\xfe{", "is not a generation config (UnicodeDecodeError)"),
+    (b"[" * 5000 + b"]" * 5000, "is not a generation config"),
+    (b" " * MAX_BYTES + b"{}", "is over 64 KiB"),
+])
+def test_a_file_that_is_no_generation_config_gives_no_defaults(text, why):
+    values, notes = parse(text, "m")
+    assert values == {} and len(notes) == 1 and why in notes[0], notes
+
+
+def test_the_head_takes_the_models_defaults_and_every_setting_overrides_them(zoo, tmp_path):
+    model = tmp_path / "model"
+    shutil.copytree(zoo["llama-tied"], model)
+    (model / "generation_config.json").write_text(json.dumps(QWEN | {"top_k": "many"}))
+    src = ModelSource.open(str(model))
+    assert generation_defaults(src).values == {"temperature": 0.7, "top_p": 0.8}
+    head = Head.open(Settings(model=str(model), draft="none", device="cpu"))
+    try:
+        assert head.defaults.notes and "top_k" in head.defaults.notes[0]
+        assert head.sampling(seed=1) == Sampling(0.7, 0, 0.8, 1)
+        assert head.sampling(0.0, seed=1) == Sampling(0.0, 0, 0.8, 1)  # a request's own value wins
+    finally:
+        head.close()
+    head = Head.open(Settings(model=str(model), draft="none", device="cpu", temperature=0.0, top_k=3, seed=9))
+    try:
+        assert head.sampling() == Sampling(0.0, 3, 0.8, 9)  # flags or the config file win
+    finally:
+        head.close()
