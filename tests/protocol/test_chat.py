@@ -3,6 +3,7 @@ ChatError (bounded, typed field by field), never another exception."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import struct
@@ -16,8 +17,14 @@ from sfchat.events import (
 from sfchat.protocol import chat
 
 HOST = "ab" * 16
+# every field away from its default, so that a field the codec drops or mixes up shows
 STATS = RoundStats(accepted=2, committed=3, draft_ms=5.0, head_ms=3.0, tail_ms=4.0, rtt_ms=80.0, round_ms=100.0,
-                   tree_nodes=64, depth=5, in_flight=2, draft_steps=8)
+                   wait_ms=7.5, overlap_ms=1.25, speculated=True, forward_bytes=4096, tree_nodes=64, depth=5,
+                   in_flight=2, draft_steps=8, expected=2.7, ahead_steps=3)
+
+
+def test_the_stats_of_the_round_trip_test_leave_no_field_at_its_default():
+    assert not [f.name for f in dataclasses.fields(RoundStats) if getattr(STATS, f.name) == f.default]
 READY = RuntimeReady(model="Qwen/Qwen2.5-7B-Instruct", draft="none", split=14, n_layers=28, dtype="bfloat16", k=8,
                      device="cuda:0", mode="relay", max_context=4096, shapes=("tree 64, depth 8",))
 EVENTS = [LoadProgress("head", "download", 3, 10, "model.safetensors"), READY, LinkState("connected", "ws://r"),
