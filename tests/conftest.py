@@ -27,7 +27,9 @@ os.environ["SFCHAT_STATE_DIR"] = STATE_DIR
 atexit.register(shutil.rmtree, STATE_DIR, True)
 
 # tiny models: thread start-up costs more than it saves, and 2-core CI boxes oversubscribe badly
+# (two workers, each with its tails, heads and relays as child processes, which inherit this)
 torch.set_num_threads(1)
+os.environ["OMP_NUM_THREADS"] = "1"
 
 FAMILIES = [("qwen2", False), ("qwen2", True), ("qwen3", False), ("qwen3", True), ("llama", False), ("llama", True)]
 
