@@ -77,6 +77,7 @@ class ReplyStarted:
     prompt_tokens: int
     reused_tokens: int  # context tokens whose KV was already held (not prefilled again)
     prefill_tokens: int
+    dropped_turns: int = 0  # the conversation's oldest turns left out of the prompt to fit the context window
 
 
 @dataclass(frozen=True)

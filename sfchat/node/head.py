@@ -20,13 +20,17 @@ one the tail runs in this process; ``policy`` replaces the one that picks frames
   one ``TokensCommitted`` per round and a final ``ReplyFinished`` whose figures come from one
   ``tally.Tally`` of the rounds. The KV cache of a conversation that continues the previous one
   is reused by the engine; nothing is reset between replies.
-* ``ask(messages, ...)``: ``encode`` then ``reply``.
+* ``ask(messages, ...)``: the conversation under the system prompt rule, fitted into the context
+  window by the head's one ``window.ContextWindow`` (the oldest turns left out when it is too
+  long; ``ReplyStarted.dropped_turns`` says how many), then ``reply``. Used by every front end
+  that keeps a conversation (the chat screen, local or remote) and by one-shot; ``--serve``
+  encodes and checks its clients' messages itself (``encode``, ``reply``).
 * ``sampling(temperature, top_k, top_p, seed)``: a reply's ``Sampling``, each value None taken from
   the settings, else from the model's own ``generation_config.json`` (``model.generation``, read
   once at ``open``; ``defaults.notes`` says what of it was left out), else greedy.
 * ``watch(timeout)``, between replies: a link to the tail that is gone is reported and dialled
   again (``driver.RoundDriver.watch``).
-* ``new_chat()`` forgets the conversation; ``close()`` closes the link.
+* ``new_chat()`` forgets the conversation (and what the window left out of it); ``close()`` closes the link.
 
 Single-threaded: the thread that opens a head is the only one to use it (CUDA graph state is
 thread-local; see ``worker.CudaThread``).
@@ -46,6 +50,7 @@ from sfchat.model.source import ModelSource
 from sfchat.node.driver import RoundDriver
 from sfchat.node.loading import check_devices, check_same_tokenizer, open_engine, progress_events, uses_draft
 from sfchat.node.prompts import TextStream, encode, eos_ids, load_tokenizer, make_sampling, with_system
+from sfchat.node.window import ContextWindow
 from sfchat.protocol.wire import Sampling
 from sfchat.tally import Tally
 
@@ -83,6 +88,7 @@ class Head:
                  defaults: Defaults = Defaults({})):
         self.settings, self.tokenizer, self.engine, self.eos, self.info = settings, tokenizer, engine, eos, info
         self.defaults = defaults
+        self.window = ContextWindow(info.max_context)
 
     @classmethod
     def open(cls, s: Settings, on_event: Callable = lambda e: None, link=None, policy=None,
@@ -110,13 +116,17 @@ class Head:
 
     def ask(self, messages: list[dict], max_new_tokens: int, sampling: Sampling,
             cancelled: Callable[[], bool] = lambda: False) -> Iterator:
-        return self.reply(self.encode(messages), max_new_tokens, sampling, cancelled)
+        """A reply to a conversation, its oldest turns left out where it is longer than the window."""
+        s = self.settings
+        fitted = self.window.fit(with_system(messages, s.system), max_new_tokens,
+                                 lambda kept: encode(self.tokenizer, kept, s.chat_template))
+        return self.reply(fitted.ids, max_new_tokens, sampling, cancelled, fitted.dropped)
 
     def reply(self, prompt_ids: list[int], max_new_tokens: int, sampling: Sampling,
-              cancelled: Callable[[], bool] = lambda: False) -> Iterator:
+              cancelled: Callable[[], bool] = lambda: False, dropped_turns: int = 0) -> Iterator:
         t_start = time.perf_counter()
         reused = self.engine.begin(prompt_ids)
-        yield ReplyStarted(len(prompt_ids), reused, len(prompt_ids) - reused)
+        yield ReplyStarted(len(prompt_ids), reused, len(prompt_ids) - reused, dropped_turns)
         stream = TextStream(self.tokenizer)
         tally = Tally(self.engine.spec.frame_size - 1)  # a verdict commits at most a frame's nodes
         tokens, finish = [], None
@@ -138,6 +148,7 @@ class Head:
 
     def new_chat(self) -> None:
         self.engine.reset()
+        self.window.forget()
 
     def close(self) -> None:
         self.engine.link.close()

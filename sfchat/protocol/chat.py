@@ -429,7 +429,8 @@ def _event(kind: str, d: dict):
     if kind == "link":
         return LinkState(text(d, "state", 16, choices=LINK_STATES), text(d, "detail", MAX_TEXT))
     if kind == "started":
-        return ReplyStarted(integer(d, "prompt_tokens"), integer(d, "reused_tokens"), integer(d, "prefill_tokens"))
+        return ReplyStarted(integer(d, "prompt_tokens"), integer(d, "reused_tokens"), integer(d, "prefill_tokens"),
+                            integer(d, "dropped_turns"))
     if kind == "tokens":
         return TokensCommitted(text(d, "text", MAX_CHUNK_CHARS), ints(d, "token_ids", MAX_CHUNK_TOKENS),
                                _stats(_get(d, "stats")), number(d, "elapsed_s"))

@@ -14,7 +14,10 @@ errors, relay refusals, the reason a pairing code is wanted) is shown only throu
 A ``CodeWanted`` event opens ``CodeScreen`` (or gives the open one its new reason); the code
 typed there goes to ``runtime.set_code``, and a refused code makes the runtime ask again.
 A message sent while a reply runs is queued (one message; more text joins it) and sent when the
-reply ends, cancelled or not; a failed reply or a full context puts it back in the editor.
+reply ends, cancelled or not, or at the end of the context window; a failed reply puts it back
+in the editor. A reply whose prompt left the conversation's oldest turns out (the head fits a
+conversation into the context window: ``ReplyStarted.dropped_turns``) gets a one-line notice
+above it saying how many.
 A ``HistoryError`` (the database file locked or damaged) is an error notice, never a crash; a
 prompt the history could not store stays in the editor, unsent. The user's commands (keys,
 palette) are in ``sfchat.ui.actions``.
@@ -39,7 +42,7 @@ from sfchat.events import (
 from sfchat.history import History, HistoryError
 from sfchat.plaintext import plain
 from sfchat.ui.actions import UserActions
-from sfchat.ui.chat import ChatView, ReplyMessage, reply_summary
+from sfchat.ui.chat import ChatView, ReplyMessage, dropped_notice, reply_summary
 from sfchat.ui.meter import Meter
 from sfchat.ui.metrics import MetricsPanel
 from sfchat.ui.prompt import PromptInput
@@ -154,6 +157,10 @@ class SfchatApp(UserActions):
                 if self._reply is not None:
                     self._reply.set_info(f"prefilling {event.prefill_tokens} tokens "
                                         f"({event.reused_tokens} cached)…")
+                if event.dropped_turns:  # the notice goes above the reply it concerns
+                    window = self.ready.max_context if self.ready else None
+                    await self.query_one(ChatView).add_notice(dropped_notice(event.dropped_turns, window),
+                                                              before=self._reply)
             case TokensCommitted():
                 self._tokens_committed(event)
             case ReplyFinished():
@@ -223,9 +230,9 @@ class SfchatApp(UserActions):
         if event.finish_reason == "context":
             limit = f" ({self.ready.max_context} tokens)" if self.ready else ""
             await self.query_one(ChatView).add_notice(
-                f"The conversation has run out of context{limit}. Start a new chat with Ctrl+N.",
-                "warning")
-        await self._send_queued(event.finish_reason != "context")
+                f"The reply filled the context window{limit}. The next message leaves the oldest turns "
+                "out of the model's view.", "warning")
+        await self._send_queued(True)
 
     async def _runtime_failed(self, event: RuntimeFailed) -> None:
         turn = self.session.reply_failed()

@@ -124,6 +124,13 @@ def reply_summary(stats: dict | None) -> str:
     return " · ".join(parts)
 
 
+def dropped_notice(turns: int, max_context: int | None) -> str:
+    """The one-line notice of a prompt that left the conversation's oldest ``turns`` out."""
+    window = f" ({max_context} tokens)" if max_context else ""
+    what = "turn is" if turns == 1 else "turns are"
+    return f"The conversation is longer than the context window{window}: its oldest {turns} {what} left out."
+
+
 class ChatView(VerticalScroll, can_focus=False):
     """The scrolling transcript; sticks to the bottom while new text arrives."""
 
@@ -146,9 +153,9 @@ class ChatView(VerticalScroll, can_focus=False):
         await self.mount(Static(Content(self.EMPTY_TEXT), id="empty-hint"))
         self.anchor()
 
-    async def _add(self, widget: Widget) -> None:
+    async def _add(self, widget: Widget, before: Widget | None = None) -> None:
         await self.remove_children("#empty-hint")
-        await self.mount(widget)
+        await self.mount(widget, before=before if before is not None and before.parent is self else None)
         self.anchor()
 
     async def add_user(self, text: str) -> UserMessage:
@@ -164,9 +171,10 @@ class ChatView(VerticalScroll, can_focus=False):
             widget.set_status(status, info)
         return widget
 
-    async def add_notice(self, text: str, severity: str = "information") -> Notice:
+    async def add_notice(self, text: str, severity: str = "information", before: Widget | None = None) -> Notice:
+        """A notice at the end of the transcript, or just above ``before`` (a reply it concerns)."""
         widget = Notice(text, severity)
-        await self._add(widget)
+        await self._add(widget, before)
         return widget
 
     async def note(self, slot: str, text: str | None) -> None:

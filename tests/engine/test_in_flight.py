@@ -8,6 +8,7 @@ import pytest
 from sfchat.config import Settings
 from sfchat.events import ReplyFinished
 from sfchat.node.head import Head
+from sfchat.node import prompts
 from sfchat.protocol import wire
 from sfchat.protocol.wire import Sampling, decode, encode
 
@@ -195,3 +196,25 @@ def test_the_policys_schedules_switching_mid_reply_change_no_token(zoo, draft, m
     switches = sum(a != b for (a, _), (b, _) in zip(built, built[1:]))
     assert policy.counts["round"] > 0 and policy.counts["stream"] > 0 and switches >= 2, built
     assert max(steps for name, steps in built if name == "stream") <= pol.STREAM_STEPS
+
+
+def test_a_chat_that_leaves_turns_out_stays_exact_with_trees_in_flight(zoo):
+    """Past the window the prompt's start shrinks back to the system prompt: the head, the draft and
+    the tail drop the K/V after the common start, and every reply is still generate()'s."""
+    s = Settings(model=str(zoo[TARGET]), draft=str(zoo["draft"]), k=K, tree_budget=8, device="cpu",
+                 max_in_flight=3, max_context=128, system="be brief")
+    session = Head.open(s, link=Pipelined(), policy=Always(3))
+    session.eos = set()
+    messages, dropped = [], []
+    for prompt in ["hello world", "the quick brown fox", "how are you today", "numbers 0 1 2 3", "and then"]:
+        messages.append({"role": "user", "content": prompt})
+        events = list(session.ask(messages, 16, Sampling()))
+        users = [i for i, m in enumerate(messages) if m["role"] == "user"]
+        dropped.append(events[0].dropped_turns)
+        ids = prompts.encode(session.tokenizer, [{"role": "system", "content": "be brief"}] + messages[users[dropped[-1]]:])
+        assert events[0].prompt_tokens == len(ids)
+        assert list(events[-1].token_ids) == reference(zoo[TARGET], ids, 16, eos=-1), dropped
+        held = session.engine.link.verifier.model.cached_tokens()  # the tail's K/V: of this context only
+        assert held == (ids + list(events[-1].token_ids))[:len(held)]
+        messages.append({"role": "assistant", "content": events[-1].text})
+    assert any(b > a for a, b in zip(dropped, dropped[1:])), dropped

@@ -28,7 +28,7 @@ def test_the_stats_of_the_round_trip_test_leave_no_field_at_its_default():
 READY = RuntimeReady(model="Qwen/Qwen2.5-7B-Instruct", draft="none", split=14, n_layers=28, dtype="bfloat16", k=8,
                      device="cuda:0", mode="relay", max_context=4096, shapes=("tree 64, depth 8",))
 EVENTS = [LoadProgress("head", "download", 3, 10, "model.safetensors"), READY, LinkState("connected", "ws://r"),
-          ReplyStarted(40, 10, 30), TokensCommitted("Hello\nworld", (1, 2, 3), STATS, 0.25),
+          ReplyStarted(40, 10, 30, 2), TokensCommitted("Hello\nworld", (1, 2, 3), STATS, 0.25),
           CodeWanted("wrong pairing code"), RuntimeFailed("tail: out of memory", fatal=True),
           chat.Finished("eos", None, 3, 40, 1, (0, 0, 1), 64, {k: 1.5 for k in chat.FIGURES})]
 MESSAGES = [chat.Attach("cd" * 16, HOST, 7), chat.Attach("cd" * 16, "", 0),
@@ -111,7 +111,7 @@ EVENT_BAD = {
     "ready": [("model", ""), ("mode", "cloud"), ("max_context", 0), ("shapes", ["x" * 65]), ("shapes", [1]),
               ("k", "8"), ("split", 1 << 20)],
     "link": [("state", "hacked"), ("detail", 5)],
-    "started": [("prompt_tokens", -3)],
+    "started": [("prompt_tokens", -3), ("dropped_turns", -1), ("dropped_turns", "2")],
     "tokens": [("text", "x" * (chat.MAX_CHUNK_CHARS + 1)), ("token_ids", [-1]), ("token_ids", [0.5]),
                ("token_ids", [1] * (chat.MAX_CHUNK_TOKENS + 1)), ("stats", {"accepted": 1}), ("elapsed_s", -1.0),
                ("stats", dict(json.loads(json.dumps(STATS.__dict__)), rtt_ms=-5.0))],

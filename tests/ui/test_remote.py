@@ -29,7 +29,7 @@ from sfchat.ui import SfchatApp
 from sfchat.ui.chat import ReplyMessage
 from sfchat.ui.screens import CodeScreen
 
-from test_ui import READY, pilot_test, send, wait_for
+from test_ui import READY, notices, pilot_test, send, wait_for
 
 SESSION = "remote-chat"
 CODE = "4-crossover-clockwork"
@@ -43,8 +43,8 @@ WAIT = 30.0  # a bound on each wait for a state, not a measurement
 class ScriptedHead:
     """The head's runtime interface, each round held until the test releases it; honours cancel."""
 
-    def __init__(self, ask_code: bool = False) -> None:
-        self.ask_code = ask_code
+    def __init__(self, ask_code: bool = False, dropped_turns: int = 0) -> None:
+        self.ask_code, self.dropped_turns = ask_code, dropped_turns
         self.codes: list[str] = []
         self.submitted: list[tuple[list[dict], dict]] = []
         self.new_chats = 0
@@ -82,7 +82,7 @@ class ScriptedHead:
 
     def _generate(self) -> None:
         emit, tally, text, ids = self.listener, Tally(K), "", ()
-        emit(ReplyStarted(prompt_tokens=40, reused_tokens=10, prefill_tokens=30))
+        emit(ReplyStarted(prompt_tokens=40, reused_tokens=10, prefill_tokens=30, dropped_turns=self.dropped_turns))
         reason = "eos"
         for i, piece in enumerate(PIECES):
             with self._cond:
@@ -212,6 +212,22 @@ async def test_a_wrong_chat_code_is_asked_again_then_the_reply_streams_with_the_
     assert [m.content for m in history.load_chat(stored.id)] == ["explain speculative decoding", REPLY]
     history.close()
     assert sum("a pairing attempt failed" in line for line in log) == 2, log
+
+
+@pilot_test
+async def test_turns_the_head_left_out_of_the_context_are_said_on_the_remote_screen(relay_url, tmp_path):
+    head = ScriptedHead(dropped_turns=3)
+    host, _, client, _, _ = make_pair(relay_url, head)
+    app = SfchatApp(client, tmp_path / "home.sqlite3", {"max_new_tokens": 64})
+    async with app.run_test(size=(120, 40)) as pilot:
+        await wait_for(pilot, lambda: app.ready is not None, WAIT)
+        head.release()
+        await send(pilot, "go on")
+        await wait_for(pilot, lambda: not app.session.replying and app.session.turns, WAIT)
+        await pilot.pause()
+        shown = notices(app)
+    host.close()
+    assert "context window (4096 tokens): its oldest 3 turns are left out" in shown
 
 
 @pytest.mark.parametrize("side", ["client", "host"])

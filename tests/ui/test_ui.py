@@ -340,7 +340,8 @@ async def test_context_exhaustion_is_said_in_the_chat(db):
     async with app.run_test(size=(100, 30)) as pilot:
         await wait_for(pilot, lambda: app.ready is not None)
         await send(pilot, "hi")
-        await wait_for(pilot, lambda: "run out of context (4096 tokens)" in notices(app))
+        await wait_for(pilot, lambda: "filled the context window (4096 tokens)" in notices(app))
+        assert "oldest turns" in notices(app)  # the next message goes on: nothing says to start afresh
         reply = app.query_one(ReplyMessage)
         info = " ".join(static_text(reply.query_one(".reply-info")).split())
         assert reply.status == "complete" and "context window full" in info
