@@ -18,6 +18,9 @@ Errors: every failure of the database file (damaged, locked by another program f
 ``LOCK_TIMEOUT_S``, unreadable) is a ``HistoryError``, a ``UserError`` of one line that names the
 file and the fix.
 
+``delete_messages`` cuts messages out of a chat (a regenerated reply, an edited prompt and what
+followed it).
+
 Times are Unix seconds (float) as ``time.time()`` gives them.
 
 Privacy: chats are nobody else's business. A new history directory is created 0700, and the
@@ -220,6 +223,12 @@ class History:
                 (title, now, now, model),
             )
         return int(cur.lastrowid)
+
+    def delete_messages(self, chat_id: int, msg_ids: list[int]) -> None:
+        """Remove these messages of the chat (ids of other chats are left alone)."""
+        with self._db(), self._conn:
+            self._conn.executemany("DELETE FROM messages WHERE id=? AND chat_id=?", [(i, chat_id) for i in msg_ids])
+            self._conn.execute("UPDATE chats SET updated_at=? WHERE id=?", (time.time(), chat_id))
 
     def add_message(
         self,

@@ -30,6 +30,8 @@ KEYS = (
     ("F1", "this help"),
     ("Tab", "move to the metrics panel (Up / Down scroll it) and back"),
     ("Ctrl+Y", "copy the last reply"),
+    ("Ctrl+G", "regenerate: make the last reply again, in place of the one shown"),
+    ("F4", "edit your last message (again: the one before); Enter sends it in its place, Esc keeps it"),
     ("Ctrl+P", "command palette: every action by its name"),
     ("Ctrl+Q", "quit"),
 )
