@@ -289,7 +289,7 @@ def test_who_writes_a_streaming_row_decides_whether_it_is_dead(tmp_path, writer,
     reopened.close()
 
 
-def test_a_history_of_schema_1_gains_the_writer_columns_and_recovers_its_rows(tmp_path):
+def test_a_history_of_schema_1_gains_the_writer_and_system_columns_and_recovers_its_rows(tmp_path):
     path = tmp_path / "old.sqlite3"
     old = sqlite3.connect(path)
     old.executescript("""
@@ -308,7 +308,10 @@ def test_a_history_of_schema_1_gains_the_writer_columns_and_recovers_its_rows(tm
     h = History(path)
     assert h.recovered == 1
     assert [(m.content, m.status) for m in h.load_chat(1)] == [("q", "complete"), ("cut", "interrupted")]
-    assert h._conn.execute("PRAGMA user_version").fetchone()[0] == 2
+    assert h._conn.execute("PRAGMA user_version").fetchone()[0] == 3
+    assert h.chat_system(1) is None  # the chat gained a system prompt column, empty
+    h.set_system(1, "be brief")
+    assert h.chat_system(1) == "be brief"
     h.add_message(1, "assistant", "new", status="streaming")
     h.close()
 

@@ -15,7 +15,8 @@ Regenerate (Ctrl+G) drops the last reply and asks for it again; edit (F4) puts t
 in the editor (F4 again: the one before), and Enter sends it in its place, the conversation cut
 there (``ChatSession.regenerate`` / ``edit``); Esc ends the editing and brings back what the
 editor held. Both need a ready runtime, and no reply running (of this sfchat or of another one
-on the same history).
+on the same history). F5 sets the open chat's own system prompt (``SystemScreen``), stored with
+the chat and used from its next reply on.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from sfchat.ui.chat import ChatView, reply_summary
 from sfchat.ui.help import HelpScreen
 from sfchat.ui.metrics import MetricsPanel
 from sfchat.ui.prompt import PromptInput
-from sfchat.ui.screens import ConfirmScreen, HistoryScreen
+from sfchat.ui.screens import ConfirmScreen, HistoryScreen, SystemScreen
 
 COMMANDS = (  # the command palette's entries: title, what it does, the action
     ("New chat", "Start a new conversation (Ctrl+N)", "new_chat"),
@@ -44,8 +45,9 @@ COMMANDS = (  # the command palette's entries: title, what it does, the action
     ("Copy reply", "Copy the last reply to the clipboard (Ctrl+Y)", "copy_reply"),
     ("Regenerate reply", "Make the last reply again, in place of the one shown (Ctrl+G)", "regenerate"),
     ("Edit message", "Edit your last message and send it again; again: the one before (F4)", "edit"),
+    ("System prompt", "Set this chat's own system prompt (F5)", "system_prompt"),
 )
-CHAT_ACTIONS = ("new_chat", "history", "regenerate", "edit")  # not while a reply runs
+CHAT_ACTIONS = ("new_chat", "history", "regenerate", "edit", "system_prompt")  # not while a reply runs
 OPENABLE = ("http", "https")  # the schemes of the links in a reply that a click may open
 
 
@@ -110,10 +112,11 @@ class UserActions(App[None]):
         self.query_one(PromptInput).focus()
 
     async def show_chat(self) -> None:
-        """Show the open chat afresh: its turns as the session holds them."""
+        """Show the open chat afresh: its system prompt, then its turns as the session holds them."""
         chat = self.query_one(ChatView)
         await chat.clear()
         chat.border_title = self.session.title or "new chat"
+        await chat.set_system(self.session.system)
         for t in self.session.turns:
             if t.role == "assistant":
                 live = "still being written by another sfchat" if t.status == "streaming" else ""
@@ -171,6 +174,23 @@ class UserActions(App[None]):
         await self.query_one(ChatView).note(
             "editing", f"Editing message {n} of {total}: Enter sends it in its place (what followed it is made "
                        "again) · F4 the one before · Esc keeps it as it was")
+
+    def action_system_prompt(self) -> None:
+        if isinstance(self.screen, SystemScreen) or self._refuse_while_replying():
+            return
+        self.push_screen(SystemScreen(self.session.system, self.session.default_system), self._system_given)
+
+    async def _system_given(self, system: str | None) -> None:
+        if system is None or self._refuse_while_replying():
+            return
+        try:
+            self.session.set_system(system)
+        except HistoryError as exc:
+            await self._history_failed(exc)
+            return
+        await self.query_one(ChatView).set_system(self.session.system)
+        self.notify("This chat's system prompt is set: the next reply follows it." if self.session.system else
+                    "This chat has no system prompt of its own now: the default applies.")
 
     async def _stop_editing(self) -> None:
         if self.editing is not None:

@@ -70,6 +70,7 @@ class SfchatApp(UserActions):
         # Not in the footer (80 columns hold no more): F1 and the palette list them.
         Binding("ctrl+g", "regenerate", "Regenerate", show=False),
         Binding("f4", "edit", "Edit message", show=False),
+        Binding("f5", "system_prompt", "System prompt", show=False),
         Binding("escape", "cancel", "Cancel"),
         Binding("ctrl+q", "quit", "Quit", priority=True),
     ]
@@ -80,17 +81,20 @@ class SfchatApp(UserActions):
         history: History | str | Path | None = None,
         params: dict[str, Any] | None = None,
         title: str = "sfchat",
+        system: str | None = None,
     ) -> None:
         """``history``: a ``History`` (left open at exit), a database path (opened here and
         closed at exit), or None for a history kept in memory only; construct the app on the
         thread that runs it, which then owns the connection. ``params``: the generation
         parameters sent with every prompt. ``title``: the header line until the runtime is
-        ready."""
+        ready. ``system``: the system prompt of the chats that have none of their own
+        (``--system``; None: the head's own rule)."""
         super().__init__()
         self.runtime = runtime
         self._owns_history = not isinstance(history, History)
         self.history = history if isinstance(history, History) else History(history or ":memory:")
-        self.session = ChatSession(self.history, on_error=lambda exc: self.call_later(self._history_failed, exc))
+        self.session = ChatSession(self.history, on_error=lambda exc: self.call_later(self._history_failed, exc),
+                                   default_system=system)
         self.params = dict(params or {})
         self.header_title = title
         self.ready: RuntimeReady | None = None
@@ -357,9 +361,9 @@ class SfchatApp(UserActions):
 
 
 def run_tui(runtime: Runtime, history: History | str | Path | None = None,
-            params: dict[str, Any] | None = None, title: str = "sfchat") -> None:
+            params: dict[str, Any] | None = None, title: str = "sfchat", system: str | None = None) -> None:
     """Run the chat app in the terminal until the user quits."""
-    SfchatApp(runtime, history, params, title).run()
+    SfchatApp(runtime, history, params, title, system).run()
 
 
 __all__ = ["SfchatApp", "run_tui"]

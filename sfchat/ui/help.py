@@ -32,6 +32,7 @@ KEYS = (
     ("Ctrl+Y", "copy the last reply"),
     ("Ctrl+G", "regenerate: make the last reply again, in place of the one shown"),
     ("F4", "edit your last message (again: the one before); Enter sends it in its place, Esc keeps it"),
+    ("F5", "this chat's own system prompt (empty: the default, --system)"),
     ("Ctrl+P", "command palette: every action by its name"),
     ("Ctrl+Q", "quit"),
 )

@@ -8,6 +8,11 @@ after ``ConfirmScreen`` got a "y": a deleted chat cannot be brought back.
 
 ``ConfirmScreen(question)`` dismisses with True for "y", False for "n" or Esc.
 
+``SystemScreen(current, default)`` edits a chat's own system prompt in a multi-line editor (Enter
+keeps it, Ctrl+J is a newline, as in the prompt editor) and dismisses with the text (blank: none of
+its own, ``default`` applies), or None for Esc (nothing changes). ``default`` (``--system``, which
+may come from a config file) is shown as plain text.
+
 ``CodeScreen(reason)`` asks for the pairing code in a masked field, with ``reason`` (which may
 come from the network) as plain text, and dismisses with the code typed; it cannot be dismissed
 empty (Ctrl+Q still quits). ``ask_again(reason)`` shows a new reason and empties the field.
@@ -27,7 +32,9 @@ from textual.widgets import Footer, Input, Label, OptionList, Static
 from textual.widgets.option_list import Option
 
 from sfchat.history import ChatSummary, History, HistoryError
+from sfchat.plaintext import plain
 from sfchat.ui.metrics import short_model
+from sfchat.ui.prompt import PromptInput
 
 
 def _when(ts: float) -> str:
@@ -135,6 +142,34 @@ class ConfirmScreen(ModalScreen[bool]):
             yield Static(Content(self.question))
             yield Label("y: yes · n or Esc: no", classes="dialog-hint")
         yield Footer()
+
+
+class SystemScreen(ModalScreen[str | None]):
+    """The open chat's own system prompt, edited."""
+
+    BINDINGS = [Binding("escape", "dismiss(None)", "Back")]
+
+    def __init__(self, current: str | None, default: str | None) -> None:
+        super().__init__()
+        self.current, self.default = current or "", default
+
+    def compose(self) -> ComposeResult:
+        default = f"the default: {plain(self.default)}" if self.default else "the head's own default"
+        with Vertical(classes="dialog"):
+            yield Label("System prompt of this chat", classes="dialog-title")
+            yield Static(Content(f"Left empty, {default}."), id="system-default")
+            yield PromptInput(id="system-input", placeholder="how the model should behave in this chat")
+            yield Label("Enter keeps it · Ctrl+J newline · Esc goes back", classes="dialog-hint")
+
+    def on_mount(self) -> None:
+        editor = self.query_one(PromptInput)
+        editor.load_text(self.current)
+        editor.move_cursor(editor.document.end)
+        editor.focus()
+
+    def on_prompt_input_submitted(self, event: PromptInput.Submitted) -> None:
+        event.stop()
+        self.dismiss(event.text.strip())
 
 
 class CodeScreen(ModalScreen[str]):

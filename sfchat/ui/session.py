@@ -14,7 +14,9 @@ writer and leaves the row alone. A ``HistoryError`` from storing a prompt reache
 ``send`` (nothing was sent); one from saving a reply goes to ``on_error`` and the reply goes on
 (the session's state never waits for the file).
 
-``regenerate`` drops the last
+The conversation given to the runtime opens with a system message when the chat has a system
+prompt of its own (``system``, stored with the chat) or, failing that, when ``default_system``
+(``--system``) is set; otherwise the head applies its own rule. ``regenerate`` drops the last
 reply (from the screen's turns and the history) and asks for it again; ``edit(index, text)``
 cuts the conversation before the prompt at ``index``, and sends ``text`` in its place: the
 reply is made again from there. Both refuse (``ValueError``) what they cannot do: a reply in
@@ -55,13 +57,16 @@ class ChatSession:
 
     def __init__(self, history: History, model: str = "",
                  clock: Callable[[], float] = time.monotonic,
-                 on_error: Callable[[HistoryError], None] = lambda exc: None) -> None:
+                 on_error: Callable[[HistoryError], None] = lambda exc: None,
+                 default_system: str | None = None) -> None:
         self.history = history
         self.on_error = on_error
         self.model = model
+        self.default_system = default_system or None
         self._clock = clock
         self.chat_id: int | None = None
         self.title = ""
+        self.system: str | None = None  # the chat's own system prompt
         self.turns: list[Turn] = []
         self._reply: Turn | None = None
         self._reply_id: int | None = None
@@ -73,28 +78,38 @@ class ChatSession:
         return self._reply is not None
 
     def new(self) -> None:
-        self.chat_id, self.title, self.turns = None, "", []
+        self.chat_id, self.title, self.turns, self.system = None, "", [], None
         self._reply = self._reply_id = None
 
     def open(self, chat_id: int, title: str) -> list[Message]:
         """Make a stored chat the open one; the next prompt continues it."""
         messages = self.history.load_chat(chat_id)
+        system = self.history.chat_system(chat_id)
         self.new()
-        self.chat_id, self.title = chat_id, title
+        self.chat_id, self.title, self.system = chat_id, title, system
         self.turns = [Turn(m.role, m.content, m.status, m.stats, m.id) for m in messages if m.role != "system"]
         return messages
 
+    def set_system(self, system: str | None) -> None:
+        """The open chat's own system prompt (None or blank: the default); stored with the chat."""
+        system = system if system and system.strip() else None
+        if self.chat_id is not None:
+            self.history.set_system(self.chat_id, system)
+        self.system = system
+
     def conversation(self) -> list[dict[str, str]]:
-        """What the runtime is given: the turns."""
+        """What the runtime is given: the system prompt that applies, then the turns."""
+        system = self.system or self.default_system
         # Every earlier reply is context, cut-off ones included (the user saw that text);
         # only replies that produced nothing at all are left out.
-        return [{"role": t.role, "content": t.content} for t in self.turns if t.content or t.role != "assistant"]
+        return [{"role": "system", "content": system}] * bool(system) + [
+            {"role": t.role, "content": t.content} for t in self.turns if t.content or t.role != "assistant"]
 
     def send(self, prompt: str) -> list[dict[str, str]]:
         """Store the prompt and return the conversation to submit, ending with it."""
         if self.chat_id is None:
             self.title = title_from_prompt(prompt)
-            self.chat_id = self.history.new_chat(self.title, self.model)
+            self.chat_id = self.history.new_chat(self.title, self.model, self.system)
         msg_id = self.history.add_message(self.chat_id, "user", prompt)
         self.turns.append(Turn("user", prompt, id=msg_id))
         return self._start_reply()
