@@ -16,12 +16,15 @@ in the editor (F4 again: the one before), and Enter sends it in its place, the c
 there (``ChatSession.regenerate`` / ``edit``); Esc ends the editing and brings back what the
 editor held. Both need a ready runtime, and no reply running (of this sfchat or of another one
 on the same history). F5 sets the open chat's own system prompt (``SystemScreen``), stored with
-the chat and used from its next reply on.
+the chat and used from its next reply on. Ctrl+S writes the open chat to a Markdown file
+(``sfchat.ui.export``) at a path asked for (``ExportScreen``); an existing file is replaced only
+after ``ConfirmScreen`` got a "y" ("n" asks for the path again).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from pathlib import Path
 from urllib.parse import urlsplit
 
 from textual.app import App, SystemCommand
@@ -31,6 +34,7 @@ from textual.widgets import Markdown
 from sfchat.history import ChatSummary, HistoryError
 from sfchat.plaintext import plain
 from sfchat.ui.chat import ChatView, reply_summary
+from sfchat.ui.export import ExportScreen, chat_markdown, default_name, replace, write_new
 from sfchat.ui.help import HelpScreen
 from sfchat.ui.metrics import MetricsPanel
 from sfchat.ui.prompt import PromptInput
@@ -46,8 +50,9 @@ COMMANDS = (  # the command palette's entries: title, what it does, the action
     ("Regenerate reply", "Make the last reply again, in place of the one shown (Ctrl+G)", "regenerate"),
     ("Edit message", "Edit your last message and send it again; again: the one before (F4)", "edit"),
     ("System prompt", "Set this chat's own system prompt (F5)", "system_prompt"),
+    ("Export chat", "Write this chat to a Markdown file (Ctrl+S)", "export"),
 )
-CHAT_ACTIONS = ("new_chat", "history", "regenerate", "edit", "system_prompt")  # not while a reply runs
+CHAT_ACTIONS = ("new_chat", "history", "regenerate", "edit", "system_prompt", "export")  # not while a reply runs
 OPENABLE = ("http", "https")  # the schemes of the links in a reply that a click may open
 
 
@@ -191,6 +196,34 @@ class UserActions(App[None]):
         await self.query_one(ChatView).set_system(self.session.system)
         self.notify("This chat's system prompt is set: the next reply follows it." if self.session.system else
                     "This chat has no system prompt of its own now: the default applies.")
+
+    def action_export(self, path: str | None = None) -> None:
+        if self._refuse_while_replying() or isinstance(self.screen, ExportScreen):
+            return
+        if not self.session.turns:
+            self.notify("Nothing to export yet.", severity="warning")
+            return
+        self.push_screen(ExportScreen(path or default_name(self.session.title)), self._export_to)
+
+    def _export_to(self, typed: str | None, confirmed: bool = False) -> None:
+        if typed is None:
+            return
+        path = Path(typed).expanduser()
+        text = chat_markdown(self.session.title, self.session.system or self.session.default_system,
+                             self.session.turns, self.session.model)
+        try:
+            if confirmed:
+                replace(path, text)
+            else:
+                write_new(path, text)
+        except FileExistsError:
+            self.push_screen(ConfirmScreen(f"{plain(str(path))} exists. Replace it?"),
+                             lambda yes: self._export_to(typed, True) if yes else self.action_export(typed))
+            return
+        except OSError as exc:
+            self.notify(f"Not exported: {plain(exc)}", title="export", severity="error", markup=False)
+            return
+        self.notify(f"Exported to {plain(str(path.absolute()))}", title="export", markup=False)
 
     async def _stop_editing(self) -> None:
         if self.editing is not None:

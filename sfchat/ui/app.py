@@ -71,6 +71,7 @@ class SfchatApp(UserActions):
         Binding("ctrl+g", "regenerate", "Regenerate", show=False),
         Binding("f4", "edit", "Edit message", show=False),
         Binding("f5", "system_prompt", "System prompt", show=False),
+        Binding("ctrl+s", "export", "Export", show=False),
         Binding("escape", "cancel", "Cancel"),
         Binding("ctrl+q", "quit", "Quit", priority=True),
     ]

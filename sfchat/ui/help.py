@@ -33,6 +33,7 @@ KEYS = (
     ("Ctrl+G", "regenerate: make the last reply again, in place of the one shown"),
     ("F4", "edit your last message (again: the one before); Enter sends it in its place, Esc keeps it"),
     ("F5", "this chat's own system prompt (empty: the default, --system)"),
+    ("Ctrl+S", "export this chat to a Markdown file (asks where; never replaces a file unasked)"),
     ("Ctrl+P", "command palette: every action by its name"),
     ("Ctrl+Q", "quit"),
 )
