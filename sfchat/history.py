@@ -21,6 +21,8 @@ file and the fix.
 A chat may have a system prompt of its own (``chats.system``; NULL: none of its own, the
 default applies); ``set_system`` changes it, ``chat_system`` reads it. ``delete_messages`` cuts
 messages out of a chat (a regenerated reply, an edited prompt and what followed it).
+``list_chats(query=...)`` keeps the chats whose title, system prompt or any message contains the
+query (case-insensitive for ASCII letters; per cent, underscore and backslash are taken literally).
 
 Times are Unix seconds (float) as ``time.time()`` gives them.
 
@@ -36,6 +38,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import socket
 import sqlite3
 import stat
@@ -81,6 +84,7 @@ CREATE TABLE IF NOT EXISTS messages (
 CREATE INDEX IF NOT EXISTS chats_by_update ON chats(updated_at);
 """
 _SCHEMA_VERSION = 3  # 2: writer_pid, writer_host; 3: chats.system
+QUERY_CHARS = 200  # a search longer than this is cut: no title or message needs more to be found
 _HOST = socket.gethostname()
 
 
@@ -291,14 +295,20 @@ class History:
                 (now, msg_id),
             )
 
-    def list_chats(self, limit: int = 200) -> list[ChatSummary]:
-        """Chats, most recently updated first."""
+    def list_chats(self, limit: int = 200, query: str = "") -> list[ChatSummary]:
+        """Chats, most recently updated first; with a ``query``, only those that contain it."""
+        where, args = "", ()
+        if query.strip():
+            pattern = "%" + re.sub(r"([\\%_])", r"\\\1", query.strip()[:QUERY_CHARS]) + "%"
+            where = (" WHERE c.title LIKE ? ESCAPE '\\' OR c.system LIKE ? ESCAPE '\\' OR EXISTS"
+                     " (SELECT 1 FROM messages m WHERE m.chat_id=c.id AND m.content LIKE ? ESCAPE '\\')")
+            args = (pattern, pattern, pattern)
         with self._db():
             rows = self._conn.execute(
                 "SELECT c.id, c.title, c.created_at, c.updated_at, c.model,"
                 " (SELECT COUNT(*) FROM messages m WHERE m.chat_id=c.id) AS n"
-                " FROM chats c ORDER BY c.updated_at DESC, c.id DESC LIMIT ?",
-                (limit,),
+                f" FROM chats c{where} ORDER BY c.updated_at DESC, c.id DESC LIMIT ?",
+                (*args, limit),
             ).fetchall()
         return [ChatSummary(r["id"], r["title"], r["created_at"], r["updated_at"], r["model"], r["n"])
                 for r in rows]

@@ -330,3 +330,20 @@ def test_a_symbolic_link_at_the_history_path_is_refused_not_followed(tmp_path, l
     with pytest.raises(HistoryError, match="symbolic link"):
         History(path)
     assert victim.read_text() == "someone else's file\n" and stat.S_IMODE(os.stat(victim).st_mode) == 0o644
+
+
+def test_list_chats_with_a_query_keeps_the_chats_that_contain_it(tmp_path):
+    history = History(tmp_path / "h.sqlite3")
+    a, b, c = (history.new_chat(t) for t in ("Pasta tonight", "trip", "50% off"))
+    history.add_message(b, "assistant", "Take the night train")
+    history.add_message(c, "user", "a_b and c\\d")
+    history.set_system(a, "You are a chef.")
+
+    def found(query: str) -> list[str]:
+        return [s.title for s in history.list_chats(query=query)]
+
+    assert found("") == found("   ") == ["Pasta tonight", "50% off", "trip"]  # the latest change first
+    assert found("TRAIN") == ["trip"] and found("pasta") == ["Pasta tonight"] and found("chef") == ["Pasta tonight"]
+    assert found("%") == ["50% off"] and found("a_b") == ["50% off"] and found("_") == ["50% off"]
+    assert found("c\\d") == ["50% off"] and found("nothing like it") == []
+    history.close()

@@ -25,7 +25,7 @@ KEYS = (
     ("Up / Down", "earlier messages, from the first / last line of the editor"),
     ("Esc", "stop the reply (what was written is kept, marked cancelled)"),
     ("Ctrl+N", "new chat"),
-    ("F2, Ctrl+R", "history: reopen or delete an earlier chat"),
+    ("F2, Ctrl+R", "history: reopen or delete an earlier chat; type there to search the chats"),
     ("F3", "show or hide the metrics panel"),
     ("F1", "this help"),
     ("Tab", "move to the metrics panel (Up / Down scroll it) and back"),
