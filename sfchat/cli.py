@@ -267,7 +267,7 @@ def chat(s: Settings) -> int:
     params = given_params(s)
     mode = f"relay {s.relay} session {s.session}" if s.relay else "local"
     worker = RuntimeWorker(s)
-    run_tui(worker, path, params, f"sfchat — {short_model(s.model)} ({mode}) — loading…")
+    run_tui(worker, path, params, f"sfchat — {short_model(s.model)} ({mode}) — loading…", s.system)
     if not worker.join(SHUTDOWN_S):
         print("sfchat: the runtime was still loading; stopped it", file=sys.stderr)
         sys.stdout.flush()

@@ -18,6 +18,12 @@ Errors: every failure of the database file (damaged, locked by another program f
 ``LOCK_TIMEOUT_S``, unreadable) is a ``HistoryError``, a ``UserError`` of one line that names the
 file and the fix.
 
+A chat may have a system prompt of its own (``chats.system``; NULL: none of its own, the
+default applies); ``set_system`` changes it, ``chat_system`` reads it. ``delete_messages`` cuts
+messages out of a chat (a regenerated reply, an edited prompt and what followed it).
+``list_chats(query=...)`` keeps the chats whose title, system prompt or any message contains the
+query (case-insensitive for ASCII letters; per cent, underscore and backslash are taken literally).
+
 Times are Unix seconds (float) as ``time.time()`` gives them.
 
 Privacy: chats are nobody else's business. A new history directory is created 0700, and the
@@ -32,6 +38,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import socket
 import sqlite3
 import stat
@@ -57,7 +64,8 @@ CREATE TABLE IF NOT EXISTS chats (
     title       TEXT NOT NULL,
     created_at  REAL NOT NULL,
     updated_at  REAL NOT NULL,
-    model       TEXT NOT NULL DEFAULT ''
+    model       TEXT NOT NULL DEFAULT '',
+    system      TEXT
 );
 CREATE TABLE IF NOT EXISTS messages (
     id          INTEGER PRIMARY KEY,
@@ -75,7 +83,8 @@ CREATE TABLE IF NOT EXISTS messages (
 );
 CREATE INDEX IF NOT EXISTS chats_by_update ON chats(updated_at);
 """
-_SCHEMA_VERSION = 2  # 2: writer_pid, writer_host
+_SCHEMA_VERSION = 3  # 2: writer_pid, writer_host; 3: chats.system
+QUERY_CHARS = 200  # a search longer than this is cut: no title or message needs more to be found
 _HOST = socket.gethostname()
 
 
@@ -177,6 +186,8 @@ class History:
                 for column, kind in (("writer_pid", "INTEGER"), ("writer_host", "TEXT")):
                     if column not in columns:  # a history of schema 1
                         self._conn.execute(f"ALTER TABLE messages ADD COLUMN {column} {kind}")
+                if "system" not in {r[1] for r in self._conn.execute("PRAGMA table_info(chats)")}:
+                    self._conn.execute("ALTER TABLE chats ADD COLUMN system TEXT")  # schema 1 or 2
                 self._conn.execute(f"PRAGMA user_version={_SCHEMA_VERSION}")
                 dead = [r[0] for r in self._conn.execute(
                     "SELECT id, writer_pid, writer_host, updated_at FROM messages WHERE status='streaming'")
@@ -212,14 +223,30 @@ class History:
     def journal_mode(self) -> str:
         return self._conn.execute("PRAGMA journal_mode").fetchone()[0]
 
-    def new_chat(self, title: str, model: str = "") -> int:
+    def new_chat(self, title: str, model: str = "", system: str | None = None) -> int:
         now = time.time()
         with self._db(), self._conn:
             cur = self._conn.execute(
-                "INSERT INTO chats(title, created_at, updated_at, model) VALUES (?, ?, ?, ?)",
-                (title, now, now, model),
+                "INSERT INTO chats(title, created_at, updated_at, model, system) VALUES (?, ?, ?, ?, ?)",
+                (title, now, now, model, system),
             )
         return int(cur.lastrowid)
+
+    def set_system(self, chat_id: int, system: str | None) -> None:
+        """The chat's own system prompt (None: none of its own)."""
+        with self._db(), self._conn:
+            self._conn.execute("UPDATE chats SET system=?, updated_at=? WHERE id=?", (system, time.time(), chat_id))
+
+    def chat_system(self, chat_id: int) -> str | None:
+        with self._db():
+            row = self._conn.execute("SELECT system FROM chats WHERE id=?", (chat_id,)).fetchone()
+        return None if row is None else row[0]
+
+    def delete_messages(self, chat_id: int, msg_ids: list[int]) -> None:
+        """Remove these messages of the chat (ids of other chats are left alone)."""
+        with self._db(), self._conn:
+            self._conn.executemany("DELETE FROM messages WHERE id=? AND chat_id=?", [(i, chat_id) for i in msg_ids])
+            self._conn.execute("UPDATE chats SET updated_at=? WHERE id=?", (time.time(), chat_id))
 
     def add_message(
         self,
@@ -268,14 +295,20 @@ class History:
                 (now, msg_id),
             )
 
-    def list_chats(self, limit: int = 200) -> list[ChatSummary]:
-        """Chats, most recently updated first."""
+    def list_chats(self, limit: int = 200, query: str = "") -> list[ChatSummary]:
+        """Chats, most recently updated first; with a ``query``, only those that contain it."""
+        where, args = "", ()
+        if query.strip():
+            pattern = "%" + re.sub(r"([\\%_])", r"\\\1", query.strip()[:QUERY_CHARS]) + "%"
+            where = (" WHERE c.title LIKE ? ESCAPE '\\' OR c.system LIKE ? ESCAPE '\\' OR EXISTS"
+                     " (SELECT 1 FROM messages m WHERE m.chat_id=c.id AND m.content LIKE ? ESCAPE '\\')")
+            args = (pattern, pattern, pattern)
         with self._db():
             rows = self._conn.execute(
                 "SELECT c.id, c.title, c.created_at, c.updated_at, c.model,"
                 " (SELECT COUNT(*) FROM messages m WHERE m.chat_id=c.id) AS n"
-                " FROM chats c ORDER BY c.updated_at DESC, c.id DESC LIMIT ?",
-                (limit,),
+                f" FROM chats c{where} ORDER BY c.updated_at DESC, c.id DESC LIMIT ?",
+                (*args, limit),
             ).fetchall()
         return [ChatSummary(r["id"], r["title"], r["created_at"], r["updated_at"], r["model"], r["n"])
                 for r in rows]

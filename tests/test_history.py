@@ -289,7 +289,7 @@ def test_who_writes_a_streaming_row_decides_whether_it_is_dead(tmp_path, writer,
     reopened.close()
 
 
-def test_a_history_of_schema_1_gains_the_writer_columns_and_recovers_its_rows(tmp_path):
+def test_a_history_of_schema_1_gains_the_writer_and_system_columns_and_recovers_its_rows(tmp_path):
     path = tmp_path / "old.sqlite3"
     old = sqlite3.connect(path)
     old.executescript("""
@@ -308,7 +308,10 @@ def test_a_history_of_schema_1_gains_the_writer_columns_and_recovers_its_rows(tm
     h = History(path)
     assert h.recovered == 1
     assert [(m.content, m.status) for m in h.load_chat(1)] == [("q", "complete"), ("cut", "interrupted")]
-    assert h._conn.execute("PRAGMA user_version").fetchone()[0] == 2
+    assert h._conn.execute("PRAGMA user_version").fetchone()[0] == 3
+    assert h.chat_system(1) is None  # the chat gained a system prompt column, empty
+    h.set_system(1, "be brief")
+    assert h.chat_system(1) == "be brief"
     h.add_message(1, "assistant", "new", status="streaming")
     h.close()
 
@@ -327,3 +330,20 @@ def test_a_symbolic_link_at_the_history_path_is_refused_not_followed(tmp_path, l
     with pytest.raises(HistoryError, match="symbolic link"):
         History(path)
     assert victim.read_text() == "someone else's file\n" and stat.S_IMODE(os.stat(victim).st_mode) == 0o644
+
+
+def test_list_chats_with_a_query_keeps_the_chats_that_contain_it(tmp_path):
+    history = History(tmp_path / "h.sqlite3")
+    a, b, c = (history.new_chat(t) for t in ("Pasta tonight", "trip", "50% off"))
+    history.add_message(b, "assistant", "Take the night train")
+    history.add_message(c, "user", "a_b and c\\d")
+    history.set_system(a, "You are a chef.")
+
+    def found(query: str) -> list[str]:
+        return [s.title for s in history.list_chats(query=query)]
+
+    assert found("") == found("   ") == ["Pasta tonight", "50% off", "trip"]  # the latest change first
+    assert found("TRAIN") == ["trip"] and found("pasta") == ["Pasta tonight"] and found("chef") == ["Pasta tonight"]
+    assert found("%") == ["50% off"] and found("a_b") == ["50% off"] and found("_") == ["50% off"]
+    assert found("c\\d") == ["50% off"] and found("nothing like it") == []
+    history.close()

@@ -151,6 +151,6 @@ def remote_chat(s: Settings) -> int:
         raise UserError(f"cannot create the history directory {path.parent}: {exc}") from None
     params = given_params(s)
     runtime = RemoteRuntime(lambda: RelayLink(s.relay, s.token, s.session, "head"), s.secret, s.session)
-    run_tui(runtime, path, params, f"sfchat — the head at {s.relay}, session {s.session} — connecting…")
+    run_tui(runtime, path, params, f"sfchat — the head at {s.relay}, session {s.session} — connecting…", s.system)
     runtime.join(JOIN_S)
     return 0

@@ -70,6 +70,11 @@ class SfchatApp(UserActions):
         Binding("f3", "toggle_metrics", "Metrics"),
         # Priority, or the prompt editor would take Ctrl+Y as "redo".
         Binding("ctrl+y", "copy_reply", "Copy", priority=True),
+        # Not in the footer (80 columns hold no more): F1 and the palette list them.
+        Binding("ctrl+g", "regenerate", "Regenerate", show=False),
+        Binding("f4", "edit", "Edit message", show=False),
+        Binding("f5", "system_prompt", "System prompt", show=False),
+        Binding("ctrl+s", "export", "Export", show=False),
         Binding("escape", "cancel", "Cancel"),
         Binding("ctrl+q", "quit", "Quit", priority=True),
     ]
@@ -80,17 +85,20 @@ class SfchatApp(UserActions):
         history: History | str | Path | None = None,
         params: dict[str, Any] | None = None,
         title: str = "sfchat",
+        system: str | None = None,
     ) -> None:
         """``history``: a ``History`` (left open at exit), a database path (opened here and
         closed at exit), or None for a history kept in memory only; construct the app on the
         thread that runs it, which then owns the connection. ``params``: the generation
         parameters sent with every prompt. ``title``: the header line until the runtime is
-        ready."""
+        ready. ``system``: the system prompt of the chats that have none of their own
+        (``--system``; None: the head's own rule)."""
         super().__init__()
         self.runtime = runtime
         self._owns_history = not isinstance(history, History)
         self.history = history if isinstance(history, History) else History(history or ":memory:")
-        self.session = ChatSession(self.history, on_error=lambda exc: self.call_later(self._history_failed, exc))
+        self.session = ChatSession(self.history, on_error=lambda exc: self.call_later(self._history_failed, exc),
+                                   default_system=system)
         self.params = dict(params or {})
         self.header_title = title
         self.ready: RuntimeReady | None = None
@@ -100,6 +108,8 @@ class SfchatApp(UserActions):
         self.link_state = ""
         self._reply: ReplyMessage | None = None
         self._queued: str | None = None  # sent when the reply in progress ends
+        self.editing: int | None = None  # the index among the turns of the prompt being edited
+        self._draft = ""  # what the editor held when editing began (Esc brings it back)
         self._history_error = ""  # the last one shown: a locked file is said once, not per token
         self._metrics_dirty = False
 
@@ -304,17 +314,32 @@ class SfchatApp(UserActions):
             self.query_one(PromptInput).clear()
 
     async def _send(self, text: str) -> bool:
-        """Store the prompt, show it and submit it; False when the history refused it."""
+        """Store the prompt, show it and submit it (in place of the prompt being edited, and what
+        followed it, while one is); False when the history refused it."""
+        editing, self.editing = self.editing, None
         try:
-            messages = self.session.send(text)  # stored before the runtime sees it
+            # stored before the runtime sees it
+            messages = self.session.send(text) if editing is None else self.session.edit(editing, text)
         except HistoryError as exc:
+            self.editing = editing
             await self._history_failed(exc)
             return False
         self._history_error = ""  # the file works again: a new failure is worth saying
         self.query_one(PromptInput).remember(text)
         chat = self.query_one(ChatView)
+        if editing is None:
+            await chat.add_user(text)
+        else:
+            await chat.note("editing", None)
+            self.refresh_bindings()
+            await self.show_chat()
+        await self._submit(messages)
+        return True
+
+    async def _submit(self, messages: list[dict]) -> None:
+        """Show a reply to come and ask the runtime for it."""
+        chat = self.query_one(ChatView)
         chat.border_title = self.session.title
-        await chat.add_user(text)
         self._reply = await chat.add_reply(info="waiting for the runtime…")
         self._set_state("waiting")
         self._flush_timer.resume()
@@ -322,7 +347,6 @@ class SfchatApp(UserActions):
             self.runtime.submit(messages, dict(self.params))
         except Exception as exc:  # a refused submit is an error notice, not a crash
             await self._runtime_failed(RuntimeFailed(str(exc) or type(exc).__name__))
-        return True
 
     async def _queue(self, text: str) -> None:
         """A message typed while a reply runs: kept (with any queued before it) until it ends."""
@@ -345,9 +369,9 @@ class SfchatApp(UserActions):
 
 
 def run_tui(runtime: Runtime, history: History | str | Path | None = None,
-            params: dict[str, Any] | None = None, title: str = "sfchat") -> None:
+            params: dict[str, Any] | None = None, title: str = "sfchat", system: str | None = None) -> None:
     """Run the chat app in the terminal until the user quits."""
-    SfchatApp(runtime, history, params, title).run()
+    SfchatApp(runtime, history, params, title, system).run()
 
 
 __all__ = ["SfchatApp", "run_tui"]

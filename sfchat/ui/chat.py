@@ -9,7 +9,8 @@ the slowest part of the whole chat on a fast link. At most one ``Markdown.append
 a tick that finds the previous one still rendering leaves the text queued for the next tick,
 so a slow terminal gets fewer, larger updates instead of a growing backlog. Text from the model
 or the user is always shown literally: it never passes through Textual markup. A reply's links
-open nothing by themselves: a click is the app's to decide (``actions``).
+open nothing by themselves: a click is the app's to decide (``actions``). ``set_system`` shows the first line of the
+chat's own system prompt above the turns (made plain: it comes from the history file).
 """
 
 from __future__ import annotations
@@ -20,6 +21,10 @@ from textual.containers import Vertical, VerticalScroll
 from textual.content import Content
 from textual.widget import Widget
 from textual.widgets import Markdown, Static
+
+from sfchat.plaintext import plain
+
+SYSTEM_CHARS = 160  # of the system prompt's first line, shown above the turns
 
 # How a reply that did not end normally is marked, after its text.
 STATUS_MARKS = {"cancelled": "[cancelled]", "interrupted": "[interrupted]"}
@@ -170,6 +175,17 @@ class ChatView(VerticalScroll, can_focus=False):
         if status != "streaming" or info:
             widget.set_status(status, info)
         return widget
+
+    async def set_system(self, system: str | None) -> None:
+        """Show the first line of the chat's own system prompt above the turns; None: none."""
+        await self.remove_children("#system-line")
+        if not system:
+            return
+        lines = [s for s in system.splitlines() if s.strip()]
+        first = plain(lines[0].strip()) if lines else ""
+        shown = first[:SYSTEM_CHARS] + ("…" if len(lines) > 1 or len(first) > SYSTEM_CHARS else "")
+        line = Static(Content.assemble(("system prompt: ", "bold"), shown), id="system-line")
+        await self.mount(line, before=0 if self.children else None)
 
     async def add_notice(self, text: str, severity: str = "information", before: Widget | None = None) -> Notice:
         """A notice at the end of the transcript, or just above ``before`` (a reply it concerns)."""

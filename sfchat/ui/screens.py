@@ -2,11 +2,18 @@
 
 Contract: ``HistoryScreen`` lists ``History.list_chats()`` and dismisses with the chosen
 ``ChatSummary`` (None when closed with Esc, or when the history file fails: said in an error
-notification). Opening the chat is the app's business; deleting
+notification). Typing filters the list: the search field takes every printable key typed in the
+list, and keeps the chats whose title, system prompt or messages contain it (``list_chats(query)``);
+Up, Down and Enter still move in the list and open, and Esc empties a search before it closes. Opening the chat is the app's business; deleting
 is done here, as it concerns only the list (the chat that is open cannot be deleted), and only
 after ``ConfirmScreen`` got a "y": a deleted chat cannot be brought back.
 
 ``ConfirmScreen(question)`` dismisses with True for "y", False for "n" or Esc.
+
+``SystemScreen(current, default)`` edits a chat's own system prompt in a multi-line editor (Enter
+keeps it, Ctrl+J is a newline, as in the prompt editor) and dismisses with the text (blank: none of
+its own, ``default`` applies), or None for Esc (nothing changes). ``default`` (``--system``, which
+may come from a config file) is shown as plain text.
 
 ``CodeScreen(reason)`` asks for the pairing code in a masked field, with ``reason`` (which may
 come from the network) as plain text, and dismisses with the code typed; it cannot be dismissed
@@ -18,6 +25,7 @@ from __future__ import annotations
 import time
 
 from rich.text import Text
+from textual import events
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Vertical
@@ -26,8 +34,10 @@ from textual.screen import ModalScreen
 from textual.widgets import Footer, Input, Label, OptionList, Static
 from textual.widgets.option_list import Option
 
-from sfchat.history import ChatSummary, History, HistoryError
+from sfchat.history import QUERY_CHARS, ChatSummary, History, HistoryError
+from sfchat.plaintext import plain
 from sfchat.ui.metrics import short_model
+from sfchat.ui.prompt import PromptInput
 
 
 def _when(ts: float) -> str:
@@ -38,8 +48,11 @@ class HistoryScreen(ModalScreen[ChatSummary | None]):
     """Modal list of stored chats, newest first."""
 
     BINDINGS = [
-        Binding("escape", "dismiss(None)", "Back"),
+        Binding("escape", "back", "Back"),
         Binding("delete", "delete", "Delete chat"),
+        # from the search field: the list's own keys, which it has no use for
+        Binding("up", "move('cursor_up')", show=False),
+        Binding("down", "move('cursor_down')", show=False),
     ]
 
     def __init__(self, history: History, open_chat_id: int | None = None) -> None:
@@ -50,9 +63,50 @@ class HistoryScreen(ModalScreen[ChatSummary | None]):
 
     def compose(self) -> ComposeResult:
         with Vertical(id="history-box"):
-            yield Label("Chats — Enter opens, Delete removes, Esc goes back", id="history-title")
+            yield Label("Chats — type to search, Enter opens, Delete removes, Esc back", id="history-title")
+            yield Input(placeholder="search titles and messages", max_length=QUERY_CHARS, select_on_focus=False,
+                        id="history-search")
             yield OptionList(id="history-list")
         yield Footer()
+
+    @property
+    def query_text(self) -> str:
+        return self.query_one("#history-search", Input).value
+
+    def on_key(self, event: events.Key) -> None:
+        """A key typed in the list that a search takes goes to the search field."""
+        search = self.query_one("#history-search", Input)
+        if search.has_focus or not (event.is_printable or event.key == "backspace"):
+            return
+        event.stop()
+        search.focus()
+        if event.key == "backspace":
+            search.action_delete_left()
+        elif event.character:
+            search.insert_text_at_cursor(event.character)
+
+    def on_input_changed(self, event: Input.Changed) -> None:
+        event.stop()
+        try:
+            self._refill()
+        except HistoryError as exc:
+            self.notify(str(exc), title="history", severity="error", markup=False)
+
+    def on_input_submitted(self, event: Input.Submitted) -> None:
+        event.stop()
+        chosen = self._highlighted()
+        if chosen is not None:
+            self.dismiss(chosen)
+
+    def action_move(self, action: str) -> None:
+        getattr(self.query_one(OptionList), f"action_{action}")()
+
+    def action_back(self) -> None:
+        if self.query_text:
+            self.query_one("#history-search", Input).clear()
+            self.query_one(OptionList).focus()
+        else:
+            self.dismiss(None)
 
     def on_mount(self) -> None:
         try:
@@ -64,7 +118,7 @@ class HistoryScreen(ModalScreen[ChatSummary | None]):
         self.query_one(OptionList).focus()
 
     def _refill(self) -> None:
-        chats = self.history.list_chats()
+        chats = self.history.list_chats(query=self.query_text)
         self._chats = {str(c.id): c for c in chats}
         options = self.query_one(OptionList)
         options.clear_options()
@@ -78,7 +132,8 @@ class HistoryScreen(ModalScreen[ChatSummary | None]):
                 line.append(f" · {short_model(chat.model)}", style="dim")  # a name, not a path
             options.add_option(Option(line, id=str(chat.id)))
         if not chats:
-            options.add_option(Option(Text("No chats yet.", style="dim"), disabled=True))
+            none = f"No chat contains “{self.query_text.strip()}”." if self.query_text.strip() else "No chats yet."
+            options.add_option(Option(Text(none, style="dim"), disabled=True))
         elif options.highlighted is None:
             options.highlighted = 0
 
@@ -135,6 +190,34 @@ class ConfirmScreen(ModalScreen[bool]):
             yield Static(Content(self.question))
             yield Label("y: yes · n or Esc: no", classes="dialog-hint")
         yield Footer()
+
+
+class SystemScreen(ModalScreen[str | None]):
+    """The open chat's own system prompt, edited."""
+
+    BINDINGS = [Binding("escape", "dismiss(None)", "Back")]
+
+    def __init__(self, current: str | None, default: str | None) -> None:
+        super().__init__()
+        self.current, self.default = current or "", default
+
+    def compose(self) -> ComposeResult:
+        default = f"the default: {plain(self.default)}" if self.default else "the head's own default"
+        with Vertical(classes="dialog"):
+            yield Label("System prompt of this chat", classes="dialog-title")
+            yield Static(Content(f"Left empty, {default}."), id="system-default")
+            yield PromptInput(id="system-input", placeholder="how the model should behave in this chat")
+            yield Label("Enter keeps it · Ctrl+J newline · Esc goes back", classes="dialog-hint")
+
+    def on_mount(self) -> None:
+        editor = self.query_one(PromptInput)
+        editor.load_text(self.current)
+        editor.move_cursor(editor.document.end)
+        editor.focus()
+
+    def on_prompt_input_submitted(self, event: PromptInput.Submitted) -> None:
+        event.stop()
+        self.dismiss(event.text.strip())
 
 
 class CodeScreen(ModalScreen[str]):

@@ -101,7 +101,7 @@ def test_the_loading_header_names_the_model_as_the_ready_header_does(monkeypatch
     from sfchat import cli
 
     titles = []
-    monkeypatch.setattr(sfchat.ui, "run_tui", lambda runtime, path, params, title: titles.append(title))
+    monkeypatch.setattr(sfchat.ui, "run_tui", lambda runtime, path, params, title, system: titles.append(title))
     model = str(tmp_path / "cache" / "sfchat" / "models" / "SmolLM2-135M-Instruct")
     assert cli.chat(Settings(model=model, history=str(tmp_path / "history.sqlite3"))) == 0
     assert titles == ["sfchat — SmolLM2-135M-Instruct (local) — loading…"]

@@ -91,7 +91,8 @@ async def test_the_palettes_keys_entry_shows_sfchats_keys_fits_80x24_and_esc_clo
         lines = [strip.text for strip in app.screen._compositor.render_strips()]
         shown = "\n".join(lines)
         for key, what in (("Ctrl+N", "new chat"), ("Ctrl+R", "history"), ("F3", "metrics panel"),
-                          ("Esc", "stop the reply"), ("Ctrl+J", "new line")):
+                          ("Esc", "stop the reply"), ("Ctrl+J", "new line"), ("Ctrl+G", "regenerate"),
+                          ("F4", "edit your last message"), ("F5", "system prompt"), ("Ctrl+S", "export")):
             assert re.search(rf"{re.escape(key)}\s.*{what}", shown), (key, shown)
         box = app.screen.query_one("#help-box")
         assert box.region.width >= 78 and box.region.bottom <= 23, box.region  # not squeezed, above the footer

@@ -13,7 +13,7 @@ from sfchat.history import History
 from sfchat.plaintext import plain
 from sfchat.ui import SfchatApp
 from sfchat.ui.chat import ReplyMessage
-from test_ui import READY, FakeRuntime, db, notices, pilot_test, send, static_text, wait_for  # noqa: F401
+from test_ui import READY, FakeRuntime, db, notices, open_history, pilot_test, send, static_text, wait_for  # noqa: F401
 
 HOSTILE_CLOSE = "[/]"
 HOSTILE_TOAST = "[bold red]FAKE[/]"
@@ -188,3 +188,45 @@ def test_one_shot_errors_reach_stderr_without_escape_codes(monkeypatch, capsys):
     err = capsys.readouterr().err
     assert "re-enter your secret" in err and "\x1b" not in err and "\x07" not in err
     assert err.count("\n") == 1
+
+
+@pilot_test
+async def test_typing_in_the_history_filters_the_chats_by_their_text(db):
+    history = History(db)
+    for title, reply in (("cooking", "Boil the pasta."), ("travel", "Take the night TRAIN."), ("maths", "2+2=4")):
+        chat = history.new_chat(title)
+        history.add_message(chat, "user", title)
+        history.add_message(chat, "assistant", reply)
+    history.set_system(history.new_chat("poems"), "Answer in verse.")
+    history.close()
+    app = SfchatApp(FakeRuntime(), db)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await wait_for(pilot, lambda: app.ready is not None)
+        await open_history(pilot)
+        screen = app.screen
+
+        def listed() -> list[str]:
+            return [c.title for c in app.screen._chats.values()]
+
+        assert listed() == ["poems", "maths", "travel", "cooking"]
+        for ch in "train":  # typed in the list: the search takes it; a reply's text matches, any case
+            await pilot.press(ch)
+        await wait_for(pilot, lambda: listed() == ["travel"])
+        assert screen.query_one("#history-search").value == "train"
+        await pilot.press("backspace", "backspace", "backspace", "backspace", "backspace", "v", "e", "r", "s")
+        await wait_for(pilot, lambda: listed() == ["poems"])  # the system prompt counts
+        await pilot.press("backspace", "backspace", "backspace", "backspace", "%")  # taken literally
+        await wait_for(pilot, lambda: listed() == [])
+        assert "No chat contains “%”" in str(screen.query_one("#history-list").get_option_at_index(0).prompt)
+        await pilot.press("backspace", "t")
+        await wait_for(pilot, lambda: listed() == ["maths", "travel", "cooking"])
+        await pilot.press("down", "enter")  # from the search field: Down moves in the list, Enter opens
+        await wait_for(pilot, lambda: app.session.title == "travel")
+        await open_history(pilot)
+        await pilot.press("z")
+        await wait_for(pilot, lambda: listed() == [])
+        await pilot.press("escape")  # Esc empties the search first
+        await wait_for(pilot, lambda: len(listed()) == 4)
+        assert isinstance(app.screen, type(screen))
+        await pilot.press("escape")
+        await wait_for(pilot, lambda: not isinstance(app.screen, type(screen)))

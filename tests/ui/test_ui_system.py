@@ -1,0 +1,95 @@
+"""A system prompt per chat (F5): set from the screen, kept with the chat in the history, sent with
+that chat's replies; left empty, the default (``--system``) applies."""
+
+from __future__ import annotations
+
+from sfchat.history import History
+from sfchat.ui import SfchatApp
+from sfchat.ui.screens import SystemScreen
+from test_ui import FakeRuntime, db, open_history, pilot_test, send, static_text, wait_for  # noqa: F401
+from test_ui_resend import replied
+
+
+async def set_system(pilot, text: str) -> None:
+    """F5, empty the editor, type ``text``, Enter."""
+    app = pilot.app
+    await pilot.press("f5")
+    await wait_for(pilot, lambda: isinstance(app.screen, SystemScreen))
+    editor = app.screen.query_one("#system-input")
+    for _ in editor.text:
+        await pilot.press("backspace")
+    for ch in text:
+        await pilot.press("space" if ch == " " else ch)
+    await pilot.press("enter")
+    await wait_for(pilot, lambda: not isinstance(app.screen, SystemScreen))
+
+
+def system_line(app) -> str:
+    lines = app.query("#system-line")
+    return static_text(lines.first()) if lines else ""
+
+
+@pilot_test
+async def test_f5_sets_this_chats_system_prompt_kept_in_the_history_and_sent_with_its_replies(db):
+    runtime = FakeRuntime(reply="Fine.")
+    app = SfchatApp(runtime, db, system="You are the default.")
+    async with app.run_test(size=(80, 24)) as pilot:
+        await wait_for(pilot, lambda: app.ready is not None)
+        await pilot.press("f5")
+        await wait_for(pilot, lambda: isinstance(app.screen, SystemScreen))
+        assert "the default: You are the default." in static_text(app.screen.query_one("#system-default"))
+        await pilot.press("x", "escape")  # Esc changes nothing
+        await wait_for(pilot, lambda: not isinstance(app.screen, SystemScreen))
+        assert app.session.system is None and not system_line(app)
+        await set_system(pilot, "Answer in one word.")  # before the chat's first message
+        assert "system prompt: Answer in one word." in system_line(app)
+        await send(pilot, "hi")
+        await replied(pilot, app, 2)
+        assert runtime.submitted[0][0] == [{"role": "system", "content": "Answer in one word."},
+                                           {"role": "user", "content": "hi"}]
+        await pilot.press("ctrl+n")
+        await send(pilot, "other")
+        await replied(pilot, app, 2)
+        assert runtime.submitted[1][0][0] == {"role": "system", "content": "You are the default."}
+    history = History(db)
+    chats = {c.title: c.id for c in history.list_chats()}
+    assert history.chat_system(chats["hi"]) == "Answer in one word." and history.chat_system(chats["other"]) is None
+    history.close()
+
+    runtime = FakeRuntime(reply="Again.")
+    app = SfchatApp(runtime, db)  # no default this time
+    async with app.run_test(size=(80, 24)) as pilot:
+        await wait_for(pilot, lambda: app.ready is not None)
+        await open_history(pilot)
+        await pilot.press("down", "enter")  # "hi", the older chat
+        await wait_for(pilot, lambda: app.session.title == "hi")
+        await pilot.pause()
+        assert "system prompt: Answer in one word." in system_line(app)
+        await send(pilot, "more")
+        await replied(pilot, app, 4)
+        assert runtime.submitted[0][0][0] == {"role": "system", "content": "Answer in one word."}
+        await set_system(pilot, "Now two words.")  # changed mid-chat: the next reply follows it
+        await send(pilot, "again")
+        await replied(pilot, app, 6)
+        assert runtime.submitted[1][0][0] == {"role": "system", "content": "Now two words."}
+        await set_system(pilot, "")  # emptied: no prompt of its own, and no default here
+        assert not system_line(app)
+        await pilot.press("ctrl+g")
+        await replied(pilot, app, 6)
+        assert runtime.submitted[2][0][0] == {"role": "user", "content": "hi"}
+        assert app.history.chat_system(app.session.chat_id) is None
+
+
+@pilot_test
+async def test_the_system_prompt_cannot_change_while_a_reply_runs(db):
+    runtime = FakeRuntime(reply=" ".join(f"w{i}" for i in range(400)), round_s=0.02)
+    app = SfchatApp(runtime, db)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await wait_for(pilot, lambda: app.ready is not None)
+        await send(pilot, "long one")
+        await wait_for(pilot, lambda: app.state == "streaming")
+        await pilot.press("f5")
+        await pilot.pause(0.2)
+        assert not isinstance(app.screen, SystemScreen)
+        await pilot.press("escape")
+        await replied(pilot, app, 2)
