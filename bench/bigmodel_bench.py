@@ -69,7 +69,8 @@ SHAPES = {  # (hidden, intermediate, layers, heads, kv heads, vocab): the public
     "tiny": (128, 256, 8, 4, 2, 512),
 }
 QUANT = {"7B": "none", "32B": "nf4", "72B": "nf4", "tiny": "nf4"}
-PROMISED = {"7B": 32768, "32B": 21504, "72B": 3584, "tiny": 1024}  # README: two notebooks' --max-context
+# README's layout table: the longest --max-context of two notebooks (72B fits none: the default)
+PROMISED = {"7B": 32768, "32B": 19456, "72B": 4096, "tiny": 1024}
 DRAFT = {"0.5B": (896, 4864, 24, 14, 2, 151936), "tiny": (128, 256, 2, 4, 2, 512)}
 K, TREE = 8, 64
 LAYOUT = frame_layout(Settings(k=K, tree_budget=TREE), K, cuda=True)  # the GPU default's frame and pools
