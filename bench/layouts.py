@@ -9,7 +9,8 @@ fits every GPU. Default settings throughout: split at half the layers, the 0.5B 
 drafts per frame, ``--max-in-flight 8``: ``node.loading.frame_layout``, whose frame is verified at
 one shape, a CUDA graph per attention window, and whose live nodes take scratch slots). A T4
 is taken to have ``T4_FREE`` free (15 GB cards with the CUDA context up). Every figure is an
-estimate: nothing here was measured.
+estimate for T4s: nothing here ran on a T4. The last column says which rows' node estimates were
+checked against peaks measured on another GPU (``CHECKED``, from bench/RESULTS.md).
 
 Run from the repository root:  python3 bench/layouts.py   (CPU only, about 20 s)
 """
@@ -43,6 +44,10 @@ SHAPES = {  # the public configs of Qwen2.5 (hidden, intermediate, layers, heads
     "14B": (5120, 13824, 48, 40, 8),
     "32B": (5120, 27648, 64, 40, 8),
     "72B": (8192, 29568, 80, 64, 8),
+}
+CHECKED = {  # (shape, quantisation): where the estimate of one node's half was checked against a measured peak
+    ("32B", "nf4"): "H100: each node's half in one segment, fp16, 3500-token context (bigmodel_bench)",
+    ("72B", "nf4"): "H100: each node's half in one segment, fp16, 3000-token context (bigmodel_bench)",
 }
 MODELS = [  # (name, shape, the target's quantisation, the draft's)
     ("Qwen2.5-7B", "7B", "none", "none"), ("Qwen2.5-14B", "14B", "none", "none"),
@@ -105,7 +110,7 @@ def row(name: str, size: str, quant: str, draft_quant: str) -> dict:
     """One model's line of the table (``memory.free_bytes`` faked to ``T4_FREE`` by the caller)."""
     p = plans(size, quant, CONTEXT, draft_quant)
     weights = ("fp16" if quant == "none" else "NF4") + (", NF4 draft" if draft_quant == "nf4" else "")
-    return {"model": name, "weights": weights,
+    return {"model": name, "weights": weights, "checked": CHECKED.get((size, quant), "no: estimated only"),
             "local": gib_per_gpu(p["local"]), "local_context": longest(size, quant, draft_quant, "local"),
             "head": gib_per_gpu(p["head"]), "tail": gib_per_gpu(p["tail"]),
             "split_context": longest(size, quant, draft_quant, "split")}
@@ -119,10 +124,11 @@ def table(data: list[dict]) -> str:
         return "does not fit" if not n else f"{n} (the model's limit)" if n == MAX_CONTEXT else f"{n}"
 
     lines = ["| model | weights | one notebook (local): GiB per T4 | longest context | two notebooks: head's "
-             "T4s, tail's T4s (GiB) | longest context |", "| --- | --- | --- | --- | --- | --- |"]
+             "T4s, tail's T4s (GiB) | longest context | estimate checked against a measured peak |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
     for r in data:
         lines.append(f"| {r['model']} | {r['weights']} | {gpus(r['local'])} | {context(r['local_context'])} | "
-                     f"{gpus(r['head'])}, {gpus(r['tail'])} | {context(r['split_context'])} |")
+                     f"{gpus(r['head'])}, {gpus(r['tail'])} | {context(r['split_context'])} | {r['checked']} |")
     return "\n".join(lines)
 
 

@@ -17,13 +17,22 @@ expansion step, greedy and sampled, per window (one window for a compiled draft)
 
 The workspace: one layer's forward of a 512-token prefill chunk over all slots (hidden states,
 q/k/v, the MLP, the additive mask, the keys/values repeated per head, attention scores in fp32
-should SDPA fall back to its math kernel, as it did in fp16 on an H200, and with NF4 one linear
-weight dequantised), or, if larger, one dense layer in flight while loading quantises it (loading
-comes before any forward, and the allocator reuses its blocks); plus the rows of logits of the
-largest verify with their softmax and sampling copies. ``device_bytes`` adds up what one device
-holds: workspaces are needed once per device (forwards run one at a time), ``FIXED_SLACK`` once,
-5 % of the weights for rounding and fragments. Checked against torch's peaks on an H200
-(``bench/nf4_memory_bench.py``; ``bench/bigmodel_bench.py`` for 32B and 72B: measured on an H200, 5-13 % below the peaks there).
+should SDPA fall back to its math kernel, and with NF4 one linear weight dequantised), or, if
+larger, what loading holds besides the weights (``loading_bytes``: a tensor as the checkpoint
+stores it, bf16 by its config, beside its copy in the slice dtype while it converts, up to an
+embedding or lm_head; with NF4 one dense layer until it is quantised; loading comes before any
+forward, and the allocator reuses its blocks); plus the rows of logits of the largest verify with
+their softmax and sampling copies. NF4 segments also count ``fragments``: the holes between the
+quantised weights, which land in blocks their dense layers left (1/``NF4_FRAGMENTS`` of the
+quantised layers' bytes). ``device_bytes`` adds up what one device holds: workspaces are needed
+once per device (forwards run one at a time), ``FIXED_SLACK`` once (what CUDA loads after the
+check, outside torch's allocator, and cuBLAS's workspaces), 5 % of the weights for rounding.
+``bench/bigmodel_bench.py`` measures the same layouts (random weights in the public shapes) phase
+by phase. Calibrated on the peaks it measured on one H100 for 32B and 72B NF4 halves in fp16 (one
+segment, 3000-3500-token contexts: torch's peak reserved bytes, 2.7-7.7 % above the estimate
+before ``loading_bytes``' copy and ``fragments`` were counted; 1.9-11.6 % below it now,
+``tests/model/test_memory_parts.py``); what CUDA loads outside torch's allocator was not measured
+there, and the 7B dense, bf16 and two-segment layouts were not measured against this estimate.
 
 Graphs (``graphs.py``): all graphs of a device share one memory pool, so a device's graphs hold
 ``pool_bytes``: ``POOL_BASE`` once (the capture stream's cuBLAS workspace and the pool's first
@@ -43,7 +52,10 @@ from sfchat.model.kv import PREFILL_CHUNK, windows_for
 from sfchat.model.slices import layer_bytes, layer_counts, segment_runs
 
 MIB, GIB = 1 << 20, 1 << 30
-FIXED_SLACK = 256 * MIB  # per device: the cuBLAS workspace of eager forwards, allocator rounding
+# per device: what CUDA takes after the check besides torch's tensors (the modules of torch, cuBLAS and
+# bitsandbytes loaded on their first use), the cuBLAS workspaces of eager forwards, allocator rounding
+FIXED_SLACK = 512 * MIB
+NF4_FRAGMENTS = 8  # NF4 loading leaves 1/8 of the quantised layers' bytes as holes between them (see above)
 POOL_BASE = 64 * MIB  # per device with graphs: the capture stream's cuBLAS workspace (32 MiB on Hopper), first segments
 GRAPH_BYTES = 2 * MIB  # per graph: its executable's device memory, its input buffers, rounding of its outputs
 
@@ -71,6 +83,7 @@ class Need:
     kv: int
     work: int
     graphs: tuple[Graph, ...] = ()
+    fragments: int = 0  # reserved by the allocator between its tensors, beyond the 5 % of its weights
 
     @property
     def total(self) -> int:
@@ -79,18 +92,18 @@ class Need:
     def describe(self) -> str:
         graphs = f", {len(self.graphs)} CUDA graphs {gib(pool_bytes(self.graphs))}" if self.graphs else ""
         return (f"{gib(self.total)} (weights {gib(self.weights)}, KV cache {gib(self.kv)}, "
-                f"workspace {gib(self.work + FIXED_SLACK + self.weights // 20)}{graphs})")
+                f"workspace {gib(self.work + FIXED_SLACK + self.weights // 20 + self.fragments)}{graphs})")
 
 
 def device_bytes(needs) -> int:
     """What ``needs`` on one device hold together: their weights (+ 5 % for rounding and
-    fragments) and KV caches, the largest workspace once (forwards run one at a time, and the
+    fragments, and NF4 loading's holes) and KV caches, the largest workspace once (forwards run one at a time, and the
     allocator hands one's freed blocks to the next), ``FIXED_SLACK`` once, and the graph pool."""
     needs = list(needs)
     if not needs:
         return 0
-    return (sum(n.weights + n.weights // 20 + n.kv for n in needs) + max(n.work for n in needs) + FIXED_SLACK
-            + pool_bytes(g for n in needs for g in n.graphs))
+    return (sum(n.weights + n.weights // 20 + n.fragments + n.kv for n in needs) + max(n.work for n in needs)
+            + FIXED_SLACK + pool_bytes(g for n in needs for g in n.graphs))
 
 
 def gib(n: float) -> str:
@@ -121,6 +134,29 @@ def forward_bytes(config, tokens: int, window: int, dtype: torch.dtype, quant: s
     return layer + attn + mask + dequant + logits
 
 
+def checkpoint_dtype(config) -> torch.dtype:
+    """The dtype the checkpoint stores its weights in (its config's; bf16, what most hold, when it
+    names none)."""
+    named = getattr(config, "dtype", None)
+    if isinstance(named, str):
+        named = getattr(torch, named, None)
+    return named if isinstance(named, torch.dtype) else torch.bfloat16
+
+
+def loading_bytes(config, n_layers: int, dtype: torch.dtype, quant: str, ends: bool) -> int:
+    """The temporaries of loading a segment of ``n_layers`` (with the embedding or lm_head when
+    ``ends``): a tensor as read, in the checkpoint's dtype, beside its copy in ``dtype`` when the
+    two differ (the largest: an end's ``vocab x hidden``, else a layer's largest linear); with NF4,
+    a layer's dense linears in ``dtype`` until the layer is complete and quantised, with its largest
+    linear's fp32 block scales while it quantises."""
+    _, _, largest = layer_counts(config)
+    copy = checkpoint_dtype(config).itemsize if checkpoint_dtype(config) != dtype else 0
+    layers = largest * copy if n_layers else 0
+    if quant == "nf4" and n_layers:
+        layers += layer_counts(config)[0] * dtype.itemsize + largest * 4 // 64
+    return max(layers, config.vocab_size * config.hidden_size * copy if ends else 0)
+
+
 def slice_needs(config, lo: int, hi: int, *, embed: bool, head: bool, dtype: torch.dtype, quant: str,
                 max_len: int, devices: list[torch.device], verifies=(), graphs: bool = True, reserved=(),
                 span: int = 0) -> list[tuple[torch.device, Need]]:
@@ -129,7 +165,6 @@ def slice_needs(config, lo: int, hi: int, *, embed: bool, head: bool, dtype: tor
     ``ModelSlice.capture(span=)``), which leaves out the windows too small for them."""
     b = dtype.itemsize
     H, V = config.hidden_size, config.vocab_size
-    linear = layer_counts(config)[0]
     tied = getattr(config, "tie_word_embeddings", False)
     runs = segment_runs(config, lo, hi, embed=embed, head=head, dtype=dtype, quant=quant, segments=len(devices),
                         reserved=reserved)
@@ -144,7 +179,7 @@ def slice_needs(config, lo: int, hi: int, *, embed: bool, head: bool, dtype: tor
         weights = n * layer_bytes(config, dtype, quant) + ends * b + (H * b if head and last else 0)
         kv = kv_bytes_per_position(config, n, dtype) * max_len
         chunk = min(PREFILL_CHUNK, max_len)
-        loading = linear * b if quant == "nf4" and n else 0
+        loading = loading_bytes(config, n, dtype, quant, ends=bool(ends))
         forward = forward_bytes(config, chunk, max_len, dtype, quant) if n else 0
         logits = rows * V * (4 * 3 + b) if head and last else 0  # float logits, softmax and sampling copies
         work = max(loading, forward) + logits
@@ -153,7 +188,8 @@ def slice_needs(config, lo: int, hi: int, *, embed: bool, head: bool, dtype: tor
             Graph(forward_bytes(config, p, w, dtype, quant, p if seg_rows else 0),
                   p * V * 4 if seg_rows else p * H * b)
             for p, _ in verifies for w in windows if w >= max(p, span)) if graphs and device.type == "cuda" else ()
-        out.append((device, Need(weights, kv, int(work), seg_graphs)))
+        holes = n * layer_bytes(config, dtype, quant) // NF4_FRAGMENTS if quant == "nf4" else 0
+        out.append((device, Need(weights, kv, int(work), seg_graphs, holes)))
     return out
 
 

@@ -131,7 +131,7 @@ def draft_need(draft: DraftPlan, max_len: int, graphs: bool = True) -> Need:
                               graphs=False)
     captured = draft_graphs(draft.config, draft.dtype, draft.quant, max_len, rows=draft.rows, children=draft.children,
                             pool=draft.pool, compiled=draft.compiled) if graphs and draft.device.type == "cuda" else ()
-    return Need(need.weights, need.kv, need.work, captured)
+    return replace(need, graphs=captured)
 
 
 def unequal_free(devices: list[torch.device]) -> list[int]:
@@ -151,7 +151,8 @@ def head_reserve(draft: DraftPlan | None, devices: list[torch.device], max_len: 
     out = unequal_free(devices)
     if draft is not None and draft.device in devices:
         need = draft_need(draft, max_len, graphs)
-        adds = need.weights + need.weights // 20 + need.kv + sum(g.outputs + GRAPH_BYTES for g in need.graphs)
+        adds = (need.weights + need.weights // 20 + need.fragments + need.kv
+                + sum(g.outputs + GRAPH_BYTES for g in need.graphs))
         out[len(devices) - 1 - devices[::-1].index(draft.device)] += adds
     return out
 

@@ -89,7 +89,7 @@ def test_the_arithmetic_of_a_qwen7b_head():
     nf4 = slice_need(cfg, 0, 14, embed=True, head=False, dtype=torch.float16, quant="nf4", max_len=CTX,
                      verifies=[(9, False)])
     assert nf4.weights == int(14 * (linear * NF4_BYTES_PER_WEIGHT + other * 2) + 152064 * H * 2)
-    assert nf4.kv == need.kv and nf4.work > need.work  # a weight dequantised by bitsandbytes
+    assert nf4.kv == need.kv and nf4.work >= need.work >= 152064 * H * 2  # the bf16 embedding beside its fp16 copy
     assert max(g.temporaries for g in nf4.graphs) > max(g.temporaries for g in need.graphs) + 18944 * H * 2 - 1
     tail = slice_need(cfg, 14, 28, embed=False, head=True, dtype=torch.float16, quant="none", max_len=CTX,
                       verifies=[(9, False)])
@@ -202,8 +202,8 @@ def test_the_refusal_names_the_figures_and_the_fixes(gpus):
                    verifies=[(9, False)], draft=draft_plan("cuda", rows=2, children=1, pool=46, compiled=False))
     msg = str(err.value)
     assert msg.startswith("not enough GPU memory on cuda:0: loading needs about ")
-    assert "head layers 8.8 GiB (weights 7.1 GiB" in msg and "5 CUDA graphs" in msg and "only 6.0 GiB is free" in msg
-    assert "draft 1.8 GiB (weights 0.9 GiB" in msg and "10 CUDA graphs" in msg  # its step, greedy and sampled, per window
+    assert "head layers 9.2 GiB (weights 7.1 GiB" in msg and "5 CUDA graphs" in msg and "only 6.0 GiB is free" in msg
+    assert "draft 2.0 GiB (weights 0.9 GiB" in msg and "10 CUDA graphs" in msg  # its step, greedy and sampled, per window
     for fix in ("--load-in-4bit", "a shorter --max-context (now 4105 positions, 0.03 GiB of KV cache per 1024 "
                 "positions)",
                 "a smaller --split (moves layers to the tail)", "--device cuda:0,cuda:1",
