@@ -46,8 +46,9 @@ SHAPES = {  # the public configs of Qwen2.5 (hidden, intermediate, layers, heads
     "72B": (8192, 29568, 80, 64, 8),
 }
 CHECKED = {  # (shape, quantisation): where the estimate of one node's half was checked against a measured peak
-    ("32B", "nf4"): "H100: each node's half in one segment, fp16, 3500-token context (bigmodel_bench)",
-    ("72B", "nf4"): "H100: each node's half in one segment, fp16, 3000-token context (bigmodel_bench)",
+    ("7B", "none"): "H100: each node at 32768 tokens, fp16 and bf16 (bigmodel_bench)",
+    ("32B", "nf4"): "H100: each node at 19456 tokens, fp16 and bf16 (bigmodel_bench)",
+    ("72B", "nf4"): "H100: each node at 4096 tokens, fp16 and bf16, a dense draft (bigmodel_bench)",
 }
 MODELS = [  # (name, shape, the target's quantisation, the draft's)
     ("Qwen2.5-7B", "7B", "none", "none"), ("Qwen2.5-14B", "14B", "none", "none"),

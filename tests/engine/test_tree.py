@@ -144,7 +144,9 @@ def test_tree_rounds_through_the_relay_equal_generate(zoo):
         out = head(url, "trees", target, zoo["draft"], 4, "--tree-budget", "16", n=48)
         assert out["token_ids"] == ref
         assert out["tree_budget"] == 16 and out["depth_mean"] >= 1 and out["forward_bytes"] > 64 * 4
-        out = head(url, "trees", target, target, 4, "--tree-budget", "8", n=48)  # a new budget for the same tail
+        # a new budget for the same tail; one frame per round trip, as the measured policy may choose
+        # a stream of shallow frames (about 2 tokens each) on a loaded machine
+        out = head(url, "trees", target, target, 4, "--tree-budget", "8", "--max-in-flight", "1", n=48)
         assert out["token_ids"] == ref and out["tokens_per_round"] > 2
     finally:
         for p in (tail, relay):

@@ -150,10 +150,13 @@ async def test_the_help_explains_every_row_the_panel_shows(db):
         commands = {c.title: c for c in app.get_system_commands(app.screen)}
         commands["Metrics explained"].callback()
         await wait_for(pilot, lambda: app.screen is not main)
-        await pilot.pause(0.2)
-        heading = app.screen.query_one("#help-figures")
-        box = app.screen.query_one("#help-box")
-        assert box.scroll_y > 0 and heading.region.y <= box.content_region.y + 1  # opened at the figures
+
+        def at_the_figures() -> bool:  # once the screen has laid itself out (later on a loaded machine)
+            heading, box = app.screen.query("#help-figures"), app.screen.query("#help-box")
+            return bool(heading and box) and box.first().scroll_y > 0 and \
+                heading.first().region.y <= box.first().content_region.y + 1
+
+        await wait_for(pilot, at_the_figures)  # opened at the figures
         await pilot.press("escape")
         await wait_for(pilot, lambda: app.screen is main)
 
