@@ -43,7 +43,8 @@ import torch
 
 from sfchat import UserError
 from sfchat.protocol import wire
-from sfchat.protocol.handshake import Hello, Ready, shown
+from sfchat.protocol.fields import shown
+from sfchat.protocol.handshake import Hello, Ready
 from sfchat.protocol.messages import Failure, Progress
 from sfchat.engine import sampling
 from sfchat.engine.scratch import Scratch

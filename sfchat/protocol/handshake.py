@@ -9,8 +9,9 @@ graphs); ``Ready`` is the tail's answer (what
 it loaded and computes in). ``to_frame()`` encodes one as a wire Control frame; ``parse(data)``
 builds one from a decoded Control's JSON object and raises ``wire.WireError`` for a missing
 field, a value not of its exact JSON type (a bool is no int, a float no int), an integer out of
-range or a name of an unknown kind, before anything is allocated or opened on its word. Both
-ends are each other's untrusted peers. Torch-free; knows nothing of models beyond names.
+range or a name of an unknown kind (``fields.json_field``), before anything is allocated or
+opened on its word. Both ends are each other's untrusted peers. Torch-free; knows nothing of
+models beyond names.
 """
 
 from __future__ import annotations
@@ -18,35 +19,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from sfchat.protocol import wire
+from sfchat.protocol.fields import json_field, shown
 
 QUANT_MODES = ("none", "nf4")  # what a slice may be loaded as (runtime/quant.py implements them)
 DTYPE_NAMES = tuple(d.name.lower() for d in wire.DType)
 MAX_LAYERS = 1 << 12
 MAX_CONTEXT = 1 << 22
-MAX_NAME_CHARS = 512
-
-
-def shown(value) -> str:
-    """A value from the network, fit for a message: its repr (escapes control characters), cut short."""
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def json_field(data: dict, key: str, kind, default=..., lo: int = 0, hi: int = 0, choices=None, label=None):
-    if default is ... and key not in data:
-        raise wire.WireError(f"no {key!r}")
-    value = data.get(key, default)
-    if type(value) not in (kind if isinstance(kind, tuple) else (kind,)):
-        raise wire.WireError(f"{key}={shown(value)} is not of the expected type")
-    if type(value) is int and not lo <= value <= hi:
-        raise wire.WireError(f"{key}={value} out of range {lo}..{hi}")
-    if type(value) is float and not lo <= value <= hi:  # also refuses NaN
-        raise wire.WireError(f"{key}={value} out of range {lo}..{hi}")
-    if type(value) is str and not 0 < len(value) <= MAX_NAME_CHARS:
-        raise wire.WireError(f"{key} of {len(value)} characters")
-    if choices is not None and value not in choices:
-        raise wire.WireError(f"unknown {label or key} {shown(value)} (one of {', '.join(choices)})")
-    return value
 
 
 MAX_FRAME_SHAPES = 6  # frame sizes a hello may list (each costs the tail a graph per window)

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from sfchat.protocol import wire
-from sfchat.protocol.handshake import json_field
+from sfchat.protocol.fields import json_field
 
 MAX_STAGE_CHARS = 64
 MAX_TEXT = 500  # characters of an ERROR message or a PROGRESS detail

@@ -15,7 +15,8 @@ Bodies:
 
 * HELLO, READY, PROGRESS, ERROR, BYE: UTF-8 JSON objects of metadata only (model id,
   split, K, stage names...). Never tensors. Strict JSON: ``NaN``, ``Infinity`` and numbers
-  that overflow a double (``1e999``) are refused, as RFC 8259 has no such values.
+  that overflow a double (``1e999``) are refused, as RFC 8259 has no such values
+  (``to_json`` and ``from_json``, which the chat protocol's frames use too).
 * FORWARD (head -> tail) comes in two kinds. A prefill FORWARD (no flag) carries a run of
   consecutive positions from ``start_pos``: the tail only fills its KV cache. A tree FORWARD
   (FLAG_VERDICT) carries the next nodes of a speculation tree (see ``engine/live.py``): node ids
@@ -150,6 +151,28 @@ class Verdict:
 Message = Control | Forward | Verdict
 
 
+def to_json(data) -> bytes:
+    """``data`` as compact strict JSON; TypeError or ValueError for what JSON cannot hold (NaN too)."""
+    return json.dumps(data, separators=(",", ":"), allow_nan=False).encode()
+
+
+def from_json(raw: bytes):
+    """Strict JSON back; ValueError for bad UTF-8, bad JSON, NaN, Infinity or a number past a
+    double, RecursionError for nesting too deep."""
+    return json.loads(raw.decode("utf-8"), parse_constant=_no_constant, parse_float=_finite)
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON value")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if value in (float("inf"), float("-inf")):
+        raise ValueError(f"the number {text[:20]} overflows a double")
+    return value
+
+
 def _pack(fmt: str, values, what: str) -> bytes:
     try:
         return struct.pack(f"<{len(values)}{fmt}", *values)
@@ -191,7 +214,7 @@ def _encode(msg: Message) -> bytes:
         if not isinstance(msg.data, dict):
             raise WireError(f"{msg.type.name} data must be a JSON object")
         try:
-            body = json.dumps(msg.data, separators=(",", ":"), allow_nan=False).encode()
+            body = to_json(msg.data)
         except (TypeError, ValueError) as exc:
             raise WireError(f"{msg.type.name} data is not JSON: {exc}") from None
         if len(body) > MAX_JSON_BYTES:
@@ -275,23 +298,12 @@ def _decode_control(mtype: MsgType, rnd: int, body: memoryview) -> Control:
     if len(body) > MAX_JSON_BYTES:
         raise WireError(f"{mtype.name} body too large")
     try:
-        data = json.loads(bytes(body).decode("utf-8"), parse_constant=_no_constant, parse_float=_finite)
+        data = from_json(bytes(body))
     except (ValueError, RecursionError) as exc:  # ValueError: bad UTF-8, bad JSON, too many digits
         raise WireError(f"{mtype.name} body is not JSON: {exc}") from None
     if not isinstance(data, dict):
         raise WireError(f"{mtype.name} body must be a JSON object")
     return Control(mtype, data, rnd)
-
-
-def _no_constant(name: str):
-    raise ValueError(f"{name} is not a JSON value")
-
-
-def _finite(text: str) -> float:
-    value = float(text)
-    if value in (float("inf"), float("-inf")):
-        raise ValueError(f"the number {text[:20]} overflows a double")
-    return value
 
 
 def _decode_forward(flags: int, rnd: int, body: memoryview) -> Forward:

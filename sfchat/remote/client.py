@@ -26,10 +26,10 @@ nothing of it but its KV cache). A host restarted since (another instance) has l
 progress: that reply fails with a ``RuntimeFailed`` that says so (not fatal: send it again).
 ``set_code`` answers whichever question is open: this runtime's own (the chat code) or the
 host's (its tail's pairing code, which then crosses sealed). Every text from the host is made
-plain by ``protocol.chat.update_event`` before it is reported.
+plain by ``protocol.chat_events.update_event`` before it is reported.
 
 A reply is bounded by what was asked for (``Reply``): at most ``max_new_tokens`` token ids and
-``CHARS_PER_TOKEN`` characters per token (and never more than ``chat.MAX_REPLY_CHARS``), kept as
+``CHARS_PER_TOKEN`` characters per token (and never more than ``chat_events.MAX_REPLY_CHARS``), kept as
 a list of the rounds' texts. A head that sends more gets the part within the bounds reported,
 then a ``RuntimeFailed`` (not fatal) that says the reply was cut, and a ``Cancel``; whatever more
 of that reply comes is dropped. Torch-free.
@@ -50,7 +50,7 @@ from sfchat.link.pairing import check_code
 from sfchat.link.resume import Resumption
 from sfchat.link.secure import IntegrityError, PairingRefused, WrongCode, secure
 from sfchat.plaintext import plain
-from sfchat.protocol import chat
+from sfchat.protocol import chat, chat_events
 from sfchat.remote.outbox import Outbox
 
 POLL_S = 1.0
@@ -286,7 +286,7 @@ class RemoteRuntime:
         if u.seq != self._seen + 1:
             return  # sent before the welcome of this pairing, or again: taken already, or coming in order
         self._seen = u.seq
-        event = chat.update_event(u)
+        event = chat_events.update_event(u)
         if isinstance(event, LinkState):
             self._host_link = event
         events = [event]
@@ -309,9 +309,9 @@ class RemoteRuntime:
         over = False
         if isinstance(event, TokensCommitted):
             event, over = reply.take(event)
-        elif isinstance(event, chat.Finished):
+        elif isinstance(event, chat_events.Finished):
             over = event.text is not None and len(event.text) > reply.max_chars
-            event = None if over else chat.finished_event(event, reply.text(), tuple(reply.ids))
+            event = None if over else chat_events.finished_event(event, reply.text(), tuple(reply.ids))
         events = [e for e in (event, reply.overrun() if over else None) if e is not None]
         if over:
             self.commands.put(lambda seq: chat.Cancel(seq, request))
@@ -324,11 +324,11 @@ class Reply:
     """A reply the screen asked for: its text and token ids as they came, in lists (the memory a
     reply takes grows with it, never with the square of its rounds), bounded by what was asked:
     ``max_tokens`` token ids and ``max_chars`` characters (``CHARS_PER_TOKEN`` a token, at most
-    ``chat.MAX_REPLY_CHARS``)."""
+    ``chat_events.MAX_REPLY_CHARS``)."""
 
     def __init__(self, max_tokens: int):
         self.max_tokens = max_tokens
-        self.max_chars = min(max_tokens * CHARS_PER_TOKEN, chat.MAX_REPLY_CHARS)
+        self.max_chars = min(max_tokens * CHARS_PER_TOKEN, chat_events.MAX_REPLY_CHARS)
         self.parts: list[str] = []
         self.ids: list[int] = []
         self.chars = 0

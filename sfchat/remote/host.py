@@ -50,7 +50,7 @@ from sfchat.events import (
 from sfchat.link import LinkClosed, PeerGone
 from sfchat.link.secure import IntegrityError
 from sfchat.plaintext import plain
-from sfchat.protocol import chat
+from sfchat.protocol import chat, chat_events
 from sfchat.remote.outbox import Outbox
 
 POLL_S = 1.0  # how often the receiving loop looks whether the host was closed
@@ -95,7 +95,7 @@ class ChatHost:
                 case TokensCommitted():
                     self._streamed.append(event.text)
                 case ReplyFinished():
-                    event = chat.Finished.of(event, "".join(self._streamed))
+                    event = chat_events.Finished.of(event, "".join(self._streamed))
                     self._streamed = []
                     self._reply_ended()
                 case RuntimeFailed() if reply:
@@ -165,8 +165,8 @@ class ChatHost:
                 held = [s for s in self._waiting if s.request == msg.request]
                 if held:
                     self._waiting.remove(held[0])
-                    self._keep(msg.request, chat.Finished("cancelled", None, 0, 0, 0, (), 0,
-                                                          {k: 0.0 for k in chat.FIGURES}))
+                    self._keep(msg.request, chat_events.Finished("cancelled", None, 0, 0, 0, (), 0,
+                                                                 {k: 0.0 for k in chat_events.FIGURES}))
                 elif self._requests and self._requests[0] == msg.request:
                     self.runtime.cancel()
             case chat.NewChat():
@@ -314,8 +314,8 @@ def fold(unsent: list) -> list:
         last = out[-1] if out else None
         if isinstance(e, TokensCommitted) and last is not None and isinstance(last.event, TokensCommitted) \
                 and last.request == u.request \
-                and len(last.event.text) + len(e.text) <= chat.MAX_CHUNK_CHARS \
-                and len(last.event.token_ids) + len(e.token_ids) <= chat.MAX_CHUNK_TOKENS:
+                and len(last.event.text) + len(e.text) <= chat_events.MAX_CHUNK_CHARS \
+                and len(last.event.token_ids) + len(e.token_ids) <= chat_events.MAX_CHUNK_TOKENS:
             merged = TokensCommitted(last.event.text + e.text, last.event.token_ids + e.token_ids,
                                      dataclasses.replace(e.stats, committed=last.event.stats.committed + e.stats.committed),
                                      e.elapsed_s)

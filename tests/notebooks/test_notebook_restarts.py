@@ -24,7 +24,7 @@ from sfchat.link.relay import RelayLink
 from sfchat.node.head import Head
 from sfchat.node.prompts import make_sampling
 from sfchat.plaintext import plain
-from sfchat.protocol.chat import reply_text
+from sfchat.protocol.chat_events import reply_text
 from sfchat.remote.client import RemoteRuntime
 
 PROMPT, AGAIN, THIRD = "hello world, how are you?", "and how is the weather?", "one more thing"

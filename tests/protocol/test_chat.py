@@ -1,5 +1,6 @@
-"""The chat-over-relay messages: every one round-trips, and whatever a peer sends that is not one is a
-ChatError (bounded, typed field by field), never another exception."""
+"""The chat-over-relay messages: every one round-trips with every field set, every runtime event
+travels, and whatever a peer sends that is not one is a ChatError (bounded, typed field by field),
+never another exception."""
 
 from __future__ import annotations
 
@@ -7,14 +8,15 @@ import dataclasses
 import json
 import random
 import struct
+import typing
 
 import pytest
 
 from sfchat.events import (
-    CodeWanted, LinkState, LoadProgress, ReplyFinished, ReplyStarted, RoundStats, RuntimeFailed, RuntimeReady,
+    CodeWanted, Event, LinkState, LoadProgress, ReplyFinished, ReplyStarted, RoundStats, RuntimeFailed, RuntimeReady,
     TokensCommitted,
 )
-from sfchat.protocol import chat
+from sfchat.protocol import chat, chat_events
 
 HOST = "ab" * 16
 # every field away from its default, so that a field the codec drops or mixes up shows
@@ -25,18 +27,61 @@ STATS = RoundStats(accepted=2, committed=3, draft_ms=5.0, head_ms=3.0, tail_ms=4
 
 def test_the_stats_of_the_round_trip_test_leave_no_field_at_its_default():
     assert not [f.name for f in dataclasses.fields(RoundStats) if getattr(STATS, f.name) == f.default]
-READY = RuntimeReady(model="Qwen/Qwen2.5-7B-Instruct", draft="none", split=14, n_layers=28, dtype="bfloat16", k=8,
-                     device="cuda:0", mode="relay", max_context=4096, shapes=("tree 64, depth 8",))
-EVENTS = [LoadProgress("head", "download", 3, 10, "model.safetensors"), READY, LinkState("connected", "ws://r"),
+
+
+READY = RuntimeReady(model="Qwen/Qwen2.5-7B-Instruct", draft="Qwen/Qwen2.5-0.5B-Instruct", split=14, n_layers=28,
+                     dtype="bfloat16", k=8, device="cuda:0", mode="relay", max_context=4096, quant="nf4",
+                     tail_dtype="float16", tree_budget=64, shapes=("tree 64, depth 8",), max_in_flight=3)
+FIGURES = {k: 1.5 + i for i, k in enumerate(chat_events.FIGURES)}  # each its own value: a swap shows
+EVENTS = [LoadProgress("tail", "download", 3, 10, "model.safetensors"), READY, LinkState("connected", "ws://r"),
           ReplyStarted(40, 10, 30, 2), TokensCommitted("Hello\nworld", (1, 2, 3), STATS, 0.25),
           CodeWanted("wrong pairing code"), RuntimeFailed("tail: out of memory", fatal=True),
-          chat.Finished("eos", None, 3, 40, 1, (0, 0, 1), 64, {k: 1.5 for k in chat.FIGURES})]
+          chat_events.Finished("length", "Hello\nworld!", 3, 40, 2, (0, 1, 1), 64, FIGURES),
+          chat_events.Finished("eos", None, 3, 40, 1, (0, 0, 1), 64, {k: 1.5 for k in chat_events.FIGURES})]
 MESSAGES = [chat.Attach("cd" * 16, HOST, 7), chat.Attach("cd" * 16, "", 0),
             chat.Welcome(HOST, True, 7, 3),
             chat.Submit(1, 1, (("system", "be brief"), ("user", "hi <|im_end|>")), chat.Params(64, 0.7, 40, 0.9, 5)),
             chat.Submit(2, 2, (("user", "hi"),), chat.Params.of({"max_new_tokens": 64})),  # sampling: the head's
             chat.Cancel(2, 1), chat.NewChat(3), chat.GiveCode(4, "7-crossover-clockwork"), chat.Ack(9),
-            *[chat.Update(i + 1, i % 2, e) for i, e in enumerate(EVENTS)]]
+            *[chat.Update(i + 1, i % 2, e) for i, e in enumerate(EVENTS)], *[chat.Update(99, 5, e) for e in EVENTS]]
+
+
+def left_at_default(obj, prefix: str = "") -> list[str]:
+    """The fields of ``obj`` (and of the dataclasses in it) at their default or empty: a codec that
+    dropped one of them would still round-trip."""
+    left = []
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            left += left_at_default(value, f"{prefix}{f.name}.")
+        elif value == f.default or not value:
+            left.append(prefix + f.name)
+    return left
+
+
+def test_the_round_trip_sets_every_field_of_every_message_and_event():
+    full = [m for m in MESSAGES if not left_at_default(m)]
+    assert {type(m) for m in full} == set(chat.CLASSES.values())
+    assert {type(m.event) for m in full if isinstance(m, chat.Update)} == {*chat_events.TABLES, chat_events.Finished}
+
+
+def test_every_runtime_event_travels_to_a_chat_client():
+    assert set(typing.get_args(Event)) == {*chat_events.TABLES, ReplyFinished}  # a ReplyFinished as a Finished
+
+
+def test_a_table_that_lacks_a_field_of_its_event_stops_the_import():
+    with pytest.raises(ImportError, match="detail"):
+        chat_events.fits([(LinkState, {"state": chat_events.Choice(chat_events.LINK_STATES)})])
+
+
+def test_a_finished_reply_round_trips_every_field():
+    values = {f.name: 0.25 + i for i, f in enumerate(dataclasses.fields(ReplyFinished)) if f.type == "float"}
+    done = ReplyFinished(finish_reason="length", text="Hello\nworld", token_ids=(5, 6, 7), prompt_tokens=40,
+                         rounds=2, accepted_histogram=(0, 1, 1), tree_budget=64, **values)
+    assert not left_at_default(done)
+    for streamed in (done.text, "Hello"):  # the reply's text streamed, or not all of it
+        back = chat.decode(chat.encode(chat.Update(1, 1, chat_events.Finished.of(done, streamed)))).event
+        assert chat_events.finished_event(back, streamed, done.token_ids) == done
 
 
 @pytest.mark.parametrize("msg", MESSAGES, ids=lambda m: type(m).__name__ + "-" + type(getattr(m, "event", m)).__name__)
@@ -107,19 +152,19 @@ def test_each_field_is_checked_for_its_type_and_range(msg, bad):
 
 
 EVENT_BAD = {
-    "progress": [("node", "relay"), ("stage", ""), ("done", -1), ("detail", "x" * (chat.MAX_TEXT + 1))],
+    "progress": [("node", "relay"), ("stage", ""), ("done", -1), ("detail", "x" * (chat_events.MAX_TEXT + 1))],
     "ready": [("model", ""), ("mode", "cloud"), ("max_context", 0), ("shapes", ["x" * 65]), ("shapes", [1]),
               ("k", "8"), ("split", 1 << 20)],
     "link": [("state", "hacked"), ("detail", 5)],
     "started": [("prompt_tokens", -3), ("dropped_turns", -1), ("dropped_turns", "2")],
-    "tokens": [("text", "x" * (chat.MAX_CHUNK_CHARS + 1)), ("token_ids", [-1]), ("token_ids", [0.5]),
-               ("token_ids", [1] * (chat.MAX_CHUNK_TOKENS + 1)), ("stats", {"accepted": 1}), ("elapsed_s", -1.0),
+    "tokens": [("text", "x" * (chat_events.MAX_CHUNK_CHARS + 1)), ("token_ids", [-1]), ("token_ids", [0.5]),
+               ("token_ids", [1] * (chat_events.MAX_CHUNK_TOKENS + 1)), ("stats", {"accepted": 1}), ("elapsed_s", -1.0),
                ("stats", dict(json.loads(json.dumps(STATS.__dict__)), rtt_ms=-5.0))],
     "code_wanted": [("reason", None)],
-    "failed": [("fatal", "yes"), ("message", "x" * (chat.MAX_TEXT + 1))],
+    "failed": [("fatal", "yes"), ("message", "x" * (chat_events.MAX_TEXT + 1))],
     "finished": [("finish_reason", "crash"), ("tps", -1.0), ("tps", 1e300), ("text", 5),
-                 ("accepted_histogram", [1] * (chat.MAX_HISTOGRAM + 1)), ("tokens", -1),
-                 ("text", "x" * (chat.MAX_REPLY_CHARS + 1))],
+                 ("accepted_histogram", [1] * (chat_events.MAX_HISTOGRAM + 1)), ("tokens", -1),
+                 ("text", "x" * (chat_events.MAX_REPLY_CHARS + 1))],
 }
 
 
@@ -139,7 +184,7 @@ def test_each_event_field_is_checked(event):
 
 def test_the_encoder_cuts_texts_to_their_bounds_and_refuses_what_decode_would():
     long = LinkState("waiting", "x" * 10000)
-    assert len(chat.decode(chat.encode(chat.Update(1, 0, long))).event.detail) == chat.MAX_TEXT
+    assert len(chat.decode(chat.encode(chat.Update(1, 0, long))).event.detail) == chat_events.MAX_TEXT
     with pytest.raises(chat.ChatError):
         chat.encode(chat.Update(1, 0, LinkState("hacked")))
     with pytest.raises(chat.ChatError):
@@ -148,17 +193,17 @@ def test_the_encoder_cuts_texts_to_their_bounds_and_refuses_what_decode_would():
 
 def test_a_finished_reply_carries_its_text_only_where_it_is_not_the_streamed_text():
     done = ReplyFinished("cancelled", "Hello wor", (1, 2), 40, 2, 1.0, (2,), 10.0, 0.1, 0.05, 90.0, 80.0, 5.0, 3.0, 4.0)
-    same = chat.Finished.of(done, "Hello wor")
+    same = chat_events.Finished.of(done, "Hello wor")
     assert same.text is None
-    assert chat.finished_event(same, "Hello wor", (1, 2)) == done
-    other = chat.Finished.of(done, "Hello")
+    assert chat_events.finished_event(same, "Hello wor", (1, 2)) == done
+    other = chat_events.Finished.of(done, "Hello")
     assert other.text == "Hello wor"
-    assert chat.finished_event(other, "Hello", (1, 2)) == done
+    assert chat_events.finished_event(other, "Hello", (1, 2)) == done
 
 
 def test_what_a_person_sees_of_an_update_is_plain_text():
     evil = "\x1b]52;c;cHduZWQ=\x07red\x1b[31m\x9b2J"
-    shown = [chat.update_event(chat.decode(chat.encode(chat.Update(1, 0, e)))) for e in
+    shown = [chat_events.update_event(chat.decode(chat.encode(chat.Update(1, 0, e)))) for e in
              (LinkState("waiting", evil), CodeWanted(evil), RuntimeFailed(evil),
               LoadProgress("tail", "load", 1, 2, evil), TokensCommitted(evil + "\nline 2\tx", (1,), STATS, 0.1))]
     for event in shown:

@@ -20,7 +20,7 @@ from sfchat.events import (
 from sfchat.link.pairing import require_secret
 from sfchat.plaintext import plain
 from sfchat.remote.cli import offer_chat
-from sfchat.protocol import chat
+from sfchat.protocol import chat, chat_events
 from sfchat.remote.client import CHARS_PER_TOKEN, RemoteRuntime
 from sfchat.tally import Tally
 from sfchat.ui import SfchatApp
@@ -133,7 +133,7 @@ class EndlessHead(ScriptedHead):
         self.finished.set()
 
 
-@pytest.mark.parametrize("text, ids", [("x" * chat.MAX_CHUNK_CHARS, (7,)), ("y", tuple(range(1000)))],
+@pytest.mark.parametrize("text, ids", [("x" * chat_events.MAX_CHUNK_CHARS, (7,)), ("y", tuple(range(1000)))],
                          ids=["characters", "tokens"])
 def test_a_reply_past_what_was_asked_is_cut_said_and_stopped(relay_url, text, ids):
     """Round five: a head answering a 16-token request with 64 Ki-character rounds made the client

@@ -18,7 +18,7 @@ from sfchat.link.relay import RelayLink
 from sfchat.link.resume import Resumption
 from sfchat.link.secure import SecureLink
 from sfchat.node.worker import RuntimeWorker
-from sfchat.protocol.chat import reply_text
+from sfchat.protocol.chat_events import reply_text
 from sfchat.remote.host import ChatHost
 
 from test_ui_real import one_shot_text
