@@ -51,7 +51,7 @@ from sfchat.events import (
     CodeWanted, LinkState, LoadProgress, ReplyFinished, ReplyStarted, RoundStats, RuntimeFailed, RuntimeReady,
     TokensCommitted,
 )
-from sfchat.protocol.wire import WireError
+from sfchat.protocol.wire import REPETITION_PENALTY, WireError
 
 MAGIC = b"SFCT"
 CHAT_VERSION = 1
@@ -189,6 +189,7 @@ class Params:
     top_k: int | None = None
     top_p: float | None = None
     seed: int | None = None
+    repetition_penalty: float | None = None
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -205,7 +206,8 @@ class Params:
             raise ChatError("top_p must be above 0")
         temperature = None if d.get("temperature") is None else number(d, "temperature", 0.0, 2.0)
         top_k = None if d.get("top_k") is None else integer(d, "top_k", 0, 1 << 20)
-        return cls(integer(d, "max_new_tokens", 1, 1 << 20), temperature, top_k, top_p, seed)
+        penalty = None if d.get("repetition_penalty") is None else number(d, "repetition_penalty", *REPETITION_PENALTY)
+        return cls(integer(d, "max_new_tokens", 1, 1 << 20), temperature, top_k, top_p, seed, penalty)
 
     @classmethod
     def of(cls, params: dict) -> "Params":
