@@ -17,7 +17,7 @@ for a relay head (its tail loads the same model id and is the one with the GPU),
 ``GPU_MODEL`` with ``GPU_DRAFT``; in local mode without one it is ``CPU_MODEL``, the small real
 model that ``sfchat-model smollm2`` builds into the user cache dir, with ``CPU_DRAFT``.
 
-Sampling: ``temperature``, ``top_k`` and ``top_p`` stay None unless the user chose them; the
+Sampling: ``temperature``, ``top_k``, ``top_p`` and ``repetition_penalty`` stay None unless the user chose them; the
 head then takes the model's own defaults from its ``generation_config.json`` (bounded by the same
 ``RULES``: ``model.generation``), and without those samples greedily.
 """
@@ -37,7 +37,7 @@ import platformdirs
 from sfchat import UserError
 from sfchat.link.probe import SESSION_NAME
 from sfchat.protocol.handshake import MAX_LAYERS
-from sfchat.protocol.wire import MAX_NODES
+from sfchat.protocol.wire import MAX_NODES, REPETITION_PENALTY
 
 MAX_TREE_BUDGET = MAX_NODES - 1  # a frame holds the root and its drafts: at most MAX_NODES nodes on the wire
 
@@ -80,6 +80,7 @@ class Settings:
     temperature: float | None = None  # None: the model's own default, else 0 (greedy); see node.head.Head.sampling
     top_k: int | None = None  # None: the model's own default, else 0 (off)
     top_p: float | None = None  # None: the model's own default, else 1 (off)
+    repetition_penalty: float | None = None  # None: the model's own default, else 1 (off)
     seed: int | None = None
     system: str | None = None
     chat_template: bool = True
@@ -184,7 +185,8 @@ RULES: dict[str, Rule] = {
     "load_in_4bit": FLAG, "draft_load_in_4bit": FLAG,
     "max_context": Rule(int, 2, MAX_CONTEXT), "max_new_tokens": Rule(int, 1, MAX_NEW_TOKENS),
     "temperature": Rule(float, 0, MAX_TEMPERATURE), "top_k": Rule(int, 0, MAX_TOP_K),
-    "top_p": Rule(float, 0, 1, above=True), "seed": Rule(int, -(1 << 63), (1 << 64) - 1, shape="a whole number of at most 64 bits"),
+    "top_p": Rule(float, 0, 1, above=True), "repetition_penalty": Rule(float, *REPETITION_PENALTY),
+    "seed": Rule(int, -(1 << 63), (1 << 64) - 1, shape="a whole number of at most 64 bits"),
     "system": Rule(str, lines=True), "chat_template": FLAG, "cuda_graphs": FLAG, "compile_draft": FLAG,
     "relay": TEXT, "token": TEXT,
     "session": Rule(str, pattern=SESSION_NAME, shape="1 to 64 characters of A-Z, a-z, 0-9, '.', '_' and '-'"),
@@ -192,6 +194,7 @@ RULES: dict[str, Rule] = {
     "round_timeout": Rule(float, 0, DAY_S, above=True), "reconnect_timeout": Rule(float, 0, DAY_S),
     "history": TEXT,
 }
+SAMPLING_SETTINGS = ("temperature", "top_k", "top_p", "repetition_penalty")  # None: the head's or the model's
 ENV = (("SFCHAT_MODEL", "model"), ("SFCHAT_TOKEN", "token"), ("SFCHAT_RELAY", "relay"),
        ("SFCHAT_SESSION", "session"), ("SFCHAT_SECRET", "secret"), ("SFCHAT_CODE", "secret"))
 
@@ -252,7 +255,7 @@ def merged(overrides: dict, path: Path | None = None) -> Settings:
 def given_params(settings: Settings) -> dict:
     """The generation parameters a chat screen sends with every prompt: the reply limit, the seed,
     and the sampling settings the user chose (the others are the head's to fill)."""
-    sampling = {k: getattr(settings, k) for k in ("temperature", "top_k", "top_p") if getattr(settings, k) is not None}
+    sampling = {k: getattr(settings, k) for k in SAMPLING_SETTINGS if getattr(settings, k) is not None}
     return {"max_new_tokens": settings.max_new_tokens, "seed": settings.seed, **sampling}
 
 

@@ -31,7 +31,7 @@ FLAG_FIELDS = {  # flag dest -> Settings field
     "model": "model", "draft": "draft", "revision": "revision", "draft_revision": "draft_revision",
     "k": "k", "tree_budget": "tree_budget", "split": "split", "device": "device", "draft_device": "draft_device", "dtype": "dtype",
     "max_context": "max_context", "max_new_tokens": "max_new_tokens", "temperature": "temperature",
-    "top_k": "top_k", "top_p": "top_p", "seed": "seed", "system": "system", "relay": "relay",
+    "top_k": "top_k", "top_p": "top_p", "repetition_penalty": "repetition_penalty", "seed": "seed", "system": "system", "relay": "relay",
     "token": "token", "session": "session", "history": "history", "round_timeout": "round_timeout",
     "reconnect_timeout": "reconnect_timeout", "secret": "secret",
     "load_in_4bit": "load_in_4bit", "models_dir": "models_dir", "draft_load_in_4bit": "draft_load_in_4bit",
@@ -92,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, help="0 = greedy (default 0), at most 2")
     g.add_argument("--top-k", type=int, help="sample from the k most likely tokens (0 = off)")
     g.add_argument("--top-p", type=float, help="nucleus sampling threshold (1 = off)")
+    g.add_argument("--repetition-penalty", type=float,
+                   help="divide a positive logit (multiply a negative one) of every token already in the context by "
+                        "this, as transformers' generate() does (1 = off; default: the model's own)")
     g.add_argument("--seed", type=int, help="seed for reproducible sampling")
     g.add_argument("--system", help="system message for the chat template")
     g.add_argument("--no-chat-template", action="store_true", help="use the prompt text as is")
@@ -153,7 +156,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
 # flags a tail cannot use: the head's hello decides what the tail loads, and the reply is the head's
 HEAD_ONLY = ("model", "draft", "revision", "draft_revision", "k", "tree_budget", "split", "dtype", "load_in_4bit",
              "draft_load_in_4bit", "max_context", "draft_device", "max_in_flight", "draft_ahead", "prompt",
-             "max_new_tokens", "temperature", "top_k", "top_p", "seed", "system", "serve", "offer_chat", "remote")
+             "max_new_tokens", "temperature", "top_k", "top_p", "repetition_penalty", "seed", "system", "serve", "offer_chat", "remote")
 
 
 def refuse_ignored(args: argparse.Namespace, s: Settings) -> None:

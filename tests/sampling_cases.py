@@ -26,8 +26,8 @@ import numpy as np
 import torch
 from scipy.stats import chisquare
 from transformers import (
-    AutoModelForCausalLM, LogitsProcessorList, PreTrainedTokenizerFast, TemperatureLogitsWarper, TopKLogitsWarper,
-    TopPLogitsWarper,
+    AutoModelForCausalLM, LogitsProcessorList, PreTrainedTokenizerFast, RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper,
 )
 
 import tinymodels
@@ -40,7 +40,8 @@ from sfchat.protocol.wire import Sampling
 PROMPT = [{"role": "user", "content": "hello world"}]
 VOCAB, WIDE_VOCAB = 64, 96
 K = 3
-SAMPLING = Sampling(temperature=0.8, top_k=5, top_p=0.9)
+# every warper generate() applies, the repetition penalty (which depends on each node's path) too
+SAMPLING = Sampling(temperature=0.8, top_k=5, top_p=0.9, repetition_penalty=1.3)
 N_NEW = 4  # tokens per sampled reply: the 4th is the bonus token whenever round 1 accepts all K
 # Every draw is seeded, so each p-value is the same on every run.
 ALPHA = 0.01
@@ -79,6 +80,7 @@ def save(model, tok, path: Path) -> Path:
     model.generation_config.temperature = SAMPLING.temperature
     model.generation_config.top_k = SAMPLING.top_k
     model.generation_config.top_p = SAMPLING.top_p
+    model.generation_config.repetition_penalty = SAMPLING.repetition_penalty
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return path
@@ -124,9 +126,11 @@ def reply(session, ids, n, s) -> ReplyFinished:
     return final
 
 
-def greedy_generate(models, ids, n) -> list[int]:
+def greedy_generate(models, ids, n, repetition_penalty: float = 1.0) -> list[int]:
+    """generate(do_sample=False) with this penalty (the model's generation_config.json has its own)."""
     target = AutoModelForCausalLM.from_pretrained(models["target"]).eval()
-    out = target.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, pad_token_id=0)
+    out = target.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, pad_token_id=0,
+                          repetition_penalty=repetition_penalty)
     return out[0, len(ids):].tolist()
 
 
@@ -160,7 +164,8 @@ def generate_sample(path, ids, s: Sampling | None, n: int, seed: int, batch: int
     torch.manual_seed(seed)
     counts = Counter()
     # top_k always explicit: generate's default would be 50, Sampling's 0 means "off"
-    given = {} if s is None else {"do_sample": True, "temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p}
+    given = {} if s is None else {"do_sample": True, "temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p,
+                                  "repetition_penalty": s.repetition_penalty}
     for done in range(0, n, batch):
         prompt = torch.tensor([ids]).expand(min(batch, n - done), -1)
         out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=N_NEW,
@@ -172,10 +177,12 @@ def generate_sample(path, ids, s: Sampling | None, n: int, seed: int, batch: int
 def exact_outcomes(path, ids, s: Sampling) -> dict[tuple, float]:
     """The probability of every outcome (see ``outcome``) under ``generate(do_sample=True)``: the
     model's next-token logits (float32, as generate casts them) through transformers' own
-    temperature, top-k and top-p warpers in generate's order, expanded over every prefix."""
+    repetition penalty (over each prefix's whole sequence, the prompt included), temperature,
+    top-k and top-p, in generate's order, expanded over every prefix."""
     model = AutoModelForCausalLM.from_pretrained(path).eval()
     eos = model.generation_config.eos_token_id
-    warpers = LogitsProcessorList([TemperatureLogitsWarper(s.temperature), TopKLogitsWarper(s.top_k),
+    warpers = LogitsProcessorList([RepetitionPenaltyLogitsProcessor(s.repetition_penalty),
+                                   TemperatureLogitsWarper(s.temperature), TopKLogitsWarper(s.top_k),
                                    TopPLogitsWarper(s.top_p)])
     probs, frontier = {}, {(): 1.0}
     for depth in range(N_NEW):

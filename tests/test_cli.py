@@ -73,6 +73,7 @@ def runs(zoo, tmp_path_factory):
         "too-long": base + ["--draft", "none", "--max-context", "8", "--prompt", LONG_PROMPT],
         "k": base + ["--k", "-1", "--prompt", "hi"],
         "top-p": base + ["--top-p", "0", "--prompt", "hi"],
+        "repetition-penalty": base + ["--repetition-penalty", "11", "--prompt", "hi"],
         "cuda": ["--model", target, "--device", "cuda", "--prompt", "hi"],  # before the default draft is looked for
         "tail": ["--tail", "--device", "cpu"],
         "unknown-key": base + ["--config", str(unknown), "--prompt", "hi"],
@@ -170,6 +171,7 @@ def test_no_chat_template_and_no_draft(runs, zoo):
     ("too-long", r"the prompt has \d+ tokens, the context window is 8: shorten it or raise --max-context"),
     ("k", r"--k must be auto or a whole number between 0 and 32, not -1"),
     ("top-p", r"--top-p must be a number above 0 and at most 1, not 0\.0"),
+    ("repetition-penalty", r"--repetition-penalty must be a number between 0\.01 and 10, not 11\.0"),
     ("cuda", r"device 'cuda' requested but no CUDA GPU is visible.*: use --device cpu, or install the CUDA build "
              r"of torch"),
     ("tail", r"--tail needs --relay"),

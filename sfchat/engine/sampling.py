@@ -9,11 +9,21 @@ Contract
   off, as in generate (whose own default top_k of 50 does not apply here). The settings may
   come as ``Knobs``, tensors on the device: a CUDA graph over ``warp`` then takes any settings
   as inputs, and the code that runs is the same whatever they are.
-* ``picks`` (tail side) is the target's pick at each node of a tree: its argmax when greedy,
-  else one draw from its ``warp`` by ``race`` with Exp(1) noise from the stream of (seed,
-  position). The walk down the tree (``engine.verifier``) follows the picks while they are
+* ``penalize(logits, seen, penalty)`` is transformers' ``RepetitionPenaltyLogitsProcessor``
+  (generate's ``repetition_penalty``), which generate() applies before the warpers: each token
+  that row's context holds (``seen``, (N, V) bool) has a positive logit divided by the penalty, a
+  negative one multiplied, with the same float32 operations; 1.0 changes nothing.
+* ``Seen`` keeps which token ids a context holds, as counts on the device, in step with the
+  context's token list (``sync``: only what changed since the last call is counted), and gives
+  each row's ``seen`` from its own path below that context (``rows``): no per-row pass over the
+  vocabulary on the host. Ids outside the vocabulary have no logit and are ignored, as generate()
+  ignores them.
+* ``picks`` (tail side) is the target's pick at each node of a tree, from its logits after
+  ``penalize`` with the node's own context: its argmax when greedy, else one draw from its
+  ``warp`` by ``race`` with Exp(1) noise from the stream of (seed, position). The walk down the tree (``engine.verifier``) follows the picks while they are
   children: exact for any tree the draft chooses (SpecExec's rule), since each committed token is
-  the target's own pick at a node whose path equals the committed context.
+  the target's own pick at a node whose path equals the committed context, and the penalty at
+  that node is computed from that same path: the distribution it draws from is generate()'s.
 * ``round_seed`` / ``round_generator`` derive a random stream from (seed, position, role): a
   seeded chat is reproducible, a retried frame draws the same numbers, and streams of different
   positions or roles are independent, which the exactness proof requires.
@@ -82,6 +92,59 @@ def warp(logits: Tensor, s: Sampling | Knobs) -> Tensor:
     return scores.softmax(dim=-1)
 
 
+def penalize(logits: Tensor, seen: Tensor | None, penalty: float) -> Tensor:
+    """(N, V) logits with generate()'s repetition penalty: where ``seen`` (N, V) is true, a
+    positive float32 logit divided by ``penalty`` and a negative one multiplied, as
+    RepetitionPenaltyLogitsProcessor computes them (a Python float, so the same kernels round
+    the same way); 1.0 returns the logits as they are."""
+    if penalty == 1.0:
+        return logits
+    if seen is None:
+        raise ValueError("a repetition penalty needs each row's context tokens")
+    scores = logits.float()
+    return torch.where(seen, torch.where(scores < 0, scores * penalty, scores / penalty), scores)
+
+
+class Seen:
+    """The token ids a context holds (see the module's contract), for a vocabulary of ``vocab``."""
+
+    def __init__(self, vocab: int, device) -> None:
+        self.vocab, self.device = vocab, torch.device(device)
+        self.tokens: list[int] = []
+        # how often each id occurs; the last entry counts the ids outside the vocabulary
+        self.counts = torch.zeros(vocab + 1, dtype=torch.int32, device=device)
+
+    def _ids(self, tokens) -> Tensor:
+        ids = torch.tensor(tokens, dtype=torch.long).to(self.device)
+        return torch.where((ids >= 0) & (ids < self.vocab), ids, self.vocab)
+
+    def sync(self, tokens: list[int]) -> None:
+        """Count ``tokens`` as the context now: the ids after the common start with the last
+        ``sync`` are taken off and the new ones added."""
+        old, common, hi = self.tokens, 0, min(len(self.tokens), len(tokens))
+        if old[:hi] == tokens[:hi]:
+            common = hi
+        while hi - common > 1:  # old[:common] matches, old[:hi] does not: list slices compare in C
+            mid = (common + hi) // 2
+            if old[common:mid] == tokens[common:mid]:
+                common = mid
+            else:
+                hi = mid
+        for part, sign in ((old[common:], -1), (tokens[common:], 1)):
+            if part:
+                ids = self._ids(part)
+                self.counts.index_add_(0, ids, torch.full(ids.shape, sign, dtype=torch.int32, device=self.device))
+        self.tokens = list(tokens)
+
+    def rows(self, paths: list[list[int]]) -> Tensor:
+        """(len(paths), vocab) bool: the context's ids and those of each row's ``path`` (its
+        ancestors below the context and itself, at least one token each)."""
+        width = max(len(p) for p in paths)
+        ids = self._ids([p + p[-1:] * (width - len(p)) for p in paths])
+        seen = (self.counts > 0).expand(len(paths), -1).clone()
+        return seen.scatter_(1, ids, True)[:, :self.vocab]
+
+
 def exponentials(shape, generator: torch.Generator | None, device=None) -> Tensor:
     """Exp(1) noise for ``race``, from ``generator``."""
     return torch.empty(shape, device=device if generator is None else generator.device).exponential_(
@@ -99,15 +162,18 @@ def race(weights: Tensor, noise: Tensor) -> Tensor:
     return (weights / noise.clamp_min(torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
 
 
-def picks(logits: Tensor, positions: list[int], s: Sampling) -> Tensor:
-    """Tail side: the target's pick at each node, (n,) long from (n, V) logits at ``positions``.
+def picks(logits: Tensor, positions: list[int], s: Sampling, seen: Tensor | None = None) -> Tensor:
+    """Tail side: the target's pick at each node, (n,) long from (n, V) logits at ``positions``;
+    ``seen`` (n, V) bool: the tokens of each node's context, itself included (``Seen.rows``),
+    needed when ``s.repetition_penalty`` is not 1.
 
-    Greedy: the argmax. Sampled: a draw from ``warp`` by ``race``, with noise from the stream of the
+    The logits go through ``penalize`` first. Greedy: the argmax. Sampled: a draw from ``warp`` by ``race``, with noise from the stream of the
     reply's seed and the node's position alone (``round_generator``): the node of a position that
     ends on the committed path draws the same whatever else the tree holds, so a seeded reply is
     the same for every draft, tree and frame in flight, and each committed token is an exact
     draw from the target's distribution after the committed context (the noise of a position is
     independent of everything that decided which node of that position is on the path)."""
+    logits = penalize(logits, seen, s.repetition_penalty)
     if s.temperature == 0:
         return logits.argmax(dim=-1)
     p = warp(logits, s)

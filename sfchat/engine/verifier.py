@@ -19,7 +19,9 @@ and its token that pick, or its parent is a live node of the same frame; every o
 dead (its parent was dead, or the target picked another token after it) and is not computed. The
 live nodes run at the frame's fixed shape (``Hello.shape``: padded, each row in a slot of a
 ``Scratch`` that lives for the frame, seeing the context, its ancestors and itself), the target
-picks at each (``sampling.picks``: one host sync, which also checks that the logits are finite),
+picks at each (``sampling.picks``: one host sync, which also checks that the logits are finite;
+a repetition penalty sees each row's own context: the committed tokens the tail holds, counted
+on the device as they change (``sampling.Seen``), plus the row's ancestors in its frame and itself),
 and the walk descends from the frontier while a pick is a child: those nodes are committed
 (``Scratch.commit``: their K/V moves in place after the context, in every segment), and the
 frontier moves to the last of them. Every frame gets a VERDICT (the committed nodes, empty when
@@ -79,6 +81,7 @@ class Verifier:
         self.prefill_s = 0.0  # compute spent on prefill FORWARDs since the last verdict
         self.dropped = 0  # frames of older trees, dropped unread
         self.computed = self.skipped = 0  # nodes run, and nodes dead on arrival
+        self.seen: sampling.Seen | None = None  # the context's tokens, for a repetition penalty
         self._trees()
 
     def _trees(self) -> None:
@@ -149,6 +152,7 @@ class Verifier:
         if not hello.graphs:
             self.model.graphs.clear()
         self.model.reset(zero=True)  # nothing an earlier head left may reach this one's softmax
+        self.seen = None
         self.prefill_s = 0.0
         self._trees()
         ready = Ready(n_layers=n_layers(cfg), hidden_size=cfg.hidden_size, device=str(self.model.device),
@@ -281,7 +285,14 @@ class Verifier:
         if rows < shape:
             hidden = torch.cat([hidden, hidden.new_zeros(shape - rows, msg.hidden_size)])
         logits = m.run(hidden, slots, n_logits=shape, end=scratch.end, tree=mask)[:rows]
-        chosen = sampling.picks(logits, positions, msg.sampling)
+        seen = None
+        if msg.sampling.repetition_penalty != 1.0:  # each row's context: the committed one and its path
+            if self.seen is None or self.seen.vocab != logits.shape[-1]:
+                self.seen = sampling.Seen(logits.shape[-1], logits.device)
+            self.seen.sync(m.cached_tokens()[:base])
+            seen = self.seen.rows([[msg.tokens[live[a]] for a in ancestors[r]] + [msg.tokens[live[r]]]
+                                   for r in range(rows)])
+        chosen = sampling.picks(logits, positions, msg.sampling, seen)
         out = torch.cat([chosen, torch.isfinite(logits).all().long()[None]]).tolist()  # the one host sync
         if not out[-1]:
             self._fail(emit, f"layers [{self.hello.split}, {self.hello.n_layers}) of {shown(self.hello.model)} "

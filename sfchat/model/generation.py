@@ -1,17 +1,18 @@
 """A model's own sampling defaults, read from its ``generation_config.json``.
 
 Contract: ``generation_defaults(source)`` returns the sampling settings the model's authors ship
-(``temperature``, ``top_p``, ``top_k``; the keys the file sets, nothing else), as transformers'
-``generate()`` and vLLM take them: a file whose ``do_sample`` is false (or absent, transformers'
-default) asks for greedy decoding and gives ``{"temperature": 0.0}``; no file (or one that cannot
-be read) gives ``{}``. The file comes from a directory or a hub repository somebody else made,
+(``temperature``, ``top_p``, ``top_k``, ``repetition_penalty``; the keys the file sets, nothing
+else), as transformers' ``generate()`` and vLLM take them: a file whose ``do_sample`` is false (or
+absent, transformers' default) asks for greedy decoding and gives ``{"temperature": 0.0}`` (and
+its ``repetition_penalty``, which generate() applies to greedy decoding too); no file (or one
+that cannot be read) gives ``{}``. The file comes from a directory or a hub repository somebody else made,
 so it is hostile: it is read only up to ``MAX_BYTES``, parsed by transformers'
 ``GenerationConfig`` (a file it refuses counts as none), and each value must pass the same
 ``config.RULES`` as a flag or the config file; a value that does not (a temperature of 50, a
 ``top_k`` of ``"20"``, NaN) is left out, and ``notes`` says so in one line per value left out,
-each plain text. ``repetition_penalty`` and the other warpers are not read: sampling stays exact
-only for warpers the tail applies from each node's own context, and a repetition penalty depends
-on the node's whole path.
+each plain text. The repetition penalty keeps sampling exact because the tail applies it from
+each node's own context (``engine.sampling``); the other processors (``no_repeat_ngram_size``,
+``min_p``...) are not read.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from sfchat.plaintext import plain
 
 FILE = "generation_config.json"
 MAX_BYTES = 64 << 10  # a real one is under 1 KiB
-KEYS = ("temperature", "top_p", "top_k")
+KEYS = ("temperature", "top_p", "top_k")  # read when the file asks to sample
+PENALTY = "repetition_penalty"  # read either way: generate() applies it to greedy decoding too
 
 
 class Defaults(NamedTuple):
@@ -58,10 +60,11 @@ def parse(raw: bytes, name: str = "the model") -> Defaults:
         config = GenerationConfig.from_dict(dict(data))
     except Exception as exc:  # any refusal of a hostile file: the model runs without its defaults
         return Defaults({}, (f"{FILE} of {name} is not a generation config ({plain(type(exc).__name__)}): not read",))
-    if config.do_sample is not True:
-        return Defaults({"temperature": 0.0})
     values, notes = {}, []
-    for key in KEYS:
+    keys = KEYS + (PENALTY,)
+    if config.do_sample is not True:
+        values["temperature"], keys = 0.0, (PENALTY,)
+    for key in keys:
         if key not in data or data[key] is None:
             continue
         try:

@@ -25,7 +25,7 @@ one the tail runs in this process; ``policy`` replaces the one that picks frames
   long; ``ReplyStarted.dropped_turns`` says how many), then ``reply``. Used by every front end
   that keeps a conversation (the chat screen, local or remote) and by one-shot; ``--serve``
   encodes and checks its clients' messages itself (``encode``, ``reply``).
-* ``sampling(temperature, top_k, top_p, seed)``: a reply's ``Sampling``, each value None taken from
+* ``sampling(temperature, top_k, top_p, seed, repetition_penalty)``: a reply's ``Sampling``, each value None taken from
   the settings, else from the model's own ``generation_config.json`` (``model.generation``, read
   once at ``open``; ``defaults.notes`` says what of it was left out), else greedy.
 * ``watch(timeout)``, between replies: a link to the tail that is gone is reported and dialled
@@ -54,7 +54,7 @@ from sfchat.node.window import ContextWindow
 from sfchat.protocol.wire import Sampling
 from sfchat.tally import Tally
 
-BUILT_IN = {"temperature": 0.0, "top_k": 0, "top_p": 1.0}  # greedy, without the model's or the user's choice
+BUILT_IN = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "repetition_penalty": 1.0}  # greedy, without the model's or the user's choice
 
 
 def open_draft(s: Settings, tokenizer, on_event: Callable) -> ModelSource:
@@ -98,9 +98,10 @@ class Head:
         return cls(s, tokenizer, engine, eos_ids(src, tokenizer), info, generation_defaults(src))
 
     def sampling(self, temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
-                 seed: int | None = None) -> Sampling:
+                 seed: int | None = None, repetition_penalty: float | None = None) -> Sampling:
         """One reply's sampling: each value given, else the setting (a flag, the config file), else
-        the model's own default (its generation_config.json), else greedy, top-k and top-p off."""
+        the model's own default (its generation_config.json), else greedy, top-k, top-p and the
+        repetition penalty off."""
         def pick(name: str, given):
             for value in (given, getattr(self.settings, name), self.defaults.values.get(name)):
                 if value is not None:
@@ -108,7 +109,8 @@ class Head:
             return BUILT_IN[name]
 
         return make_sampling(pick("temperature", temperature), pick("top_k", top_k), pick("top_p", top_p),
-                             seed if seed is not None else self.settings.seed)
+                             seed if seed is not None else self.settings.seed,
+                             pick("repetition_penalty", repetition_penalty))
 
     def encode(self, messages: list[dict]) -> list[int]:
         """Prompt ids of a conversation, under the system prompt rule."""

@@ -195,10 +195,11 @@ class TextStream:
         return delta
 
 
-def make_sampling(temperature: float, top_k: int, top_p: float, seed: int | None) -> Sampling:
+def make_sampling(temperature: float, top_k: int, top_p: float, seed: int | None,
+                  repetition_penalty: float = 1.0) -> Sampling:
     """Sampling settings of one reply; without a seed every reply draws fresh randomness. A
     temperature below ``GREEDY_BELOW`` is greedy: sampling there is the argmax but for near ties, and
     float32 logits divided by it may overflow."""
     t = float(temperature)
     return Sampling(0.0 if t < GREEDY_BELOW else t, int(top_k), float(top_p),
-                    secrets.randbits(63) if seed is None else int(seed) & (2 ** 64 - 1))
+                    secrets.randbits(63) if seed is None else int(seed) & (2 ** 64 - 1), float(repetition_penalty))

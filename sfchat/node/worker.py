@@ -232,7 +232,7 @@ class RuntimeWorker(CudaThread):
     def _reply(self, messages: list[dict], params: dict) -> None:
         s = self.settings
         sampling = self.head.sampling(params.get("temperature"), params.get("top_k"), params.get("top_p"),
-                                      params.get("seed"))
+                                      params.get("seed"), params.get("repetition_penalty"))
         limit = int(params.get("max_new_tokens", s.max_new_tokens))
         for event in self.head.ask(messages, limit, sampling, self.cancelled.is_set):
             self.listener(event)

@@ -50,7 +50,7 @@ from dataclasses import dataclass
 
 from sfchat.protocol.chat_events import Bound, Flag, Text, Whole, event_body, event_of, fits, sent, taken
 from sfchat.protocol.fields import MAX_EXACT, array, integer, number, required, shown, text
-from sfchat.protocol.wire import WireError, from_json, to_json
+from sfchat.protocol.wire import REPETITION_PENALTY, WireError, from_json, to_json
 
 MAGIC = b"SFCT"
 CHAT_VERSION = 1
@@ -131,6 +131,7 @@ class Params:
     top_k: int | None = None
     top_p: float | None = None
     seed: int | None = None
+    repetition_penalty: float | None = None
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -147,7 +148,8 @@ class Params:
             raise ChatError("top_p must be above 0")
         temperature = None if d.get("temperature") is None else number(d, "temperature", 0.0, 2.0)
         top_k = None if d.get("top_k") is None else integer(d, "top_k", 0, 1 << 20)
-        return cls(integer(d, "max_new_tokens", 1, 1 << 20), temperature, top_k, top_p, seed)
+        penalty = None if d.get("repetition_penalty") is None else number(d, "repetition_penalty", *REPETITION_PENALTY)
+        return cls(integer(d, "max_new_tokens", 1, 1 << 20), temperature, top_k, top_p, seed, penalty)
 
     @classmethod
     def of(cls, params: dict) -> "Params":

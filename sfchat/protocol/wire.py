@@ -27,7 +27,8 @@ Bodies:
   The tail answers every tree FORWARD with a VERDICT. Every FORWARD names its ``tree``: a frame of
   an older tree than the tail's newest is dropped unread. ``hidden`` holds the head slice's
   output for the frame's tokens as raw bytes (``dtype`` code, row-major ``n_tokens x
-  hidden_size``); the sampling parameters travel with every frame, so each is self-contained.
+  hidden_size``); the sampling parameters travel with every frame, so each is self-contained:
+  temperature, top-k, top-p, seed and repetition penalty (``REPETITION_PENALTY``'s range; 1.0: off).
 * VERDICT (tail -> head): for the tree FORWARD of the same ``round``: the frame's nodes that the
   target's walk committed (``path``, uint16 indices into the frame, ascending, at most
   ``MAX_DEPTH``; empty when no node of the frame was on the committed path) and the target's pick
@@ -38,7 +39,9 @@ This module is torch-free: tensors cross it as ``bytes`` plus a dtype code and a
 Every length is checked before anything is sliced, and any malformed input raises
 ``WireError`` (and nothing else; ``TreeError``, a ``WireError``, for a malformed tree or path),
 so a hostile peer cannot crash the process. Version 2 added trees, version 3 epochs and assumed
-outcomes; version 4 replaced chains, trees and epochs by one speculation tree across frames.
+outcomes; version 4 replaced chains, trees and epochs by one speculation tree across frames;
+version 5 added the repetition penalty to a FORWARD's sampling parameters (a peer of another
+version is refused by the first frame it sends, naming both versions).
 """
 
 from __future__ import annotations
@@ -49,12 +52,12 @@ import struct
 from dataclasses import dataclass, field
 
 MAGIC = b"SFCH"
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 
 HEADER = struct.Struct("<4sBBHII")
-FORWARD_FIXED = struct.Struct("<IIIIBIdIdQ")
-# tree, start, n_tok, first_id, dtype, hidden, temp, top_k, top_p, seed
-# temperature and top_p travel as doubles: the tail must cut exactly where generate() would
+FORWARD_FIXED = struct.Struct("<IIIIBIdIdQd")
+# tree, start, n_tok, first_id, dtype, hidden, temp, top_k, top_p, seed, repetition penalty
+# temperature, top_p and the penalty travel as doubles: the tail must cut exactly where generate() would
 VERDICT_FIXED = struct.Struct("<III")  # tree, n (path length), tail_us
 
 FLAG_VERDICT = 0x1  # FORWARD: the nodes of a speculation tree, to be verified (answered with a VERDICT)
@@ -64,6 +67,7 @@ MAX_TOKENS_PER_FRAME = 1 << 12
 MAX_HIDDEN_SIZE = 1 << 15
 MAX_DEPTH = 64  # the deepest a tree FORWARD's nodes reach below nodes outside it; a verdict's path
 MAX_NODES = 256  # nodes of a tree FORWARD
+REPETITION_PENALTY = (0.01, 10.0)  # the range every source of a repetition penalty is held to; 1.0: off
 MAX_SCRATCH = 1 << 13  # KV slots past the model's context a head may ask a tail for (its live nodes)
 
 
@@ -115,6 +119,7 @@ class Sampling:
     top_k: int = 0
     top_p: float = 1.0
     seed: int = 0
+    repetition_penalty: float = 1.0  # generate()'s: tokens already in the context made less likely
 
 
 @dataclass(frozen=True)
@@ -231,9 +236,9 @@ def _encode(msg: Message) -> bytes:
             frame_depths(msg.parents, msg.first_id)
         s = msg.sampling
         fixed = FORWARD_FIXED.pack(msg.tree, msg.start_pos, len(msg.tokens), msg.first_id, msg.dtype,
-                                   msg.hidden_size, s.temperature, s.top_k, s.top_p, s.seed)
-        _, _, _, _, _, _, temp, _, top_p, _ = FORWARD_FIXED.unpack(fixed)  # as the peer will read them
-        _check_sampling(temp, top_p)
+                                   msg.hidden_size, s.temperature, s.top_k, s.top_p, s.seed, s.repetition_penalty)
+        _, _, _, _, _, _, temp, _, top_p, _, penalty = FORWARD_FIXED.unpack(fixed)  # as the peer will read them
+        _check_sampling(temp, top_p, penalty)
         parents = _pack("I", msg.parents, "parents") if msg.verify else b""
         body = b"".join((fixed, _pack("i", msg.tokens, "tokens"), parents, msg.hidden))
         flags = FLAG_VERDICT if msg.verify else 0
@@ -263,9 +268,12 @@ def _check_forward(n_tokens: int, hidden_size: int, tree: bool, first_id: int) -
         raise WireError(f"FORWARD hidden size {hidden_size} out of range")
 
 
-def _check_sampling(temperature: float, top_p: float) -> None:
+def _check_sampling(temperature: float, top_p: float, penalty: float) -> None:
     if not (0.0 <= temperature < float("inf") and 0.0 < top_p <= 1.0):  # also refuses NaN
         raise WireError("FORWARD sampling parameters out of range")
+    lo, hi = REPETITION_PENALTY
+    if not lo <= penalty <= hi:
+        raise WireError(f"FORWARD repetition penalty {penalty!r} is not between {lo:g} and {hi:g}")
 
 
 def decode(frame: bytes) -> Message:
@@ -309,7 +317,7 @@ def _decode_control(mtype: MsgType, rnd: int, body: memoryview) -> Control:
 def _decode_forward(flags: int, rnd: int, body: memoryview) -> Forward:
     if len(body) < FORWARD_FIXED.size:
         raise WireError("FORWARD body too short")
-    tree_id, start, n_tok, first_id, dt, hsize, temp, top_k, top_p, seed = FORWARD_FIXED.unpack_from(body)
+    tree_id, start, n_tok, first_id, dt, hsize, temp, top_k, top_p, seed, penalty = FORWARD_FIXED.unpack_from(body)
     tree = bool(flags & FLAG_VERDICT)
     _check_forward(n_tok, hsize, tree, first_id)
     try:
@@ -319,7 +327,7 @@ def _decode_forward(flags: int, rnd: int, body: memoryview) -> Forward:
     sizes = (4 * n_tok, 4 * n_tok if tree else 0, n_tok * hsize * dtype.itemsize)
     if FORWARD_FIXED.size + sum(sizes) != len(body):
         raise WireError("FORWARD body length does not match its header")
-    _check_sampling(temp, top_p)
+    _check_sampling(temp, top_p, penalty)
     off, parts = FORWARD_FIXED.size, []
     for size in sizes:
         parts.append(bytes(body[off:off + size]))
@@ -329,7 +337,7 @@ def _decode_forward(flags: int, rnd: int, body: memoryview) -> Forward:
         frame_depths(parents, first_id)
     return Forward(round=rnd, tree=tree_id, start_pos=start, tokens=struct.unpack(f"<{n_tok}i", parts[0]),
                    hidden=parts[2], dtype=dtype, hidden_size=hsize, parents=parents, first_id=first_id,
-                   sampling=Sampling(temp, top_k, top_p, seed))
+                   sampling=Sampling(temp, top_k, top_p, seed, penalty))
 
 
 def _decode_verdict(rnd: int, body: memoryview) -> Verdict:

@@ -305,7 +305,7 @@ def build_app(generator: GenerationThread, metrics: ServerMetrics, options: Serv
 
         job = Job(ids, req.max_tokens or min(s.max_new_tokens, info.max_context),
                   req.temperature, req.top_k, req.top_p, req.seed, req.stop, deliver,
-                  client=request.client.host if request.client else "")
+                  repetition_penalty=req.repetition_penalty, client=request.client.host if request.client else "")
         try:
             generator.submit(job)
         except QueueFull:

@@ -78,6 +78,7 @@ class Job:
     seed: int | None
     stops: tuple[str, ...]
     deliver: Callable[[tuple], None]
+    repetition_penalty: float | None = None  # None: the head's setting, else the model's default
     client: str = ""  # who asks (an address): only its own conversation's KV cache is reused
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.perf_counter)
@@ -220,7 +221,7 @@ class GenerationThread(CudaThread):
             self.cache_client = job.client
         queued_s = time.perf_counter() - job.submitted
         stops = StopMatcher(job.stops)
-        sampling = session.sampling(job.temperature, job.top_k, job.top_p, job.seed)
+        sampling = session.sampling(job.temperature, job.top_k, job.top_p, job.seed, job.repetition_penalty)
         tokens: list[int] = []
         started = final = None
         for ev in session.reply(job.prompt_ids, job.max_tokens, sampling,

@@ -30,6 +30,8 @@ import math
 import os
 from dataclasses import dataclass
 
+from sfchat.protocol.wire import REPETITION_PENALTY
+
 ROLES = {"system", "developer", "user", "assistant"}
 MAX_STOPS = 4
 MAX_STOP_CHARS = 256
@@ -70,6 +72,7 @@ class ChatRequest:
     temperature: float | None = None  # None: the server's --temperature, else the model's own default
     top_p: float | None = None
     top_k: int | None = None  # an extension (vLLM has it too)
+    repetition_penalty: float | None = None  # an extension, as vLLM takes it (generate()'s, not OpenAI's penalties)
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stream: bool = False
@@ -93,7 +96,7 @@ NEUTRAL = {
     "metadata": lambda v: isinstance(v, dict) and len(v) <= 16,
     "service_tier": lambda v: isinstance(v, str) and len(v) <= 32,
 }
-HONOURED = {"messages", "model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed",
+HONOURED = {"messages", "model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "repetition_penalty", "seed",
             "stop", "stream", "stream_options"}
 
 
@@ -210,7 +213,8 @@ def parse_chat_request(raw: bytes, limits: Limits = Limits()) -> ChatRequest:
         messages=_messages(body.get("messages"), limits), model=model,
         max_tokens=max_completion if max_completion is not None else max_tokens,
         temperature=_number(body, "temperature", 0.0, 2.0), top_p=_number(body, "top_p", 0.0, 1.0, lo_open=True),
-        top_k=_integer(body, "top_k", 0, 1 << 20), seed=_integer(body, "seed", -(1 << 63), (1 << 64) - 1),
+        top_k=_integer(body, "top_k", 0, 1 << 20),
+        repetition_penalty=_number(body, "repetition_penalty", *REPETITION_PENALTY), seed=_integer(body, "seed", -(1 << 63), (1 << 64) - 1),
         stop=_stops(body.get("stop")), stream=bool(stream), include_usage=include_usage)
 
 

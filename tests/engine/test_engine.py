@@ -21,14 +21,14 @@ N_NEW = 32
 _reference_cache: dict = {}
 
 
-def reference(path, ids, n, eos=None):
+def reference(path, ids, n, eos=None, repetition_penalty=1.0):
     """The whole target model's greedy generate() continuation."""
-    key = (str(path), tuple(ids), n, eos)
+    key = (str(path), tuple(ids), n, eos, repetition_penalty)
     if key not in _reference_cache:
         model = AutoModelForCausalLM.from_pretrained(path).eval()
         out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False,
                              eos_token_id=eos if eos is not None else model.generation_config.eos_token_id,
-                             pad_token_id=0)
+                             pad_token_id=0, repetition_penalty=repetition_penalty)
         _reference_cache[key] = out[0, len(ids):].tolist()
     return _reference_cache[key]
 

@@ -3,6 +3,8 @@ the tree or the draft; verdicts of frames the head left behind are never applied
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from sfchat.config import Settings
@@ -20,7 +22,7 @@ TARGET = "qwen2-untied"
 
 
 def in_flight(zoo, m: int, draft=TARGET, budget=0, link=None, ahead=0) -> Head:
-    s = Settings(model=str(zoo[TARGET]), draft=str(zoo[draft]), k=K, tree_budget=budget, device="cpu",
+    s = Settings(model=str(zoo[TARGET]), draft="none" if draft == "none" else str(zoo[draft]), k=K, tree_budget=budget, device="cpu",
                  max_in_flight=m, draft_ahead=ahead)
     session = Head.open(s, link=link or Pipelined(), policy=Always(m))
     session.eos = set()  # replies run their whole length: frames enough to compare
@@ -56,6 +58,29 @@ def test_greedy_replies_in_flight_equal_generate(zoo, draft, budget, m):
     again = ids + list(fin.token_ids) + session.encode([{"role": "user", "content": "and then?"}])[-6:]
     fin2 = finished(session, again, 20)
     assert list(fin2.token_ids) == reference(zoo[TARGET], again, 20, eos=-1)
+
+
+@pytest.mark.parametrize("draft, budget, m", [
+    ("none", 0, 1),  # no draft: one token per round
+    (TARGET, 0, 1),  # chains
+    ("draft", 8, 1),  # trees
+    ("draft", 0, 3),  # frames in flight, most of their nodes dead
+    (TARGET, 8, 3),  # trees in flight below nodes still in flight
+])
+def test_greedy_replies_with_a_repetition_penalty_equal_generate(zoo, draft, budget, m):
+    """Each row's penalty comes from its own path (the tail's committed context, the row's ancestors
+    in its frame, itself): the reply is generate(do_sample=False, repetition_penalty=) token for
+    token, in a follow-up turn over the same cache too."""
+    session = in_flight(zoo, m, draft, budget)
+    ids = session.encode(PROMPT)
+    s = Sampling(repetition_penalty=2.0)
+    fin = finished(session, ids, 40, s)
+    ref = reference(zoo[TARGET], ids, 40, eos=-1, repetition_penalty=2.0)
+    assert ref != reference(zoo[TARGET], ids, 40, eos=-1)  # the penalty changes the reply
+    assert list(fin.token_ids) == ref
+    again = ids + list(fin.token_ids) + session.encode([{"role": "user", "content": "and then?"}])[-6:]
+    fin2 = finished(session, again, 20, replace(s, repetition_penalty=0.5))
+    assert list(fin2.token_ids) == reference(zoo[TARGET], again, 20, eos=-1, repetition_penalty=0.5)
 
 
 def test_sampled_replies_are_the_same_whatever_the_draft_tree_and_frames_in_flight(zoo):
@@ -176,7 +201,7 @@ def test_the_policys_schedules_switching_mid_reply_change_no_token(zoo, draft, m
     monkeypatch.setattr(pol, "TRIAL_VERDICTS", 2)
     monkeypatch.setattr(pol, "REVISIT_MS", 0.0)
     monkeypatch.setattr(pol, "SETTLE", 0)
-    s = Settings(model=str(zoo[TARGET]), draft=str(zoo[draft]), k=K, tree_budget=8, device="cpu", max_in_flight=4)
+    s = Settings(model=str(zoo[TARGET]), draft="none" if draft == "none" else str(zoo[draft]), k=K, tree_budget=8, device="cpu", max_in_flight=4)
     policy = pol.PipelinePolicy(4, schedules=(pol.Schedule("stream", pol.STREAM_STEPS, 3), pol.ROUND))
     session = Head.open(s, link=Pipelined(), policy=policy)
     session.eos = set()

@@ -1,5 +1,6 @@
 """sfchat.engine.sampling: warp parity with transformers (scalar settings and graph-ready knobs),
-the race that draws from it, and the target's picks at the nodes of a tree.
+the race that draws from it, the repetition penalty from each row's own context, and the
+target's picks at the nodes of a tree.
 
 The sampled picks are tested as draws: distributed as ``warp`` (chi-square), the same for the
 same (seed, position) whatever the other rows hold, independent across positions.
@@ -11,10 +12,11 @@ from dataclasses import replace
 import pytest
 import torch
 from scipy.stats import chisquare
-from transformers import (LlamaConfig, LlamaForCausalLM, LogitsProcessorList,
+from transformers import (LlamaConfig, LlamaForCausalLM, LogitsProcessorList, RepetitionPenaltyLogitsProcessor,
                           TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 
-from sfchat.engine.sampling import Knobs, exponentials, picks, race, round_generator, round_seed, warp
+from sfchat.engine.sampling import (Knobs, Seen, exponentials, penalize, picks, race, round_generator, round_seed,
+                                    warp)
 from sfchat.protocol.wire import Sampling
 
 ALPHA = 1e-3  # chi-square significance; every draw is seeded, so a pass is stable
@@ -123,3 +125,45 @@ def test_round_generator_reproducible_and_independent():
     assert draw(3, 17, "verify") != draw(4, 17, "verify")
     assert draw(3, 17, "draft") != draw(3, 17, "verify")
     assert 0 <= round_seed(-1, 2**40, "draft") < 2**64
+
+
+# -- the repetition penalty -----------------------------------------------------------------------
+@pytest.mark.parametrize("penalty", [1.3, 0.7, 10.0])
+def test_the_penalty_per_row_equals_transformers_processor_on_each_rows_context(penalty):
+    """Rows below one context, each with its own path: ``Seen.rows`` then ``penalize`` give, bit for
+    bit, RepetitionPenaltyLogitsProcessor on the row's whole sequence; ids outside the vocabulary
+    (context or path) are ignored as generate() ignores them; the counts follow the context as it
+    grows, is cut back and grows again."""
+    g = torch.Generator().manual_seed(3)
+    vocab = 40
+    seen = Seen(vocab, "cpu")
+    contexts = [[1, 2, 2, 7, 45], [1, 2, 2, 7, 45, 9, 3], [1, 2, 5], [], [1, 2, 5, 39, 39, 0]]
+    for context in contexts:
+        seen.sync(context)
+        paths = [[4], [4, 2], [4, 2, 11], [38, -3, 12, 50]]
+        logits = torch.randn(len(paths), vocab, generator=g) * 3
+        logits[:, 2] = 0.0
+        got = penalize(logits, seen.rows(paths), penalty)
+        for row, path in enumerate(paths):
+            ids = torch.tensor([[t for t in context + path if t >= 0]])
+            want = RepetitionPenaltyLogitsProcessor(penalty)(ids, logits[row:row + 1].clone())
+            assert torch.equal(got[row:row + 1], want), (context, path)
+    assert torch.equal(seen.counts[:vocab], torch.bincount(torch.tensor(contexts[-1]), minlength=vocab).int())
+    assert penalize(logits, None, 1.0) is logits
+    with pytest.raises(ValueError, match="context"):
+        penalize(logits, None, 1.2)
+
+
+def test_picks_apply_the_penalty_before_the_warpers_greedy_and_sampled():
+    """Greedy: the penalised argmax; sampled: the same draws as picks over logits that the
+    processor penalised first (generate()'s order: the penalty, then temperature, top-k, top-p)."""
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(3, 30, generator=g) * 2
+    present = torch.zeros(3, 30, dtype=torch.bool)
+    present[:, logits[0].argmax()] = True  # the greedy pick of row 0 is in every row's context
+    s = Sampling(0.8, 5, 0.9, seed=7, repetition_penalty=3.0)
+    penalised = torch.where(present, torch.where(logits < 0, logits * 3.0, logits / 3.0), logits)
+    assert torch.equal(picks(logits, [5, 6, 6], replace(s, temperature=0.0), present), penalised.argmax(-1))
+    assert picks(logits, [5, 6, 6], replace(s, temperature=0.0), present)[0] != logits[0].argmax()
+    assert torch.equal(picks(logits, [5, 6, 6], s, present),
+                       picks(penalised, [5, 6, 6], replace(s, repetition_penalty=1.0)))

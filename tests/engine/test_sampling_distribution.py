@@ -1,8 +1,9 @@
 """Lossless sampling, the distribution: what the engine samples is what generate() samples.
 
 The first tokens of many seeded speculative replies (a draft that really differs from the
-target, K=3, temperature, top-k and top-p all active: the target model's own defaults, from its
-generation_config.json, which generate() takes too) are tested against the exact distribution
+target, K=3, a repetition penalty, temperature, top-k and top-p all active: the target model's
+own defaults, from its generation_config.json, which generate() takes too; the penalty of each
+node comes from its own path, in chains, trees and frames in flight) are tested against the exact distribution
 that ``generate(do_sample=True)`` samples from (the target's logits through transformers' own
 warpers, expanded over every prefix) by chi-square goodness-of-fit tests. A large
 ``generate()`` sample passes the same tests; samples of the same size from slightly wrong
@@ -89,6 +90,8 @@ def test_speculative_sampling_is_distributed_as_generate(models, prompt_ids, exa
         "temperature 1.0": (models["target"], replace(SAMPLING, temperature=1.0)),
         "temperature 0.9": (models["target"], replace(SAMPLING, temperature=0.9)),
         "top-p ignored": (models["target"], replace(SAMPLING, top_p=1.0)),
+        "the repetition penalty ignored": (models["target"], replace(SAMPLING, repetition_penalty=1.0)),
+        "the penalty of 1.2": (models["target"], replace(SAMPLING, repetition_penalty=1.2)),
         "the draft's own distribution": (models["draft"], SAMPLING),  # as if every draft were accepted
     }
     for i, (name, (path, s)) in enumerate(wrong.items()):

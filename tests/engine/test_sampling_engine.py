@@ -60,7 +60,7 @@ def test_seeded_replies_are_reproducible(models, prompt_ids):
 
 
 # -- the CLI --------------------------------------------------------------------------------------
-CLI_SAMPLING = Sampling(temperature=0.7, top_k=20, top_p=0.9)
+CLI_SAMPLING = Sampling(temperature=0.7, top_k=20, top_p=0.9, repetition_penalty=2.0)
 CLI_NEW = 16
 
 
@@ -79,7 +79,8 @@ def cli_runs(models, tmp_path_factory):
     s = CLI_SAMPLING
     args = [sys.executable, "-m", "sfchat.cli", "--model", str(models["target"]), "--draft", str(models["draft"]),
             "--k", str(K), "--device", "cpu", "--prompt", PROMPT[0]["content"], "--max-new-tokens", str(CLI_NEW),
-            "--temperature", str(s.temperature), "--top-k", str(s.top_k), "--top-p", str(s.top_p), "--json"]
+            "--temperature", str(s.temperature), "--top-k", str(s.top_k), "--top-p", str(s.top_p),
+            "--repetition-penalty", str(s.repetition_penalty), "--json"]
 
     def run(seed, flags=args):
         return subprocess.run(flags + ["--seed", str(seed)], cwd=home, env=env, capture_output=True, text=True,
@@ -109,20 +110,25 @@ def test_cli_sampling_flags_and_seed(models, prompt_ids, cli_runs):
     assert token_ids[3] != token_ids[4]
     # and every flag reached the sampler: changing any one of them changes the reply
     s = replace(CLI_SAMPLING, seed=3)
-    for changed in (replace(s, temperature=1.5), replace(s, top_k=2), replace(s, top_p=0.5), replace(s, seed=0)):
+    for changed in (replace(s, temperature=1.5), replace(s, top_k=2), replace(s, top_p=0.5), replace(s, seed=0),
+                    replace(s, repetition_penalty=1.0)):
         assert here(changed) != token_ids[3], changed
 
 
 def test_without_sampling_flags_the_cli_samples_with_the_models_defaults_and_temperature_0_is_greedy(
         models, prompt_ids, cli_runs):
     """The sampling models' generation_config.json asks for SAMPLING: with no flag the CLI draws
-    what those settings draw; --temperature 0 overrides them and is greedy generate()."""
+    what those settings draw; --temperature 0 overrides them and is greedy generate(), with the
+    model's repetition penalty as generate() applies it to greedy decoding too."""
     session = load(models)
     own, greedy = (cli_runs[name].result() for name in ("own", "greedy"))
     assert own.returncode == 0 and greedy.returncode == 0, own.stderr + greedy.stderr
     assert json.loads(own.stdout)["token_ids"] == list(reply(session, prompt_ids, CLI_NEW,
                                                              replace(SAMPLING, seed=5)).token_ids)
-    assert json.loads(greedy.stdout)["token_ids"] == greedy_generate(models, prompt_ids, CLI_NEW)
+    assert json.loads(greedy.stdout)["token_ids"] == greedy_generate(models, prompt_ids, CLI_NEW,
+                                                                     SAMPLING.repetition_penalty)
+    assert greedy_generate(models, prompt_ids, CLI_NEW, SAMPLING.repetition_penalty) != \
+        greedy_generate(models, prompt_ids, CLI_NEW)  # the penalty changed the greedy reply
 
 
 # -- frames on the wire ---------------------------------------------------------------------------
@@ -181,9 +187,9 @@ def test_sampled_frames_carry_their_settings_and_the_tail_draws_per_position(mod
     drawn = []
     picks = tail_module.sampling.picks
 
-    def spy(logits, positions, s):
+    def spy(logits, positions, s, seen=None):
         drawn.append((list(positions), s))
-        return picks(logits, positions, s)
+        return picks(logits, positions, s, seen)
 
     monkeypatch.setattr(tail_module.sampling, "picks", spy)
     session, log = logged(models)

@@ -103,8 +103,10 @@ class Fuzzer:
         top_p = rng.choice([1.0, 1.0, 0.9, 0.5, 1e-9]) if rng.random() < 0.95 else rng.choice(BAD_FLOATS)
         top_k = rng.choice([0, 0, 1, 5, 2 ** 32 - 1])
         seed = rng.getrandbits(64)
+        penalty = rng.choice([1.0, 1.0, 1.3, 0.5, 10.0]) if rng.random() < 0.95 else rng.choice(BAD_FLOATS + [0.0, 11.0])
         try:
-            fixed = FORWARD_FIXED.pack(tree_id, start, max(n, 0), first, dtype, max(hsize, 0), temp, top_k, top_p, seed)
+            fixed = FORWARD_FIXED.pack(tree_id, start, max(n, 0), first, dtype, max(hsize, 0), temp, top_k, top_p, seed,
+                                       penalty)
         except struct.error:
             return self.other_frame()
         pick = v.frontier[1] if v.frontier is not None else 0

@@ -22,14 +22,19 @@ def raw(data) -> bytes:
     return json.dumps(data).encode()
 
 
-def test_a_chat_models_sampling_is_taken_and_its_repetition_penalty_is_not():
-    assert parse(raw(QWEN)) == ({"temperature": 0.7, "top_p": 0.8, "top_k": 20}, ())
+def test_a_chat_models_sampling_and_repetition_penalty_are_taken():
+    assert parse(raw(QWEN)) == ({"temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05}, ())
 
 
 @pytest.mark.parametrize("data", [{"bos_token_id": 1, "eos_token_id": 2}, {"do_sample": False, "temperature": 0.7},
                                   {"do_sample": "yes", "temperature": 0.7}])
 def test_without_do_sample_the_model_asks_for_greedy_as_generate_does(data):
     assert parse(raw(data)) == ({"temperature": 0.0}, ())
+
+
+def test_greedy_keeps_the_repetition_penalty_as_generate_does():
+    assert parse(raw({"do_sample": False, "temperature": 0.7, "repetition_penalty": 1.2})) == \
+        ({"temperature": 0.0, "repetition_penalty": 1.2}, ())
 
 
 @pytest.mark.parametrize("key, value, wanted", [
@@ -39,10 +44,13 @@ def test_without_do_sample_the_model_asks_for_greedy_as_generate_does(data):
     ("top_k", 20.0, "top_k must be a whole number between 0 and 1048576, not 20.0"),
     ("top_p", 0, "top_p must be a number above 0 and at most 1, not 0.0"),
     ("top_p", 1e309, "top_p must be a number above 0 and at most 1, not inf"),
+    ("repetition_penalty", 0.001, "repetition_penalty must be a number between 0.01 and 10, not 0.001"),
+    ("repetition_penalty", 11, "repetition_penalty must be a number between 0.01 and 10, not 11.0"),
+    ("repetition_penalty", "1.1", "repetition_penalty must be a number between 0.01 and 10, not '1.1'"),
 ])
 def test_a_value_out_of_bounds_is_left_out_and_said_so(key, value, wanted):
     values, notes = parse(raw(QWEN | {key: value}), "m")
-    assert key not in values and len(values) == 2
+    assert key not in values and len(values) == 3
     assert notes == (f"generation_config.json of m: {wanted}; left out",)
 
 
@@ -62,16 +70,18 @@ def test_the_head_takes_the_models_defaults_and_every_setting_overrides_them(zoo
     shutil.copytree(zoo["llama-tied"], model)
     (model / "generation_config.json").write_text(json.dumps(QWEN | {"top_k": "many"}))
     src = ModelSource.open(str(model))
-    assert generation_defaults(src).values == {"temperature": 0.7, "top_p": 0.8}
+    assert generation_defaults(src).values == {"temperature": 0.7, "top_p": 0.8, "repetition_penalty": 1.05}
     head = Head.open(Settings(model=str(model), draft="none", device="cpu"))
     try:
         assert head.defaults.notes and "top_k" in head.defaults.notes[0]
-        assert head.sampling(seed=1) == Sampling(0.7, 0, 0.8, 1)
-        assert head.sampling(0.0, seed=1) == Sampling(0.0, 0, 0.8, 1)  # a request's own value wins
+        assert head.sampling(seed=1) == Sampling(0.7, 0, 0.8, 1, 1.05)
+        assert head.sampling(0.0, seed=1) == Sampling(0.0, 0, 0.8, 1, 1.05)  # a request's own value wins
+        assert head.sampling(seed=1, repetition_penalty=1.0) == Sampling(0.7, 0, 0.8, 1)
     finally:
         head.close()
-    head = Head.open(Settings(model=str(model), draft="none", device="cpu", temperature=0.0, top_k=3, seed=9))
+    head = Head.open(Settings(model=str(model), draft="none", device="cpu", temperature=0.0, top_k=3, seed=9,
+                              repetition_penalty=1.3))
     try:
-        assert head.sampling() == Sampling(0.0, 3, 0.8, 9)  # flags or the config file win
+        assert head.sampling() == Sampling(0.0, 3, 0.8, 9, 1.3)  # flags or the config file win
     finally:
         head.close()

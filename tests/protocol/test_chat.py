@@ -93,7 +93,12 @@ def test_a_screen_that_sets_no_sampling_leaves_it_to_the_head():
     """The head samples with its flags, else the model's own defaults: a chat screen without
     sampling flags must not send greedy settings of its own (it sent temperature 0 always)."""
     params = chat.decode(chat.encode(chat.Submit(1, 1, (("user", "hi"),), chat.Params.of({"max_new_tokens": 8})))).params
-    assert (params.temperature, params.top_k, params.top_p) == (None, None, None)
+    assert (params.temperature, params.top_k, params.top_p, params.repetition_penalty) == (None, None, None, None)
+
+
+def test_a_screens_repetition_penalty_reaches_the_head():
+    sent = chat.Params.of({"max_new_tokens": 8, "repetition_penalty": 1.2})
+    assert chat.decode(chat.encode(chat.Submit(1, 1, (("user", "hi"),), sent))).params.repetition_penalty == 1.2
 
 
 def frame(kind: chat.ChatType, body: dict | bytes, version: int = chat.CHAT_VERSION, magic: bytes = chat.MAGIC) -> bytes:
@@ -133,6 +138,9 @@ BAD_FIELDS = [
                    ("params", {"max_new_tokens": 5, "temperature": 3, "top_k": 0, "top_p": 1}),
                    ("params", {"max_new_tokens": 5, "temperature": 0, "top_k": 0, "top_p": 0}),
                    ("params", {"max_new_tokens": 5, "temperature": 0, "top_k": 0, "top_p": 1, "seed": 1.5}),
+                   ("params", {"max_new_tokens": 5, "repetition_penalty": 0}),
+                   ("params", {"max_new_tokens": 5, "repetition_penalty": 10.5}),
+                   ("params", {"max_new_tokens": 5, "repetition_penalty": "1.1"}),
                    ("params", [])]),
     (chat.GiveCode(4, "code"), [("code", "x" * (chat.MAX_CODE + 1)), ("code", None)]),
     (chat.Welcome(HOST, True, 7, 3), [("resumed", 1), ("host", ""), ("taken", -2)]),

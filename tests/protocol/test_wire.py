@@ -29,8 +29,9 @@ def frame(mtype: int, body: bytes, *, version: int = PROTOCOL_VERSION, flags: in
 
 
 def forward_body(n_tok: int, hsize: int, *, tree: bool = False, first_id: int = 0, dtype: int = DType.FLOAT32,
-                 temp: float = 0.0, top_p: float = 1.0, hidden_bytes_: int | None = None, parents=None) -> bytes:
-    fixed = FORWARD_FIXED.pack(1, 0, n_tok, first_id, dtype, hsize, temp, 0, top_p, 0)
+                 temp: float = 0.0, top_p: float = 1.0, hidden_bytes_: int | None = None, parents=None,
+                 penalty: float = 1.0) -> bytes:
+    fixed = FORWARD_FIXED.pack(1, 0, n_tok, first_id, dtype, hsize, temp, 0, top_p, 0, penalty)
     hidden = bytes(n_tok * hsize * 4 if hidden_bytes_ is None else hidden_bytes_)
     ids = struct.pack(f"<{n_tok}i", *range(n_tok))
     parents = struct.pack(f"<{n_tok}I", *(parents or [0] * n_tok)) if tree else b""
@@ -87,7 +88,8 @@ def forwards(draw):
         hidden=draw(st.binary(min_size=n * h * dtype.itemsize, max_size=n * h * dtype.itemsize)),
         dtype=dtype, hidden_size=h, parents=parents, first_id=first,
         sampling=Sampling(draw(f32.filter(lambda x: x >= 0)), draw(u32),
-                          draw(f32.filter(lambda x: 0 < x <= 1)), draw(st.integers(0, 2**64 - 1))),
+                          draw(f32.filter(lambda x: 0 < x <= 1)), draw(st.integers(0, 2**64 - 1)),
+                          draw(st.floats(*wire.REPETITION_PENALTY))),
     )
 
 
@@ -227,6 +229,10 @@ DECODE_REJECTIONS = [
     (frame(MsgType.FORWARD, forward_body(2, 4, temp=float("nan"))), "sampling parameters out of range"),
     (frame(MsgType.FORWARD, forward_body(2, 4, temp=-1.0)), "sampling parameters out of range"),
     (frame(MsgType.FORWARD, forward_body(2, 4, top_p=0.0)), "sampling parameters out of range"),
+    (frame(MsgType.FORWARD, forward_body(2, 4, penalty=0.0)), "repetition penalty 0.0 is not between 0.01 and 10"),
+    (frame(MsgType.FORWARD, forward_body(2, 4, penalty=10.5)), "repetition penalty 10.5 is not between 0.01 and 10"),
+    (frame(MsgType.FORWARD, forward_body(2, 4, penalty=float("nan"))), "repetition penalty nan is not between"),
+    (frame(MsgType.FORWARD, forward_body(2, 4), version=4), r"protocol version 4 is not supported \(this side speaks 5\)"),
     (frame(MsgType.FORWARD, b"\x00" * (FORWARD_FIXED.size - 1)), "FORWARD body too short"),
     (frame(MsgType.VERDICT, VERDICT_FIXED.pack(0, 2, 0) + struct.pack("<2H2i", 0, 1, 1, 2)[:-1]), "VERDICT body length"),
     (frame(MsgType.VERDICT, VERDICT_FIXED.pack(0, wire.MAX_DEPTH + 1, 0)), f"path of {wire.MAX_DEPTH + 1} nodes"),
@@ -266,6 +272,8 @@ ENCODE_REFUSALS = [
     (Forward(1, 1, 0, (1, 2), H4, DType.FLOAT32, 4, sampling=Sampling(temperature=-0.5)), "sampling"),
     (Forward(1, 1, 0, (1, 2), H4, DType.FLOAT32, 4, sampling=Sampling(top_p=0.0)), "sampling"),
     (Forward(1, 1, 0, (1, 2), H4, DType.FLOAT32, 4, sampling=Sampling(top_k=-1)), "cannot encode"),
+    (Forward(1, 1, 0, (1, 2), H4, DType.FLOAT32, 4, sampling=Sampling(repetition_penalty=0.0)), "repetition penalty"),
+    (Forward(1, 1, 0, (1, 2), H4, DType.FLOAT32, 4, sampling=Sampling(repetition_penalty=1e300)), "repetition penalty"),
     (Forward(1, 1, 0, (1, 2), H4, DType.FLOAT32, 4, parents=(0,), first_id=1), "a tree frame of 2 nodes with 1 parents"),
     (tree([0, 1], first_id=0), "first node id is 0"),
     (tree([0, 2]), "node 2 names parent 2"),

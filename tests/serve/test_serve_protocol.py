@@ -26,8 +26,9 @@ def refusal(raw: bytes, limits: Limits = Limits(max_tokens=256)) -> ApiError:
 
 def test_a_full_request_is_read():
     req = parse(model="m", max_completion_tokens=7, max_tokens=99, temperature=0.5, top_p=0.9, top_k=3, seed=-1,
-                stop="END", stream=True, stream_options={"include_usage": True}, n=1, user="u")
+                stop="END", stream=True, stream_options={"include_usage": True}, n=1, user="u", repetition_penalty=1.1)
     assert (req.model, req.max_tokens, req.temperature, req.top_p, req.top_k, req.seed) == ("m", 7, 0.5, 0.9, 3, -1)
+    assert req.repetition_penalty == 1.1  # vLLM's extension, generate()'s penalty
     assert (req.stop, req.stream, req.include_usage) == (("END",), True, True)
     assert req.messages == ({"role": "user", "content": "hi"},)
 
@@ -49,6 +50,9 @@ def test_content_parts_and_developer_role():
     ({"temperature": 2.5}, "temperature"),
     ({"temperature": "hot"}, "temperature"),
     ({"top_p": 0}, "top_p"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"repetition_penalty": 10.5}, "repetition_penalty"),
+    ({"repetition_penalty": "1.1"}, "repetition_penalty"),
     ({"max_tokens": 0}, "max_tokens"),
     ({"max_tokens": 257}, "max_tokens"),
     ({"max_completion_tokens": True}, "max_completion_tokens"),
