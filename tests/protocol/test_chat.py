@@ -40,7 +40,7 @@ EVENTS = [LoadProgress("tail", "download", 3, 10, "model.safetensors"), READY, L
           chat_events.Finished("eos", None, 3, 40, 1, (0, 0, 1), 64, {k: 1.5 for k in chat_events.FIGURES})]
 MESSAGES = [chat.Attach("cd" * 16, HOST, 7), chat.Attach("cd" * 16, "", 0),
             chat.Welcome(HOST, True, 7, 3),
-            chat.Submit(1, 1, (("system", "be brief"), ("user", "hi <|im_end|>")), chat.Params(64, 0.7, 40, 0.9, 5)),
+            chat.Submit(1, 1, (("system", "be brief"), ("user", "hi <|im_end|>")), chat.Params(64, 0.7, 40, 0.9, 5, 1.1)),
             chat.Submit(2, 2, (("user", "hi"),), chat.Params.of({"max_new_tokens": 64})),  # sampling: the head's
             chat.Cancel(2, 1), chat.NewChat(3), chat.GiveCode(4, "7-crossover-clockwork"), chat.Ack(9),
             *[chat.Update(i + 1, i % 2, e) for i, e in enumerate(EVENTS)], *[chat.Update(99, 5, e) for e in EVENTS]]
