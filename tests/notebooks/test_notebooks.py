@@ -70,7 +70,9 @@ def listening(port: int) -> bool:
 @pytest.fixture
 def kernel_env(tmp_path, monkeypatch):
     """What the notebooks' kernels inherit: this checkout first on the path, no hub, one thread,
-    no SFCHAT_ settings of the machine running the tests; and the kernel itself, this Python."""
+    no SFCHAT_ settings of the machine running the tests, a state directory of the test's own (a
+    tail's resumption file: tests that run at once, each with its tail of session 'notebooks', would
+    overwrite each other's in the user's); and the kernel itself, this Python."""
     spec = tmp_path / "jupyter" / "kernels" / KERNEL
     spec.mkdir(parents=True)
     (spec / "kernel.json").write_text(json.dumps({"argv": [sys.executable, "-m", "ipykernel_launcher", "-f",
@@ -82,7 +84,8 @@ def kernel_env(tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]))
     for name, value in (("HF_HUB_OFFLINE", "1"), ("HF_HOME", str(tmp_path / "hf")), ("OMP_NUM_THREADS", "1"),
                         ("TOKENIZERS_PARALLELISM", "false"), ("XDG_DATA_HOME", str(tmp_path / "data")),
-                        ("XDG_CONFIG_HOME", str(tmp_path / "config"))):
+                        ("XDG_CONFIG_HOME", str(tmp_path / "config")), ("XDG_STATE_HOME", str(tmp_path / "state")),
+                        ("SFCHAT_STATE_DIR", str(tmp_path / "state" / "sfchat"))):
         monkeypatch.setenv(name, value)
 
 
