@@ -28,7 +28,7 @@ JSON_KEYS = {"text", "token_ids", "prompt_tokens", "rounds", "tokens_per_round",
 
 
 def cli_env(home: Path) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SFCHAT_")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SFCHAT_") or k == "SFCHAT_STATE_DIR"}
     env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", HF_HOME=str(home / "hf"),
                XDG_CONFIG_HOME=str(home / "config"), XDG_DATA_HOME=str(home / "data"),
                PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""))

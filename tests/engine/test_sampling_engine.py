@@ -72,7 +72,7 @@ def cli_runs(models, tmp_path_factory):
     the single-threaded tests in this process instead of adding to them.
     """
     home = tmp_path_factory.mktemp("cli-home")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SFCHAT_")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SFCHAT_") or k == "SFCHAT_STATE_DIR"}
     env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
                XDG_CONFIG_HOME=str(home / "config"), XDG_DATA_HOME=str(home / "data"),
                PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""))

@@ -21,7 +21,7 @@ from sfchat.link.probe import HINT, check_url, probe
 from sfchat.link.relay import RelayLink
 from test_relay_link import TOKEN, relay  # noqa: F401  (the relay fixture)
 
-ENV = {k: v for k, v in os.environ.items() if not k.startswith("SFCHAT_")}
+ENV = {k: v for k, v in os.environ.items() if not k.startswith("SFCHAT_") or k == "SFCHAT_STATE_DIR"}
 
 
 def closed_port() -> int:
