@@ -11,7 +11,7 @@ fresh sfchat):
 
 * head node: the draft (0.5B shapes, dense, graphed as ``Drafter.capture`` does, not compiled) and
   layers [0, L/2) with the embedding; the graphs ``loading.capture_graphs`` takes (the draft's
-  expansion step, the head over a 65-node frame seeing its scratch pool of ``--max-in-flight`` 8
+  expansion step, the head over a frame (``--tree-budget`` drafts and the root) seeing its scratch pool of ``--max-in-flight`` 8
   frames); the context fed in 512-token chunks as the head does (``--context``, default: all of
   ``--max-context``, so that the widest attention windows run); timed: one expansion step of the
   draft (a frame takes K=8 of them), the head over a frame;
@@ -51,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from transformers import AutoModelForCausalLM, Qwen2Config  # noqa: E402
 
-from sfchat.config import Settings  # noqa: E402
+from sfchat.config import AUTO_TREE_BUDGET, Settings  # noqa: E402
 from sfchat.engine import sampling  # noqa: E402
 from sfchat.engine.draft import CHILDREN, Drafter  # noqa: E402
 from sfchat.model import memory  # noqa: E402
@@ -72,7 +72,8 @@ QUANT = {"7B": "none", "32B": "nf4", "72B": "nf4", "tiny": "nf4"}
 # README's layout table: the longest --max-context of two notebooks (72B fits none: the default)
 PROMISED = {"7B": 32768, "32B": 19456, "72B": 4096, "tiny": 1024}
 DRAFT = {"0.5B": (896, 4864, 24, 14, 2, 151936), "tiny": (128, 256, 2, 4, 2, 512)}
-K, TREE = 8, 64
+K = 8
+TREE = int(os.environ.get("SFCHAT_BENCH_TREE", AUTO_TREE_BUDGET))  # --tree-budget, handed to the children so
 LAYOUT = frame_layout(Settings(k=K, tree_budget=TREE), K, cuda=True)  # the GPU default's frame and pools
 VERIFIES = [(LAYOUT.size, True)]  # the HELLO's frame shapes
 GREEDY = Sampling()
@@ -325,11 +326,16 @@ def main() -> None:
     ap.add_argument("--rtt", type=int, nargs="*", default=[86, 175])
     ap.add_argument("--tokens", type=float, default=5.42,
                     help="assumed tokens per verdict of a 64-draft frame (5.42: the SmolLM2 pair, bench/RESULTS.md)")
+    ap.add_argument("--tree-budget", type=int, default=None,
+                    help=f"drafts per frame (default: --tree-budget auto on a GPU, {AUTO_TREE_BUDGET})")
     ap.add_argument("--alloc-conf", default=None, help="PYTORCH_CUDA_ALLOC_CONF of the nodes' processes")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU: a check of the script")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--node", default=None, help=argparse.SUPPRESS)  # a child: one node's spec, as JSON
     args = ap.parse_args()
+    if args.tree_budget is not None and args.tree_budget != TREE:  # the frame is decided at import: run again
+        os.environ["SFCHAT_BENCH_TREE"] = str(args.tree_budget)
+        os.execv(sys.executable, [sys.executable, *sys.argv])
     if args.node:
         print(json.dumps(run_node(json.loads(args.node))))
         return

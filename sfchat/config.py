@@ -50,7 +50,11 @@ CPU_MODEL = "SmolLM2-135M-Instruct"  # built by ``sfchat-model smollm2`` on firs
 CPU_DRAFT = "none"
 MAX_K = 32
 AUTO_K = 8  # the draft's expansion steps per frame under --k auto (the reference pair's K)
-AUTO_TREE_BUDGET = 64  # drafts per frame under --tree-budget auto on a GPU (7 KiB per node at 7B: 455 KiB)
+# drafts per frame under --tree-budget auto on a GPU (7 KiB per node at 7B: 448 KiB). With the root a
+# frame is 64 rows: bitsandbytes' fused 4-bit GEMM serves 2-64 rows (past 64 it dequantises each NF4
+# weight to 16 bits and multiplies), so a 65th row made an NF4 frame ~10 % dearer on an H100 and would
+# send most of a 32B layer's linears off the fused kernel on a T4 (bench/RESULTS.md, 2026-12-06).
+AUTO_TREE_BUDGET = 63
 MAX_IN_FLIGHT = 16
 MAX_DRAFT_AHEAD = 64
 MAX_CONTEXT = 1 << 20  # tokens; the model's own window caps it further

@@ -137,3 +137,14 @@ def test_plain_sfchat_on_a_cpu_builds_the_default_model_once_and_answers(smollm2
     second = subprocess.run(args, capture_output=True, text=True, timeout=600, env=env)
     assert second.returncode == 0, second.stderr
     assert "building" not in second.stderr and json.loads(second.stdout)["text"] == out["text"]
+
+
+def test_the_gpu_default_frame_is_64_rows_the_fused_4bit_gemms_range():
+    """Under --tree-budget auto on a GPU a frame is verified as 64 rows (63 drafts and the root):
+    bitsandbytes' fused 4-bit GEMM takes 2-64 rows, and a 65th row sent an NF4 frame's linears to
+    dequantise-and-multiply (a 32B frame 42.3 -> 38.5 ms on an H100: bench/RESULTS.md)."""
+    from sfchat.node.loading import frame_layout
+
+    layout = frame_layout(Settings(k=8), 8, cuda=True)
+    assert (layout.size, str(layout)) == (64, "tree 63")
+    assert frame_layout(Settings(k=8), 8, cuda=False).size == 9  # a chain of K on a CPU

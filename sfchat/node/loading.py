@@ -149,8 +149,8 @@ class FrameLayout:
 
 
 def frame_layout(s: Settings, k: int, cuda: bool, ahead: int = 0, local: bool = False) -> FrameLayout:
-    """The frame of these settings: ``--tree-budget`` drafts per frame (on a GPU, 64 under auto: a
-    frame's cost is nearly flat in its nodes there; on a CPU a chain), ``--k`` expansion steps,
+    """The frame of these settings: ``--tree-budget`` drafts per frame (on a GPU, 63 under auto: a
+    frame's cost is nearly flat in its nodes there up to 64 rows; on a CPU a chain), ``--k`` expansion steps,
     up to ``--max-in-flight`` frames in flight (one in ``local`` mode, whose tail computes while
     the head waits), ``ahead`` steps more while a verdict travels."""
     if not k:
