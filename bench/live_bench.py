@@ -60,8 +60,9 @@ from harness import QWEN25_05B, QWEN25_7B, TINY_DRAFT, TINY_TARGET, head_link, r
 from sfchat.engine.draft import WIDTH, Drafter  # noqa: E402
 from sfchat.engine.policy import ROUND, STREAM, PipelinePolicy, Schedule  # noqa: E402
 from sfchat.engine.speculator import Speculator  # noqa: E402
+from sfchat.model.decoder import n_layers  # noqa: E402
 from sfchat.model.devices import DTYPE_NAMES, DTYPES  # noqa: E402
-from sfchat.model.slices import ModelSlice, n_layers  # noqa: E402
+from sfchat.model.slices import ModelSlice  # noqa: E402
 from sfchat.model.source import ModelSource  # noqa: E402
 from sfchat.node.driver import RoundDriver  # noqa: E402
 from sfchat.protocol.handshake import Hello  # noqa: E402

@@ -50,8 +50,9 @@ from sfchat.protocol.handshake import Hello, Ready
 from sfchat.protocol.messages import Failure, Progress
 from sfchat.engine import sampling
 from sfchat.engine.scratch import Scratch
+from sfchat.model.decoder import n_layers
 from sfchat.model.memory import check_graphs
-from sfchat.model.slices import ModelSlice, n_layers
+from sfchat.model.slices import ModelSlice
 from sfchat.model.devices import DTYPE_NAMES, DTYPES
 
 UNEXPECTED = "the tail failed on this frame"

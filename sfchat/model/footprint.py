@@ -5,7 +5,7 @@ Contract
 Every figure is in bytes and computed from the config alone, before anything is loaded.
 
 ``slice_needs(config, lo, hi, embed=..., head=..., dtype=..., quant=..., max_len=..., devices=...,
-verifies=..., graphs=...)`` is, per segment of ``ModelSlice`` (the same ``slices.segment_runs``
+verifies=..., graphs=...)`` is, per segment of ``ModelSlice`` (the same ``decoder.segment_runs``
 of the layers over ``devices``), what that segment holds on its device (``Need``): the weights of its
 layers (dense in ``dtype``, or NF4 for the decoder layers' linear weights; the embedding in the
 first segment, norm + lm_head in the last), its KV cache of ``max_len`` slots (a tree's scratch
@@ -49,7 +49,7 @@ from dataclasses import dataclass
 import torch
 
 from sfchat.model.kv import PREFILL_CHUNK, windows_for
-from sfchat.model.slices import layer_bytes, layer_counts, segment_runs
+from sfchat.model.decoder import layer_bytes, layer_counts, segment_runs
 
 MIB, GIB = 1 << 20, 1 << 30
 # per device: what CUDA takes after the check besides torch's tensors (the modules of torch, cuBLAS and

@@ -20,7 +20,7 @@ add (shapes it holds already are not counted again), against the memory free now
 it before capturing what a HELLO asks for (``graphs_to_capture`` lists them).
 
 Placement over a node's GPUs: a slice's layers are cut so that every GPU keeps about the same
-headroom (``slices.segment_runs`` with ``reserved``: ``unequal_free`` for GPUs with less free
+headroom (``decoder.segment_runs`` with ``reserved``: ``unequal_free`` for GPUs with less free
 memory, and on the head ``head_reserve`` adds what the draft holds on its GPU); ``place_draft``
 picks the draft's GPU when the head's layers use every GPU (see there for why that one). The
 plans use the same cut as the slices are loaded with. This module loads nothing and knows

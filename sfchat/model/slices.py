@@ -29,7 +29,7 @@ Who holds which scratch slot is ``engine.scratch.Scratch``'s, which moves them t
 at a time.
 
 Segments. ``devices`` (two GPUs of one node) spreads the layers over them: each entry is one
-*segment*, a contiguous run of layers (``segment_runs``: as even in bytes as whole layers allow,
+*segment*, a contiguous run of layers (``decoder.segment_runs``: as even in bytes as whole layers allow,
 the embedding counted in the first, norm + lm_head in the last, and ``reserved`` bytes per entry
 that others hold on that device: the draft), with its own KV cache (``devices`` and ``ranges``
 say where each segment runs and which layers it holds), the embedding in the first and norm +
@@ -48,7 +48,6 @@ for bit, graphed or not.
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from dataclasses import dataclass
 
@@ -56,83 +55,11 @@ import torch
 from torch import nn
 
 from sfchat import UserError
+from sfchat.model.decoder import architecture, segment_runs
 from sfchat.model.graphs import GraphTable
 from sfchat.model.kv import StaticKV, TreeMask
-from sfchat.model.quant import NF4_BYTES_PER_WEIGHT, check_mode, quantize_linears
+from sfchat.model.quant import check_mode, quantize_linears
 from sfchat.model.source import ModelSource, Progress, _no_progress
-
-# model_type -> (module, decoder layer, rms norm, rotary embedding)
-ARCHITECTURES = {
-    "qwen2": ("qwen2", "Qwen2DecoderLayer", "Qwen2RMSNorm", "Qwen2RotaryEmbedding"),
-    "qwen3": ("qwen3", "Qwen3DecoderLayer", "Qwen3RMSNorm", "Qwen3RotaryEmbedding"),
-    "llama": ("llama", "LlamaDecoderLayer", "LlamaRMSNorm", "LlamaRotaryEmbedding"),
-}
-
-def architecture(config):
-    """The transformers classes for a config, or a UserError naming what is supported."""
-    mtype = getattr(config, "model_type", None)
-    if mtype not in ARCHITECTURES:
-        raise UserError(f"unsupported architecture {mtype!r}; sfchat supports {', '.join(ARCHITECTURES)}")
-    mod_name, *names = ARCHITECTURES[mtype]
-    module = importlib.import_module(f"transformers.models.{mod_name}.modeling_{mod_name}")
-    return [getattr(module, n) for n in names]
-
-
-def n_layers(config) -> int:
-    return int(config.num_hidden_layers)
-
-
-_layer_counts: dict[tuple, tuple[int, int, int]] = {}
-
-
-def layer_counts(config) -> tuple[int, int, int]:
-    """(weights of the linear layers, all other parameters, the largest linear's weights) of one
-    decoder layer, counted on one built on the meta device."""
-    key = (config.model_type, config.hidden_size, config.intermediate_size, config.num_attention_heads,
-           config.num_key_value_heads, getattr(config, "head_dim", None), getattr(config, "attention_bias", None))
-    if key not in _layer_counts:
-        layer_cls, _, _ = architecture(config)
-        with torch.device("meta"):
-            layer = layer_cls(config, 0)
-        sizes = [m.weight.numel() for m in layer.modules() if isinstance(m, nn.Linear)]
-        _layer_counts[key] = (sum(sizes), sum(p.numel() for p in layer.parameters()) - sum(sizes), max(sizes))
-    return _layer_counts[key]
-
-
-def layer_bytes(config, dtype: torch.dtype, quant: str) -> int:
-    """The weights of one decoder layer: dense in ``dtype``, or its linear weights in NF4."""
-    linear, other, _ = layer_counts(config)
-    return int(linear * (NF4_BYTES_PER_WEIGHT if quant == "nf4" else dtype.itemsize) + other * dtype.itemsize)
-
-
-def spread(n: int, layer: float, loads) -> list[tuple[int, int]]:
-    """The local layer ranges ``[start, stop)`` of ``n`` consecutive layers of ``layer`` bytes each,
-    cut into ``len(loads)`` contiguous runs, run ``j`` also holding ``loads[j]`` bytes besides its
-    layers (the embedding, norm + lm_head, a draft on that GPU): each layer goes, in turn, where the
-    load stays least (ties to the earlier run), which makes the heaviest run as light as whole
-    layers allow. Every run holds a layer (fewer runs when there are fewer layers); a slice of no
-    layers keeps one empty run."""
-    if n == 0:
-        return [(0, 0)]
-    loads = list(loads)[:n] or [0.0]
-    counts = [1] * len(loads)
-    for _ in range(n - len(loads)):
-        j = min(range(len(loads)), key=lambda j: (loads[j] + (counts[j] + 1) * layer, j))
-        counts[j] += 1
-    bounds = [sum(counts[:j]) for j in range(len(loads) + 1)]
-    return list(zip(bounds, bounds[1:]))
-
-
-def segment_runs(config, lo: int, hi: int, *, embed: bool, head: bool, dtype: torch.dtype, quant: str,
-                 segments: int, reserved=()) -> list[tuple[int, int]]:
-    """``spread`` of the slice's layers over ``segments`` by their weights: the embedding counted
-    in the first, norm + lm_head in the last, and ``reserved[j]`` bytes (others' on that device)."""
-    ends = config.vocab_size * config.hidden_size * dtype.itemsize
-    loads = [float(reserved[j]) if j < len(reserved) else 0.0 for j in range(max(1, segments))]
-    loads[0] += ends if embed else 0
-    loads[-1] += ends if head else 0
-    return spread(hi - lo, layer_bytes(config, dtype, quant), loads)
-
 
 class ModelSlice(nn.Module):
     def __init__(self, config, lo: int, hi: int, *, embed: bool, head: bool,

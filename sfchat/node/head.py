@@ -45,7 +45,7 @@ from sfchat import UserError
 from sfchat.config import GPU_DRAFT, Settings
 from sfchat.events import ReplyFinished, ReplyStarted, RuntimeReady, TokensCommitted
 from sfchat.model.generation import Defaults, generation_defaults
-from sfchat.model.slices import architecture
+from sfchat.model.decoder import architecture
 from sfchat.model.source import ModelSource
 from sfchat.node.driver import RoundDriver
 from sfchat.node.loading import check_devices, check_same_tokenizer, open_engine, progress_events, uses_draft

@@ -31,9 +31,10 @@ from sfchat.engine.draft import CHILDREN, WIDTH, Drafter
 from sfchat.engine.speculator import Speculator
 from sfchat.engine.verifier import Verifier
 from sfchat.events import LoadProgress, RuntimeReady
+from sfchat.model.decoder import n_layers
 from sfchat.model.devices import DTYPE_NAMES, default_draft_device, pick_dtype, resolve_device, resolve_devices
 from sfchat.model.memory import DraftPlan, check_head, head_reserve, place_draft
-from sfchat.model.slices import ModelSlice, n_layers
+from sfchat.model.slices import ModelSlice
 from sfchat.model.source import ModelSource
 from sfchat.node.connect import HeadDialer
 from sfchat.node.driver import RoundDriver

@@ -14,9 +14,10 @@ from typing import Callable
 import torch
 
 from sfchat import UserError
+from sfchat.model.decoder import n_layers
 from sfchat.model.devices import DTYPE_NAMES, pick_dtype, runnable_dtype
 from sfchat.model.memory import check_tail, unequal_free
-from sfchat.model.slices import ModelSlice, n_layers
+from sfchat.model.slices import ModelSlice
 from sfchat.model.source import ModelSource
 from sfchat.protocol import wire
 from sfchat.protocol.handshake import Hello

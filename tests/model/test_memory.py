@@ -18,8 +18,9 @@ from sfchat.model.memory import (DraftPlan, check_fits, check_head, check_tail, 
                                  place_draft, tail_plan)
 from sfchat.model.quant import NF4_BYTES_PER_WEIGHT
 from sfchat.node.head import Head
+from sfchat.model.decoder import layer_bytes
 from sfchat.model.devices import default_draft_device, resolve_devices
-from sfchat.model.slices import ModelSlice, layer_bytes
+from sfchat.model.slices import ModelSlice
 from sfchat.model.source import ModelSource
 from sfchat.protocol.wire import Sampling
 

@@ -13,7 +13,7 @@ from sfchat.config import Settings
 from sfchat.model import footprint
 from sfchat.model.footprint import GIB, device_bytes, kv_bytes_per_position, loading_bytes, slice_needs
 from sfchat.model.memory import head_plan, per_device, tail_plan
-from sfchat.model.slices import layer_bytes, layer_counts, segment_runs
+from sfchat.model.decoder import layer_bytes, layer_counts, segment_runs
 from sfchat.model.source import ModelSource
 from sfchat.node.loading import frame_layout
 from sfchat.protocol.handshake import Hello

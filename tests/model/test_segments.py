@@ -11,7 +11,8 @@ import torch
 from sfchat.engine.scratch import Scratch
 from tree_masks import tree_mask
 from sfchat.model import kv as kv_module
-from sfchat.model.slices import ModelSlice, layer_bytes, segment_runs, spread
+from sfchat.model.decoder import layer_bytes, segment_runs, spread
+from sfchat.model.slices import ModelSlice
 from sfchat.model.source import ModelSource
 
 CPU = torch.device("cpu")
