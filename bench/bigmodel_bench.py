@@ -314,7 +314,7 @@ def derive(head: dict, tail: dict, rtts, tokens: float) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", nargs="*", default=["7B", "32B", "72B"], choices=["7B", "32B", "72B"])
-    ap.add_argument("--quant", choices=["none", "nf4"], default=None, help="default: 7B dense, 32B and 72B NF4")
+    ap.add_argument("--quant", choices=["none", "nf4", "int8"], default=None, help="default: 7B dense, 32B and 72B NF4")
     ap.add_argument("--segments", nargs="*", type=int, default=[1, 2])
     ap.add_argument("--dtypes", nargs="*", default=["float16"], choices=["float16", "bfloat16"],
                     help="float16 as on a T4 (default), and/or bfloat16")
@@ -378,7 +378,7 @@ def print_tables(results: list[dict], rtts) -> None:
           + " | ".join(f"{n} node GiB: peak reserved, device peak, estimate (over)" for n in nodes) + " |")
     print("| --- " * (5 + len(nodes)) + "|")
     for r in results:
-        print(f"| {r['model']} | {'NF4' if r['quant'] == 'nf4' else 'dense'} | {r['dtype']} | {r['segments']} | "
+        print(f"| {r['model']} | {dict(nf4='NF4', int8='int8').get(r['quant'], 'dense')} | {r['dtype']} | {r['segments']} | "
               f"{r['max_context']} ({r['context']}) | " + " | ".join(memory(r[n]) for n in nodes if n in r) + " |")
     timed_rows = [r for r in results if "derived" in r]
     if not timed_rows:

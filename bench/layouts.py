@@ -5,7 +5,7 @@ halves both spread over the two GPUs, the draft where ``memory.place_draft`` put
 such notebooks (relay mode, each node spreading its half over its two T4s), per model, prints the
 memory each GPU needs at a 4096-token context and the longest context (a multiple of 256) that
 fits every GPU. Default settings throughout: split at half the layers, the 0.5B draft in fp16
-(compiled and graphed; one row with ``--draft-load-in-4bit``), the default frame of a GPU (64
+(compiled and graphed; one row with ``--draft-load-in-4bit``), the default frame of a GPU (63
 drafts per frame, ``--max-in-flight 8``: ``node.loading.frame_layout``, whose frame is verified at
 one shape, a CUDA graph per attention window, and whose live nodes take scratch slots). A T4
 is taken to have ``T4_FREE`` free (15 GB cards with the CUDA context up). Every figure is an
@@ -49,10 +49,12 @@ CHECKED = {  # (shape, quantisation): where the estimate of one node's half was 
     ("7B", "none"): "H100: each node at 32768 tokens, fp16 and bf16 (bigmodel_bench)",
     ("32B", "nf4"): "H100: each node at 19456 tokens, fp16 and bf16 (bigmodel_bench)",
     ("72B", "nf4"): "H100: each node at 4096 tokens, fp16 and bf16, a dense draft (bigmodel_bench)",
+    ("32B", "int8"): "H100: each node at 4096 tokens, fp16 (bigmodel_bench)",
 }
 MODELS = [  # (name, shape, the target's quantisation, the draft's)
     ("Qwen2.5-7B", "7B", "none", "none"), ("Qwen2.5-14B", "14B", "none", "none"),
     ("Qwen2.5-14B", "14B", "nf4", "none"), ("Qwen2.5-32B", "32B", "nf4", "none"),
+    ("Qwen2.5-32B", "32B", "int8", "none"),
     ("Qwen2.5-72B", "72B", "nf4", "none"), ("Qwen2.5-72B", "72B", "nf4", "nf4"),
 ]
 
@@ -110,7 +112,7 @@ def longest(size: str, quant: str, draft_quant: str, layout: str) -> int:
 def row(name: str, size: str, quant: str, draft_quant: str) -> dict:
     """One model's line of the table (``memory.free_bytes`` faked to ``T4_FREE`` by the caller)."""
     p = plans(size, quant, CONTEXT, draft_quant)
-    weights = ("fp16" if quant == "none" else "NF4") + (", NF4 draft" if draft_quant == "nf4" else "")
+    weights = {"none": "fp16", "nf4": "NF4", "int8": "int8"}[quant] + (", NF4 draft" if draft_quant == "nf4" else "")
     return {"model": name, "weights": weights, "checked": CHECKED.get((size, quant), "no: estimated only"),
             "local": gib_per_gpu(p["local"]), "local_context": longest(size, quant, draft_quant, "local"),
             "head": gib_per_gpu(p["head"]), "tail": gib_per_gpu(p["tail"]),

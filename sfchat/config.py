@@ -78,6 +78,7 @@ class Settings:
     draft_device: str | None = None  # default: a second GPU when there is one, else the head's device
     dtype: str = "auto"
     load_in_4bit: bool = False  # NF4 target slices (head and tail)
+    load_in_8bit: bool = False  # int8 target slices (head and tail)
     draft_load_in_4bit: bool = False  # NF4 draft model
     max_context: int = 4096
     max_new_tokens: int = 1024
@@ -104,6 +105,12 @@ class Settings:
     def depth(self) -> int:
         """The draft's expansion steps per frame: K, or AUTO_K under --k auto."""
         return AUTO_K if self.k == "auto" else self.k
+
+    def quant(self) -> str:
+        """How the target's layers are stored: "nf4" (--load-in-4bit), "int8" (--load-in-8bit) or "none"."""
+        if self.load_in_4bit and self.load_in_8bit:
+            raise UserError("--load-in-4bit and --load-in-8bit exclude each other: choose one")
+        return "nf4" if self.load_in_4bit else "int8" if self.load_in_8bit else "none"
 
     def budget(self, cuda: bool) -> int:
         """Drafts per frame (the frame holds the root too): --tree-budget, or under auto AUTO_TREE_BUDGET on a GPU
@@ -186,7 +193,7 @@ RULES: dict[str, Rule] = {
     "k": Rule(int, 0, MAX_K, auto=True), "tree_budget": Rule(int, 0, MAX_TREE_BUDGET, auto=True),
     "max_in_flight": Rule(int, 1, MAX_IN_FLIGHT), "draft_ahead": Rule(int, 0, MAX_DRAFT_AHEAD), "split": Rule(int, 0, MAX_LAYERS),
     "device": TEXT, "draft_device": TEXT, "dtype": Rule(str, choices=("auto", "float32", "float16", "bfloat16")),
-    "load_in_4bit": FLAG, "draft_load_in_4bit": FLAG,
+    "load_in_4bit": FLAG, "load_in_8bit": FLAG, "draft_load_in_4bit": FLAG,
     "max_context": Rule(int, 2, MAX_CONTEXT), "max_new_tokens": Rule(int, 1, MAX_NEW_TOKENS),
     "temperature": Rule(float, 0, MAX_TEMPERATURE), "top_k": Rule(int, 0, MAX_TOP_K),
     "top_p": Rule(float, 0, 1, above=True), "repetition_penalty": Rule(float, *REPETITION_PENALTY),

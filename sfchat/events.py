@@ -34,7 +34,7 @@ class RuntimeReady:
     device: str
     mode: str  # "local" or "relay"
     max_context: int
-    quant: str = "none"  # "nf4" when the target's layers are 4-bit
+    quant: str = "none"  # "nf4" or "int8" when the target's layers are quantised
     tail_dtype: str = ""  # what the tail computes in ("" when it is ``dtype``)
     tree_budget: int = 0  # drafts per frame (--tree-budget); 0: chain frames of K drafts, or no draft
     shapes: tuple[str, ...] = ()  # the one frame shape in use ("chain 8", "tree 64")

@@ -225,6 +225,7 @@ def test_graphed_engine_with_segmented_halves_keeps_greedy_parity(zoo, monkeypat
     from transformers import AutoModelForCausalLM
 
     import sfchat.node.loading as loading
+    from sfchat.config import AUTO_TREE_BUDGET
     from test_two_machines import noisy_copy
 
     real = loading.resolve_devices
@@ -236,7 +237,8 @@ def test_graphed_engine_with_segmented_halves_keeps_greedy_parity(zoo, monkeypat
                                  dtype="float32", compile_draft=False))
     head, tail = session.engine.head, session.engine.link.verifier.model
     assert len(head.devices) == len(tail.devices) == 2
-    assert head.captured(65, tree=True) and tail.captured(65, 65, True)
+    rows = AUTO_TREE_BUDGET + 1  # the GPU default's frame: its drafts and the root
+    assert head.captured(rows, tree=True) and tail.captured(rows, rows, True)
     jumps = []
     move = head.move
     head.move = lambda src, dst: (jumps.append(any(s != d for s, d in zip(src, dst))), move(src, dst))[1]

@@ -8,7 +8,7 @@ classes for a config's ``model_type`` (``ARCHITECTURES``: Qwen2 / Qwen2.5, Qwen3
 a ``UserError`` naming what is supported; ``n_layers(config)`` is its decoder-layer count.
 ``layer_counts`` counts one decoder layer's parameters on the meta device (linear weights, the
 rest, the largest linear), cached per shape; ``layer_bytes`` turns them into bytes, dense or with
-NF4 linear weights. ``spread`` cuts ``n`` equal layers into contiguous runs so that the heaviest
+NF4 or int8 linear weights. ``spread`` cuts ``n`` equal layers into contiguous runs so that the heaviest
 run (its layers plus a fixed load of its own) is as light as whole layers allow;
 ``segment_runs`` is that spread of a slice's layers over its devices, the embedding counted in
 the first run, norm + lm_head in the last, and bytes others hold on each device.
@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from sfchat import UserError
-from sfchat.model.quant import NF4_BYTES_PER_WEIGHT
+from sfchat.model.quant import bytes_per_weight
 
 # model_type -> (module, decoder layer, rms norm, rotary embedding)
 ARCHITECTURES = {
@@ -68,9 +68,11 @@ def layer_counts(config) -> tuple[int, int, int]:
 
 
 def layer_bytes(config, dtype: torch.dtype, quant: str) -> int:
-    """The weights of one decoder layer: dense in ``dtype``, or its linear weights in NF4."""
+    """The weights of one decoder layer: dense in ``dtype``, or its linear weights in NF4 or int8."""
     linear, other, _ = layer_counts(config)
-    return int(linear * (NF4_BYTES_PER_WEIGHT if quant == "nf4" else dtype.itemsize) + other * dtype.itemsize)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    min_in = min(config.hidden_size, config.intermediate_size, config.num_attention_heads * head_dim)
+    return int(linear * bytes_per_weight(quant, dtype, min_in) + other * dtype.itemsize)
 
 
 def spread(n: int, layer: float, loads) -> list[tuple[int, int]]:

@@ -7,7 +7,7 @@ Every figure is in bytes and computed from the config alone, before anything is 
 ``slice_needs(config, lo, hi, embed=..., head=..., dtype=..., quant=..., max_len=..., devices=...,
 verifies=..., graphs=...)`` is, per segment of ``ModelSlice`` (the same ``decoder.segment_runs``
 of the layers over ``devices``), what that segment holds on its device (``Need``): the weights of its
-layers (dense in ``dtype``, or NF4 for the decoder layers' linear weights; the embedding in the
+layers (dense in ``dtype``, or NF4 or int8 for the decoder layers' linear weights; the embedding in the
 first segment, norm + lm_head in the last), its KV cache of ``max_len`` slots (a tree's scratch
 slots included by the caller), an eager workspace, and one ``Graph`` per CUDA graph it captures:
 for each verify shape ``(positions, tree)`` (``handshake.Hello.shapes()``), one per attention
@@ -17,12 +17,13 @@ expansion step, greedy and sampled, per window (one window for a compiled draft)
 
 The workspace: one layer's forward of a 512-token prefill chunk over all slots (hidden states,
 q/k/v, the MLP, the additive mask, the keys/values repeated per head, attention scores in fp32
-should SDPA fall back to its math kernel, and with NF4 one linear weight dequantised), or, if
+should SDPA fall back to its math kernel, with NF4 one linear weight dequantised, with int8 the
+input's int8 rows and the int32 product of the widest linear), or, if
 larger, what loading holds besides the weights (``loading_bytes``: a tensor as the checkpoint
 stores it, bf16 by its config, beside its copy in the slice dtype while it converts, up to an
-embedding or lm_head; with NF4 one dense layer until it is quantised; loading comes before any
+embedding or lm_head; quantised, one dense layer until it is quantised; loading comes before any
 forward, and the allocator reuses its blocks); plus the rows of logits of the largest verify with
-their softmax and sampling copies. NF4 segments also count ``fragments``: the holes between the
+their softmax and sampling copies. Quantised segments also count ``fragments``: the holes between the
 quantised weights, which land in blocks their dense layers left (1/``NF4_FRAGMENTS`` of the
 quantised layers' bytes). ``device_bytes`` adds up what one device holds: workspaces are needed
 once per device (forwards run one at a time), ``FIXED_SLACK`` once (what CUDA loads after the
@@ -130,6 +131,9 @@ def forward_bytes(config, tokens: int, window: int, dtype: torch.dtype, quant: s
         attn += 2 * heads * window * hd * b
     mask = tokens * window * (b + 2) + window * 16 + tokens * hd * 16  # and the rotary tables
     dequant = layer_counts(config)[2] * b if quant == "nf4" and tokens > 1 else 0  # bnb's dequantised weight
+    if quant == "int8":  # the input's int8 rows (from an fp16 copy), the int32 product, its rescaled copy
+        widest = max(H, inter, heads * hd)
+        dequant = tokens * widest * (2 + 1 + 4 + b) + tokens * 8
     logits = rows * (H * 4 + V * (b + 4))
     return layer + attn + mask + dequant + logits
 
@@ -154,6 +158,8 @@ def loading_bytes(config, n_layers: int, dtype: torch.dtype, quant: str, ends: b
     layers = largest * copy if n_layers else 0
     if quant == "nf4" and n_layers:
         layers += layer_counts(config)[0] * dtype.itemsize + largest * 4 // 64
+    if quant == "int8" and n_layers:  # the dense layer, and its largest linear's fp16 copy and int8 rows
+        layers += layer_counts(config)[0] * dtype.itemsize + largest * 3
     return max(layers, config.vocab_size * config.hidden_size * copy if ends else 0)
 
 
@@ -188,7 +194,7 @@ def slice_needs(config, lo: int, hi: int, *, embed: bool, head: bool, dtype: tor
             Graph(forward_bytes(config, p, w, dtype, quant, p if seg_rows else 0),
                   p * V * 4 if seg_rows else p * H * b)
             for p, _ in verifies for w in windows if w >= max(p, span)) if graphs and device.type == "cuda" else ()
-        holes = n * layer_bytes(config, dtype, quant) // NF4_FRAGMENTS if quant == "nf4" else 0
+        holes = n * layer_bytes(config, dtype, quant) // NF4_FRAGMENTS if quant != "none" else 0
         out.append((device, Need(weights, kv, int(work), seg_graphs, holes)))
     return out
 

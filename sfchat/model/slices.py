@@ -25,8 +25,8 @@ slots hold), ``reusable``, ``held``, ``move`` (K/V from slots to slots), ``reset
 queries act on every segment's cache alike, so no caller can move one segment and forget another.
 Who holds which scratch slot is ``engine.scratch.Scratch``'s, which moves them through ``move``.
 
-``quant="nf4"`` loads the decoder layers' linear weights as 4-bit NF4 (``quant.py``), one layer
-at a time.
+``quant="nf4"`` / ``"int8"`` loads the decoder layers' linear weights as 4-bit NF4 or int8
+(``quant.py``), one layer at a time.
 
 Segments. ``devices`` (two GPUs of one node) spreads the layers over them: each entry is one
 *segment*, a contiguous run of layers (``decoder.segment_runs``: as even in bytes as whole layers allow,
@@ -152,8 +152,8 @@ class ModelSlice(nn.Module):
                 state.setdefault(module, {})[attr] = tensor
                 if len(state[module]) == expected[module]:  # complete: load it (and quantise a layer) now
                     module.load_state_dict(state.pop(module), strict=True, assign=True)
-                    if quant == "nf4" and module in layers:
-                        quantize_linears(module, dtype)
+                    if quant != "none" and module in layers:
+                        quantize_linears(module, dtype, quant)
             if name == head_name:  # a tied head shares the embedding's weight when on the same device
                 shared = name in wanted and sl.embed_tokens is not None and sl.last_device == sl.device
                 sl.lm_head.weight = sl.embed_tokens.weight if shared else nn.Parameter(

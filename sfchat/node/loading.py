@@ -67,7 +67,7 @@ def open_engine(s: Settings, on_event: Callable = lambda e: None, link=None,
     Token ids only: no tokenizer is needed (benchmarks use random-weight checkpoints)."""
     devices = resolve_devices(s.device)
     device = devices[0]
-    quant, dquant = ("nf4" if s.load_in_4bit else "none"), ("nf4" if s.draft_load_in_4bit else "none")
+    quant, dquant = s.quant(), ("nf4" if s.draft_load_in_4bit else "none")
     src = src or ModelSource.open(s.model, s.revision, progress_events(on_event, "head"))
     L = n_layers(src.config)
     split = L // 2 if s.split is None else s.split

@@ -22,6 +22,8 @@ from sfchat.model.source import ModelSource
 from sfchat.protocol import wire
 from sfchat.protocol.handshake import Hello
 
+QUANT_WORDS = {"nf4": " with NF4 weights", "int8": " with int8 weights"}
+
 
 class TailLoader:
     """The tail's slice loader, handed to its ``Verifier``: opens the model a HELLO names (hub ids,
@@ -67,7 +69,7 @@ class TailLoader:
         check_tail(src.config, split, devices=self.devices, dtype=dtype, quant=quant, max_len=hello.max_len,
                    verifies=hello.shapes(), graphs=hello.graphs)
         self.log(f"loading {hello.model} layers [{split}, {L}) as {DTYPE_NAMES[dtype]}"
-                 f"{' with NF4 weights' if quant == 'nf4' else ''} on {where}")
+                 f"{QUANT_WORDS.get(quant, '')} on {where}")
         return ModelSlice.load(src, split, L, embed=False, head=True, dtype=dtype, device=self.device,
                                max_len=hello.max_len, progress=report, quant=quant, devices=self.devices,
                                reserved=unequal_free(self.devices))

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 from sfchat.protocol import wire
 from sfchat.protocol.fields import json_field, shown
 
-QUANT_MODES = ("none", "nf4")  # what a slice may be loaded as (runtime/quant.py implements them)
+QUANT_MODES = ("none", "nf4", "int8")  # what a slice may be loaded as (runtime/quant.py implements them)
 DTYPE_NAMES = tuple(d.name.lower() for d in wire.DType)
 MAX_LAYERS = 1 << 12
 MAX_CONTEXT = 1 << 22

@@ -1,6 +1,7 @@
-"""NF4 (bitsandbytes, CPU backend here): slices swap their layers' linears for Linear4bit, the
-engine keeps greedy parity with transformers' generate() of the same NF4 model, the hello tells
-the tail to quantise its slice the same way, and the flags reach the settings."""
+"""NF4 and int8 (bitsandbytes, CPU backend here): slices swap their layers' linears for Linear4bit
+or Linear8bitLt, the engine keeps greedy parity with transformers' generate() of the same
+quantised model, the hello tells the tail to quantise its slice the same way, and the flags reach
+the settings."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from sfchat.protocol import wire
 from sfchat.cli import build_parser, settings_from
 from sfchat.config import Settings
 from sfchat.events import ReplyFinished, RuntimeReady
-from sfchat.model.quant import NF4_BYTES_PER_WEIGHT, check_mode, is_quantized, quantize_linears
+from sfchat.model.quant import NF4_BYTES_PER_WEIGHT, bytes_per_weight, check_mode, is_quantized, quantize_linears
 from sfchat.node.head import Head
 from sfchat.model.slices import ModelSlice
 from sfchat.model.source import ModelSource
@@ -26,10 +27,10 @@ IDS = [1, 17, 42, 99, 5, 250, 7, 300, 64, 12, 88, 3]
 PROMPT = [{"role": "user", "content": "hello world, how are you?"}]
 
 
-def nf4_reference(path):
-    """transformers' own model of the checkpoint with the same NF4 swap: an independent forward."""
+def nf4_reference(path, quant="nf4"):
+    """transformers' own model of the checkpoint with the same swap: an independent forward."""
     model = AutoModelForCausalLM.from_pretrained(path).eval()
-    assert quantize_linears(model.model.layers, torch.float32) == 7 * model.config.num_hidden_layers
+    assert quantize_linears(model.model.layers, torch.float32, quant) == 7 * model.config.num_hidden_layers
     return model
 
 
@@ -140,7 +141,7 @@ def test_flags_and_config_file(tmp_path):
     conf = tmp_path / "c.toml"
     conf.write_text("load-in-4bit = true\n")
     assert settings_from(build_parser().parse_args(["--config", str(conf)])).load_in_4bit
-    with pytest.raises(UserError, match=r"unknown quantisation 'fp8' \(choose from none, nf4\)"):
+    with pytest.raises(UserError, match=r"unknown quantisation 'fp8' \(choose from none, nf4, int8\)"):
         check_mode("fp8")
     assert RuntimeReady("m", "d", 1, 2, "float32", 1, "cpu", "local", 8).quant == "none"
 
@@ -175,3 +176,90 @@ def test_graphed_engine_with_nf4_target_and_draft_keeps_greedy_parity(zoo):
     assert engine.head.graphs and engine.drafter.graphs and engine.link.verifier.model.graphs  # NF4 layers graphed
     print(f"\nNF4 on CUDA: head graphs {engine.head.graphs.keys()}, draft graphs {engine.drafter.graphs.keys()}, "
           f"tail graphs {engine.link.verifier.model.graphs.keys()}")
+
+
+@pytest.mark.parametrize("target", ["qwen2-untied", "llama-tied"])
+def test_int8_slices_match_the_int8_reference_and_differ_from_dense(zoo, target):
+    path = zoo[target]
+    head = load(path, 0, 2, "int8", embed=True, head=False)
+    tail = load(path, 2, 4, "int8", embed=False, head=True)
+    dense_tail = load(path, 2, 4, "none", embed=False, head=True)
+    for layer in list(head.layers) + list(tail.layers):
+        kinds = {type(m).__name__ for m in layer.modules()}
+        assert "Linear8bitLt" in kinds and "Linear" not in kinds
+        assert layer.mlp.up_proj.weight.dtype == torch.int8 and layer.mlp.up_proj.state.threshold == 0.0
+    assert type(tail.lm_head) is torch.nn.Linear and is_quantized(head)
+    n = len(IDS)
+    hidden = head(torch.tensor(IDS), torch.arange(n))
+    logits = tail(hidden, torch.arange(n), n_logits=n)
+    with torch.no_grad():
+        expected = nf4_reference(path, "int8")(torch.tensor([IDS])).logits[0]
+    assert torch.isfinite(logits).all()
+    torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(logits, dense_tail(hidden, torch.arange(n), n_logits=n), atol=1e-4)
+
+
+def test_int8_weights_take_about_half_of_fp16_as_the_estimate_counts(zoo):
+    path = zoo["llama-untied"]
+    dense, int8 = (load(path, 0, 4, q, embed=False, head=False) for q in ("none", "int8"))
+    linears = [m for m in int8.modules() if type(m).__name__ == "Linear8bitLt"]
+    stored = sum(m.weight.numel() * m.weight.element_size() + m.weight.SCB.numel() * 4 for m in linears)
+    n_weights = sum(m.weight.numel() for m in dense.modules() if type(m) is torch.nn.Linear)
+    config = ModelSource.open(str(path)).config
+    min_in = min(config.hidden_size, config.intermediate_size)
+    assert n_weights <= stored <= n_weights * bytes_per_weight("int8", torch.float32, min_in)
+
+
+@pytest.mark.parametrize("target, draft", [("qwen2-untied", "draft"), ("llama-tied", "llama-tied")])
+def test_greedy_parity_with_an_int8_target(zoo, target, draft):
+    session = Head.open(Settings(model=str(zoo[target]), draft=str(zoo[draft]), k=4, device="cpu",
+                                 load_in_8bit=True))
+    assert session.info.quant == "int8" and is_quantized(session.engine.head)
+    tail = session.engine.link.verifier
+    assert tail.hello.quant == "int8" and is_quantized(tail.model)
+    ids = session.encode(PROMPT)
+    fin = [e for e in session.reply(ids, 24, Sampling()) if isinstance(e, ReplyFinished)][0]
+    ref = nf4_reference(zoo[target], "int8").generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False,
+                                                      pad_token_id=0)
+    assert list(fin.token_ids) == ref[0, len(ids):].tolist()
+
+
+def test_the_8bit_flag_reaches_the_settings_and_excludes_the_4bit_one(zoo):
+    s = settings_from(build_parser().parse_args(["--load-in-8bit"]))
+    assert s.load_in_8bit and s.quant() == "int8"
+    assert Settings().quant() == "none" and Settings(load_in_4bit=True).quant() == "nf4"
+    with pytest.raises(UserError, match="--load-in-4bit and --load-in-8bit exclude each other"):
+        Head.open(Settings(model=str(zoo["llama-tied"]), draft="none", device="cpu", load_in_4bit=True,
+                           load_in_8bit=True))
+    tail = Verifier(TailLoader(CPU))
+    out = []
+    tail.handle(hello(zoo["llama-untied"], quant="int8"), out.append)
+    assert wire.decode(out[-1]).type is wire.MsgType.READY and is_quantized(tail.model)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_graphed_int8_verify_is_bit_identical_to_eager(zoo, dtype):
+    dev = torch.device("cuda")
+    src = ModelSource.open(str(zoo["qwen2-untied"]))
+    tail = ModelSlice.load(src, 2, 4, embed=False, head=True, dtype=dtype, device=dev, max_len=64, quant="int8")
+    messages = []
+    assert tail.capture(9, 9, log=messages.append), messages
+    hidden = torch.randn(9, 64, dtype=dtype, device=dev)
+    pos = torch.arange(9, device=dev)
+    eager = tail.forward(hidden, pos, 9).clone()
+    assert torch.equal(tail.run(hidden, pos, 9).clone(), eager)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_graphed_engine_with_an_int8_target_keeps_greedy_parity(zoo):
+    path = zoo["qwen2-tied"]
+    session = Head.open(Settings(model=str(path), draft=str(path), k=4, device="cuda", dtype="float32",
+                                 load_in_8bit=True, compile_draft=False))
+    ids = session.encode(PROMPT)
+    fin = [e for e in session.reply(ids, 24, Sampling()) if isinstance(e, ReplyFinished)][0]
+    model = AutoModelForCausalLM.from_pretrained(path).cuda().eval()
+    quantize_linears(model.model.layers, torch.float32, "int8")
+    ref = model.generate(torch.tensor([ids], device="cuda"), max_new_tokens=24, do_sample=False, pad_token_id=0)
+    assert list(fin.token_ids) == ref[0, len(ids):].tolist()
+    assert session.engine.head.graphs and session.engine.link.verifier.model.graphs  # int8 layers graphed
