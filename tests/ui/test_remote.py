@@ -21,6 +21,7 @@ from sfchat.link.pairing import Passcode
 from sfchat.link.relay import RelayLink
 from sfchat.link.resume import Resumption
 from sfchat.link.secure import SecureLink
+from sfchat.params import Ask, GenParams
 from sfchat.remote.client import RemoteRuntime
 from sfchat.protocol import chat
 from sfchat.remote.host import ChatHost, fold
@@ -187,7 +188,7 @@ async def test_a_wrong_chat_code_is_asked_again_then_the_reply_streams_with_the_
     head = ScriptedHead()
     host, _, client, _, log = make_pair(relay_url, head, client_code="4-wrong-code")
     db = tmp_path / "home.sqlite3"
-    app = SfchatApp(client, db, {"max_new_tokens": 64, "temperature": 0.0})
+    app = SfchatApp(client, db, Ask(64, GenParams(temperature=0.0)))
     async with app.run_test(size=(120, 40)) as pilot:
         await wait_for(pilot, lambda: isinstance(app.screen, CodeScreen), WAIT)
         assert "wrong chat code" in app.screen.reason
@@ -206,7 +207,7 @@ async def test_a_wrong_chat_code_is_asked_again_then_the_reply_streams_with_the_
         assert figures.tokens == len(PIECES)
     host.close()
     assert head.submitted[0][0] == [{"role": "user", "content": "explain speculative decoding"}]
-    assert head.submitted[0][1]["max_new_tokens"] == 64
+    assert head.submitted[0][1].max_new_tokens == 64
     history = History(db)  # the history is the client's
     (stored,) = history.list_chats()
     assert [m.content for m in history.load_chat(stored.id)] == ["explain speculative decoding", REPLY]
@@ -218,7 +219,7 @@ async def test_a_wrong_chat_code_is_asked_again_then_the_reply_streams_with_the_
 async def test_turns_the_head_left_out_of_the_context_are_said_on_the_remote_screen(relay_url, tmp_path):
     head = ScriptedHead(dropped_turns=3)
     host, _, client, _, _ = make_pair(relay_url, head)
-    app = SfchatApp(client, tmp_path / "home.sqlite3", {"max_new_tokens": 64})
+    app = SfchatApp(client, tmp_path / "home.sqlite3", Ask(64))
     async with app.run_test(size=(120, 40)) as pilot:
         await wait_for(pilot, lambda: app.ready is not None, WAIT)
         head.release()
@@ -235,7 +236,7 @@ async def test_turns_the_head_left_out_of_the_context_are_said_on_the_remote_scr
 async def test_a_reconnect_of_either_side_mid_reply_loses_and_repeats_nothing(relay_url, tmp_path, side):
     head = ScriptedHead()
     host, host_dial, client, client_dial, _ = make_pair(relay_url, head)
-    app = SfchatApp(client, tmp_path / "home.sqlite3", {"max_new_tokens": 64})
+    app = SfchatApp(client, tmp_path / "home.sqlite3", Ask(64))
     async with app.run_test(size=(120, 40)) as pilot:
         await wait_for(pilot, lambda: app.ready is not None, WAIT)
         head.release(4)
@@ -275,7 +276,7 @@ async def test_escape_cancels_the_remote_reply_and_keeps_its_prefix(relay_url, t
     head = ScriptedHead()
     host, _, client, _, _ = make_pair(relay_url, head)
     db = tmp_path / "home.sqlite3"
-    app = SfchatApp(client, db, {"max_new_tokens": 64})
+    app = SfchatApp(client, db, Ask(64))
     async with app.run_test(size=(120, 40)) as pilot:
         await wait_for(pilot, lambda: app.ready is not None, WAIT)
         head.release(3)
@@ -315,7 +316,7 @@ async def test_a_second_client_starts_afresh_and_the_first_ones_reply_is_not_sen
     first.start(lambda e: ready.set() if isinstance(e, RuntimeReady) else None)
     assert ready.wait(WAIT)
     head.release(2)
-    first.submit([{"role": "user", "content": "first"}], {})
+    first.submit([{"role": "user", "content": "first"}], Ask())
     assert until(lambda: len(streamed(first)) > 0)  # the first reply is under way
     first.close()  # and its screen goes away mid-reply
     assert first.join(WAIT)
@@ -351,7 +352,7 @@ def test_a_client_cannot_queue_replies_without_bound_and_unseen_rounds_fold():
     wire = Wire()
     host._take(chat.Attach("ab" * 16, "", 0), wire)
     for n in range(1, 11):  # a client asking for ten replies at once
-        host._take(chat.Submit(n, n, (("user", "hi"),), chat.Params()), wire)
+        host._take(chat.Submit(n, n, (("user", "hi"),), Ask()), wire)
     assert len(head.submitted) == 2
     refused = [u for u in host.updates._items if isinstance(u.event, RuntimeFailed)]
     assert len(refused) == 8

@@ -18,6 +18,7 @@ from sfchat.events import (
     CodeWanted, LinkState, ReplyFinished, ReplyStarted, RoundStats, RuntimeFailed, RuntimeReady, TokensCommitted,
 )
 from sfchat.link.pairing import require_secret
+from sfchat.params import Ask
 from sfchat.plaintext import plain
 from sfchat.remote.cli import offer_chat
 from sfchat.protocol import chat, chat_events
@@ -145,7 +146,7 @@ def test_a_reply_past_what_was_asked_is_cut_said_and_stopped(relay_url, text, id
     head.delivered = lambda: sum(isinstance(e, TokensCommitted) for e in client.events)
     try:
         assert ready.wait(WAIT)
-        client.submit([{"role": "user", "content": "sixteen tokens, please"}], {"max_new_tokens": 16})
+        client.submit([{"role": "user", "content": "sixteen tokens, please"}], Ask(16))
         assert until(lambda: any(isinstance(e, (RuntimeFailed, ReplyFinished)) for e in client.events))
         assert until(head.finished.is_set)
         rounds = [e for e in client.events if isinstance(e, TokensCommitted)]
@@ -340,7 +341,7 @@ def test_a_stalled_or_refused_chat_link_is_noticed_on_both_sides_and_shown(relay
         assert ready.wait(WAIT) and until(lambda: host.link is not None and host._attached)
         meddler = Meddler(host.link.inner)
         head.release(2)
-        client.submit([{"role": "user", "content": "tell me"}], {"max_new_tokens": 64})
+        client.submit([{"role": "user", "content": "tell me"}], Ask(64))
         assert until(lambda: streamed(client) == "".join(PIECES[:2]))
         setattr(meddler, meddling, True)  # the next frame from the screen (its keepalive at the latest)
         assert until(lambda: any("ending this chat client's pairing" in line for line in log)), log

@@ -19,6 +19,7 @@ from sfchat.events import (
 )
 from sfchat.tally import Tally
 from sfchat.history import History
+from sfchat.params import Ask, GenParams
 from sfchat.ui import SfchatApp
 from sfchat.ui.chat import Notice, ReplyMessage, UserMessage
 from sfchat.ui.metrics import MetricsPanel
@@ -158,7 +159,7 @@ def db(tmp_path):
 @pilot_test
 async def test_reply_streams_and_metrics_fill(db):
     runtime = FakeRuntime()
-    app = SfchatApp(runtime, db, {"max_new_tokens": 64, "temperature": 0.0}, "sfchat test")
+    app = SfchatApp(runtime, db, Ask(64, GenParams(temperature=0.0)), "sfchat test")
     async with app.run_test(size=(120, 40)) as pilot:
         await wait_for(pilot, lambda: app.ready is not None)
         await send(pilot, "hello there")
@@ -168,7 +169,7 @@ async def test_reply_streams_and_metrics_fill(db):
         assert reply.markdown.source == REPLY
         assert reply.status == "complete"
         assert runtime.submitted[0][0] == [{"role": "user", "content": "hello there"}]
-        assert runtime.submitted[0][1]["max_new_tokens"] == 64
+        assert runtime.submitted[0][1].max_new_tokens == 64
         panel = app.query_one(MetricsPanel)
         assert panel.display
         speed = " ".join(static_text(app.query_one("#speed")).split())

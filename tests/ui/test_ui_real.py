@@ -15,6 +15,7 @@ from sfchat.events import LoadProgress, ReplyFinished, ReplyStarted, TokensCommi
 from sfchat.history import History
 from sfchat.node.head import Head
 from sfchat.node.worker import RuntimeWorker
+from sfchat.params import Ask, GenParams
 from sfchat.ui import SfchatApp
 from sfchat.ui.chat import ReplyMessage
 from sfchat.protocol.wire import Sampling
@@ -52,7 +53,7 @@ def settings_for(zoo, model="llama-tied", **kw) -> Settings:
 async def test_reply_matches_one_shot_and_follow_up_reuses_the_cache(zoo, tmp_path):
     s = settings_for(zoo)
     worker = RecordingWorker(s)
-    app = SfchatApp(worker, tmp_path / "h.sqlite3", {"max_new_tokens": 16, "temperature": 0.0})
+    app = SfchatApp(worker, tmp_path / "h.sqlite3", Ask(16, GenParams(temperature=0.0)))
     async with app.run_test(size=(120, 40)) as pilot:
         await wait_for(pilot, lambda: app.ready is not None, 120)
         await send(pilot, "hello world")
@@ -89,7 +90,7 @@ async def test_escape_cancels_a_real_reply_and_keeps_its_prefix(zoo, tmp_path):
     full = one_shot_text(s, "tell me more", 200)
     worker = HeldWorker(s)
     db = tmp_path / "h.sqlite3"
-    app = SfchatApp(worker, db, {"max_new_tokens": 200, "temperature": 0.0})
+    app = SfchatApp(worker, db, Ask(200, GenParams(temperature=0.0)))
     async with app.run_test(size=(120, 40)) as pilot:
         await wait_for(pilot, lambda: app.ready is not None, 120)
         await send(pilot, "tell me more")
@@ -127,12 +128,13 @@ DRIVER = textwrap.dedent("""
     sys.path.insert(0, {tests!r})
     from sfchat.config import Settings
     from sfchat.node.worker import RuntimeWorker
+    from sfchat.params import Ask, GenParams
     from sfchat.ui import SfchatApp
     from test_ui import send, wait_for
 
     async def main():
         s = Settings(model={model!r}, draft="none", device="cpu")
-        app = SfchatApp(RuntimeWorker(s), {db!r}, {{"max_new_tokens": 100000, "temperature": 0.0}})
+        app = SfchatApp(RuntimeWorker(s), {db!r}, Ask(100000, GenParams(temperature=0.0)))
         async with app.run_test(size=(100, 30)) as pilot:
             await wait_for(pilot, lambda: app.ready is not None, 120)
             await send(pilot, "keep talking")
