@@ -178,12 +178,13 @@ def test_the_kernel_hub_warning_of_bitsandbytes_is_dropped(caplog):
 def test_one_shot_errors_reach_stderr_without_escape_codes(monkeypatch, capsys):
     """A tail ERROR (as the head raises it) carrying ANSI escapes: one plain line on stderr."""
     import sfchat.cli as cli
+    from sfchat.node import oneshot
     from sfchat.node.driver import LinkError
 
     def tail_error(*args):
         raise LinkError(HOSTILE_ERROR)
 
-    monkeypatch.setattr(cli, "one_shot", tail_error)
+    monkeypatch.setattr(oneshot, "one_shot", tail_error)
     assert cli.main(["--model", "/some/model", "--prompt", "hi"]) == cli.EXIT_LINK
     err = capsys.readouterr().err
     assert "re-enter your secret" in err and "\x1b" not in err and "\x07" not in err
