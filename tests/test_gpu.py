@@ -225,7 +225,7 @@ def test_graphed_engine_with_segmented_halves_keeps_greedy_parity(zoo, monkeypat
     from transformers import AutoModelForCausalLM
 
     import sfchat.node.loading as loading
-    from test_two_machines import noisy_copy
+    from machines import noisy_copy
 
     real = loading.resolve_devices
     monkeypatch.setattr(loading, "resolve_devices",

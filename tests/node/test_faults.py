@@ -21,7 +21,7 @@ import time
 import pytest
 
 import relay_process
-from test_two_machines import ENV, PROMPT, SECRET, TOKEN, local_tokens, start_relay
+from machines import ENV, PROMPT, SECRET, TOKEN, local_tokens, start_relay
 
 N_NEW = 40
 CODE = re.compile(r"pairing code: (\S+)")

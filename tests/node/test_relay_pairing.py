@@ -22,9 +22,10 @@ from sfchat.node import tail as tail_node
 from sfchat.node.worker import RuntimeWorker
 from sfchat.params import Ask
 from sfchat.link.secure import WrongCode
-from test_relay_link import TOKEN, relay  # noqa: F401  (the relay fixture)
-from test_relay_security import open_head, reply, settings
-from test_two_machines import PROMPT
+
+from threaded_relay import TOKEN, relay  # noqa: F401  (the relay fixture)
+from relay_heads import open_head, reply, settings
+from machines import PROMPT
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ from pathlib import Path
 import nbformat
 import pytest
 from relay_process import TOKEN
-from test_notebooks import SESSION, client, free_port, kernel_env, printed, with_parameters  # noqa: F401
+from notebook_kernels import SESSION, client, free_port, kernel_env, printed, with_parameters  # noqa: F401
 
 from sfchat.config import Settings
 from sfchat.events import CodeWanted, ReplyFinished, RuntimeReady

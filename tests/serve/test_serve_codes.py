@@ -20,9 +20,9 @@ import time
 
 import openai
 import pytest
-from test_serve import ask, client, settings_for
-from test_relay_link import TOKEN as LINK_TOKEN, relay  # noqa: F401  (the in-process relay fixture)
-from test_two_machines import ENV, SECRET, TOKEN, start_relay, start_tail
+from serve_clients import ask, client, settings_for
+from threaded_relay import TOKEN as LINK_TOKEN, relay  # noqa: F401  (the in-process relay fixture)
+from machines import ENV, SECRET, TOKEN, start_relay, start_tail
 
 from sfchat import UserError
 from sfchat.serve import cli

@@ -13,7 +13,7 @@ from sfchat.ui import SfchatApp
 from sfchat.ui.chat import reply_summary
 from sfchat.ui.widgets import HeaderBar
 
-from test_ui import READY, FakeRuntime, open_history, pilot_test, static_text, wait_for
+from pilots import READY, FakeRuntime, open_history, pilot_test, static_text, wait_for
 
 LOCAL_NO_DRAFT = replace(READY, draft="none", k=0, mode="local", split=15, n_layers=30, dtype="float32")
 

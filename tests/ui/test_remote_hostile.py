@@ -28,9 +28,8 @@ from sfchat.ui import SfchatApp
 from sfchat.ui.metrics import MetricsPanel
 from sfchat.ui.screens import ConfirmScreen
 
-from test_remote import WAIT, ScriptedHead, make_pair, until
-from test_ui import READY, FakeRuntime, pilot_test, send, wait_for
-from test_ui_screen import screen_lines
+from remote_pair import WAIT, ScriptedHead, make_pair, until
+from pilots import READY, FakeRuntime, pilot_test, screen_lines, send, wait_for
 
 
 def next_event(events: queue.Queue, kind: type):
@@ -329,7 +328,7 @@ class Meddler:
 def test_a_stalled_or_refused_chat_link_is_noticed_on_both_sides_and_shown(relay_url, monkeypatch, meddling):
     """Round five: after the relay replayed or withheld one sealed frame the host refused it and
     paired afresh, but the screen was never told: "generating" with no end."""
-    from test_remote import PIECES, REPLY, streamed
+    from remote_pair import PIECES, REPLY, streamed
 
     monkeypatch.setattr(chat, "KEEPALIVE_S", 0.2)  # the deadlines are the mechanism's, shortened for the test
     monkeypatch.setattr(chat, "SILENCE_S", 3.0)  # fifteen keepalives: a loaded machine delays one, not fifteen

@@ -21,7 +21,7 @@ from sfchat.node.worker import RuntimeWorker
 from sfchat.protocol.chat_events import reply_text
 from sfchat.remote.host import ChatHost
 
-from test_ui_real import one_shot_text
+from real_worker import one_shot_text
 
 SESSION = "remote-real"
 CODE = "5-crossover-clockwork"
@@ -51,7 +51,7 @@ SCREEN = NO_TORCH + textwrap.dedent("""
     from sfchat.remote.client import RemoteRuntime
     from sfchat.ui import SfchatApp
     from sfchat.ui.chat import ReplyMessage
-    from test_ui import send, wait_for
+    from pilots import send, wait_for
 
     async def main():
         runtime = RemoteRuntime(lambda: RelayLink({url!r}, {token!r}, {session!r}, "head"), {code!r}, {session!r})

@@ -9,10 +9,9 @@ from __future__ import annotations
 from sfchat.history import History
 from sfchat.params import Ask
 from sfchat.ui import SfchatApp
-from test_remote import REPLY, WAIT, ScriptedHead, make_pair
-from test_ui import pilot_test, send, wait_for
-from test_ui_resend import retype, shown
-from test_ui_system import set_system
+
+from remote_pair import REPLY, WAIT, ScriptedHead, make_pair
+from pilots import pilot_test, retype, send, set_system, shown, wait_for
 
 
 @pilot_test

@@ -13,8 +13,8 @@ from sfchat.params import Ask, GenParams
 from sfchat.ui import SfchatApp
 from sfchat.ui.chat import ChatView, Notice, ReplyMessage
 
-from test_ui import notices, pilot_test, send, wait_for
-from test_ui_real import RecordingWorker, settings_for
+from pilots import notices, pilot_test, send, wait_for
+from real_worker import RecordingWorker, settings_for
 
 SYSTEM = "be brief"
 PROMPTS = ["hello world", "the quick brown fox", "how are you today", "numbers 0 1 2 3", "and then"]

@@ -10,43 +10,14 @@ import textwrap
 import threading
 import time
 
-from sfchat.config import Settings
-from sfchat.events import LoadProgress, ReplyFinished, ReplyStarted, TokensCommitted
+from sfchat.events import LoadProgress, ReplyFinished, TokensCommitted
 from sfchat.history import History
-from sfchat.node.head import Head
-from sfchat.node.worker import RuntimeWorker
 from sfchat.params import Ask, GenParams
 from sfchat.ui import SfchatApp
 from sfchat.ui.chat import ReplyMessage
-from sfchat.protocol.wire import Sampling
 
-from test_ui import pilot_test, send, wait_for
-
-
-class RecordingWorker(RuntimeWorker):
-    """The real worker, keeping a copy of every event it reports."""
-
-    def start(self, listener) -> None:
-        self.events = []
-
-        def record(event):
-            self.events.append(event)
-            listener(event)
-
-        super().start(record)
-
-    def started(self) -> list[ReplyStarted]:
-        return [e for e in self.events if isinstance(e, ReplyStarted)]
-
-
-def one_shot_text(settings: Settings, prompt: str, n: int) -> str:
-    session = Head.open(settings)
-    ids = session.encode([{"role": "user", "content": prompt}])
-    return [e for e in session.reply(ids, n, Sampling()) if isinstance(e, ReplyFinished)][0].text
-
-
-def settings_for(zoo, model="llama-tied", **kw) -> Settings:
-    return Settings(model=str(zoo[model]), draft=str(zoo["draft"]), k=3, device="cpu", **kw)
+from pilots import pilot_test, send, wait_for
+from real_worker import RecordingWorker, one_shot_text, settings_for
 
 
 @pilot_test
@@ -130,7 +101,7 @@ DRIVER = textwrap.dedent("""
     from sfchat.node.worker import RuntimeWorker
     from sfchat.params import Ask, GenParams
     from sfchat.ui import SfchatApp
-    from test_ui import send, wait_for
+    from pilots import send, wait_for
 
     async def main():
         s = Settings(model={model!r}, draft="none", device="cpu")
