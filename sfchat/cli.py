@@ -15,9 +15,11 @@ dispatches to one of seven modes, each its own module, imported only when it run
 
 Every mode but ``--remote`` checks the relay first in relay mode (``node.startup.check_relay``:
 its URL, the token's presence, that it answers and takes the token), before anything is asked for
-or loaded; those that run a model settle the models and ask for the pairing code
-(``node.startup``) before they load, and the chat TUI refuses to start without a terminal before
-either. ``main(argv)`` runs it and turns a failure into an exit status: a user's mistake is one
+or loaded. Then, from ``node.startup``: the tail checks that the model side is installed (it makes its own
+pairing code when none is given); the head's modes (``--offer-chat``, ``--serve``, one-shot,
+the chat TUI) choose the models (``with_models``, which checks the model side too) and ask for
+the pairing code on a terminal (``ask_secret``), the chat TUI refusing to start without a terminal
+before either. ``main(argv)`` runs it and turns a failure into an exit status: a user's mistake is one
 ``sfchat: error: ...`` line on stderr (``EXIT_USER``), a failed link to the tail one line too
 (``EXIT_LINK``), anything else one ``internal error`` line (``EXIT_INTERNAL``; ``SFCHAT_DEBUG=1``
 shows its traceback), each text through ``plaintext.plain`` (it may quote a peer or the relay);
