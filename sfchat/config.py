@@ -19,7 +19,9 @@ model that ``sfchat-model smollm2`` builds into the user cache dir, with ``CPU_D
 
 Sampling: ``temperature``, ``top_k``, ``top_p`` and ``repetition_penalty`` stay None unless the user chose them; the
 head then takes the model's own defaults from its ``generation_config.json`` (bounded by the same
-``RULES``: ``model.generation``), and without those samples greedily.
+``RULES``: ``model.generation``), and without those samples greedily. Their ranges and the seed's
+are ``params.BOUNDS``; ``gen_params(settings)`` is the five as one ``params.GenParams``, and
+``given_params(settings)`` what a chat screen asks with every prompt (a ``params.Ask``).
 """
 
 from __future__ import annotations
@@ -36,8 +38,9 @@ import platformdirs
 
 from sfchat import UserError
 from sfchat.link.probe import SESSION_NAME
+from sfchat.params import BOUNDS, DEFAULT_MAX_NEW_TOKENS, Ask, GenParams
 from sfchat.protocol.handshake import MAX_LAYERS
-from sfchat.protocol.wire import MAX_NODES, REPETITION_PENALTY
+from sfchat.protocol.wire import MAX_NODES
 
 MAX_TREE_BUDGET = MAX_NODES - 1  # a frame holds the root and its drafts: at most MAX_NODES nodes on the wire
 
@@ -59,8 +62,6 @@ MAX_IN_FLIGHT = 16
 MAX_DRAFT_AHEAD = 64
 MAX_CONTEXT = 1 << 20  # tokens; the model's own window caps it further
 MAX_NEW_TOKENS = 1 << 20
-MAX_TEMPERATURE = 2.0  # the OpenAI API's range, which the server keeps too: above it replies turn to noise
-MAX_TOP_K = 1 << 20
 
 
 @dataclass
@@ -81,7 +82,7 @@ class Settings:
     load_in_8bit: bool = False  # int8 target slices (head and tail)
     draft_load_in_4bit: bool = False  # NF4 draft model
     max_context: int = 4096
-    max_new_tokens: int = 1024
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     temperature: float | None = None  # None: the model's own default, else 0 (greedy); see node.head.Head.sampling
     top_k: int | None = None  # None: the model's own default, else 0 (off)
     top_p: float | None = None  # None: the model's own default, else 1 (off)
@@ -195,9 +196,8 @@ RULES: dict[str, Rule] = {
     "device": TEXT, "draft_device": TEXT, "dtype": Rule(str, choices=("auto", "float32", "float16", "bfloat16")),
     "load_in_4bit": FLAG, "load_in_8bit": FLAG, "draft_load_in_4bit": FLAG,
     "max_context": Rule(int, 2, MAX_CONTEXT), "max_new_tokens": Rule(int, 1, MAX_NEW_TOKENS),
-    "temperature": Rule(float, 0, MAX_TEMPERATURE), "top_k": Rule(int, 0, MAX_TOP_K),
-    "top_p": Rule(float, 0, 1, above=True), "repetition_penalty": Rule(float, *REPETITION_PENALTY),
-    "seed": Rule(int, -(1 << 63), (1 << 64) - 1, shape="a whole number of at most 64 bits"),
+    **{name: Rule(b.kind, b.lo, b.hi, above=b.above) for name, b in BOUNDS.items() if name != "seed"},
+    "seed": Rule(int, BOUNDS["seed"].lo, BOUNDS["seed"].hi, shape="a whole number of at most 64 bits"),
     "system": Rule(str, lines=True), "chat_template": FLAG, "cuda_graphs": FLAG, "compile_draft": FLAG,
     "relay": TEXT, "token": TEXT,
     "session": Rule(str, pattern=SESSION_NAME, shape="1 to 64 characters of A-Z, a-z, 0-9, '.', '_' and '-'"),
@@ -205,7 +205,6 @@ RULES: dict[str, Rule] = {
     "round_timeout": Rule(float, 0, DAY_S, above=True), "reconnect_timeout": Rule(float, 0, DAY_S),
     "history": TEXT,
 }
-SAMPLING_SETTINGS = ("temperature", "top_k", "top_p", "repetition_penalty")  # None: the head's or the model's
 ENV = (("SFCHAT_MODEL", "model"), ("SFCHAT_TOKEN", "token"), ("SFCHAT_RELAY", "relay"),
        ("SFCHAT_SESSION", "session"), ("SFCHAT_SECRET", "secret"), ("SFCHAT_CODE", "secret"))
 
@@ -263,11 +262,14 @@ def merged(overrides: dict, path: Path | None = None) -> Settings:
     return dataclasses.replace(settings, **given)
 
 
-def given_params(settings: Settings) -> dict:
-    """The generation parameters a chat screen sends with every prompt: the reply limit, the seed,
-    and the sampling settings the user chose (the others are the head's to fill)."""
-    sampling = {k: getattr(settings, k) for k in SAMPLING_SETTINGS if getattr(settings, k) is not None}
-    return {"max_new_tokens": settings.max_new_tokens, "seed": settings.seed, **sampling}
+def gen_params(settings: Settings) -> GenParams:
+    """The sampling settings the user chose and the seed (None: the head's, else the model's, to fill)."""
+    return GenParams(**{name: getattr(settings, name) for name in BOUNDS})
+
+
+def given_params(settings: Settings) -> Ask:
+    """What a chat screen asks with every prompt: the reply limit and ``gen_params``."""
+    return Ask(settings.max_new_tokens, gen_params(settings))
 
 
 def cpu_model_dir() -> Path:

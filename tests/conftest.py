@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-# helpers shared across the folders (tinymodels, relay_process...) and tests that import each other's
-# fixtures (test_tail's hello_for, test_wire's frame) are found by their module names
+# helpers shared across the folders (tinymodels, relay_process...) and within them (ui/pilots,
+# engine/tail_cases, protocol/wire_frames...) are found by their module names
 for folder in [Path(__file__).parent, *sorted(p for p in Path(__file__).parent.iterdir() if p.is_dir()
                                               and not p.name.startswith("__"))]:
     sys.path.insert(0, str(folder))

@@ -34,6 +34,7 @@ import tinymodels
 from sfchat.config import Settings
 from sfchat.events import ReplyFinished
 from sfchat.node.head import Head
+from sfchat.params import GenParams
 from sfchat.protocol import wire
 from sfchat.protocol.wire import Sampling
 
@@ -149,7 +150,7 @@ def speculative_sample(session, ids, s: Sampling | None, n: int, first_seed: int
     (eos,) = session.eos
     counts, histogram = Counter(), np.zeros(wire.MAX_NODES, dtype=int)
     for i in range(n):
-        drawn = session.sampling(seed=first_seed + i) if s is None else replace(s, seed=first_seed + i)
+        drawn = session.sampling(GenParams(seed=first_seed + i)) if s is None else replace(s, seed=first_seed + i)
         final = reply(session, ids, N_NEW, drawn)
         counts[outcome(final.token_ids, eos)] += 1
         histogram[:len(final.accepted_histogram)] += final.accepted_histogram

@@ -12,27 +12,18 @@ import re
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
+from command_line import cli_env
 
-REPO = Path(__file__).resolve().parent.parent
 PROMPT = "hello world, how are you?"
 LONG_PROMPT = "the quick brown fox jumps over the lazy dog " * 4
 N_NEW = 12
 K_FROM_FILE = 3
 JSON_KEYS = {"text", "token_ids", "prompt_tokens", "rounds", "tokens_per_round", "accepted_histogram", "tps",
              "ttft_s", "round_ms", "rtt_ms"}
-
-
-def cli_env(home: Path) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SFCHAT_") or k == "SFCHAT_STATE_DIR"}
-    env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", HF_HOME=str(home / "hf"),
-               XDG_CONFIG_HOME=str(home / "config"), XDG_DATA_HOME=str(home / "data"),
-               PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""))
-    return env
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 from relay_process import TOKEN, start_relay
-from test_cli import REPO, cli_env
+from command_line import REPO, cli_env
 
 
 def sfchat(*args: str, env: dict, timeout: float = 120) -> subprocess.CompletedProcess:

@@ -17,7 +17,8 @@ from sfchat.config import (
     CPU_DRAFT, CPU_MODEL, GPU_DRAFT, GPU_MODEL, Settings, cpu_model_dir, machine_defaults, merged,
 )
 from sfchat.model import source
-from test_cli import cli_env
+
+from command_line import cli_env
 
 
 def test_without_a_gpu_and_a_model_the_cpu_default_is_chosen(tmp_path, monkeypatch):

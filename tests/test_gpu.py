@@ -225,8 +225,8 @@ def test_graphed_engine_with_segmented_halves_keeps_greedy_parity(zoo, monkeypat
     from transformers import AutoModelForCausalLM
 
     import sfchat.node.loading as loading
+    from machines import noisy_copy
     from sfchat.config import AUTO_TREE_BUDGET
-    from test_two_machines import noisy_copy
 
     real = loading.resolve_devices
     monkeypatch.setattr(loading, "resolve_devices",

@@ -15,19 +15,19 @@ REPO = Path(__file__).resolve().parents[1]
 
 # lowest first; a module may import its own layer and the layers below it
 LAYERS = [
-    ["sfchat", "sfchat.plaintext", "sfchat.events", "sfchat.tally"],
+    ["sfchat", "sfchat.plaintext", "sfchat.events", "sfchat.tally", "sfchat.params"],
     ["sfchat.protocol"],
     ["sfchat.link"],
-    ["sfchat.config", "sfchat.history", "sfchat.console"],
+    ["sfchat.config", "sfchat.flags", "sfchat.history", "sfchat.console"],
     ["sfchat.model"],
     ["sfchat.engine"],
     ["sfchat.node"],
     ["sfchat.ui", "sfchat.serve", "sfchat.remote"],
-    ["sfchat.cli", "sfchat.flags"],
+    ["sfchat.cli", "sfchat.tui"],
 ]
 # what never imports torch, directly or through the modules it imports
 TORCH_FREE = ["sfchat.protocol", "sfchat.link", "sfchat.ui", "sfchat.remote", "sfchat.events", "sfchat.tally", "sfchat.plaintext",
-              "sfchat.config", "sfchat.history", "sfchat.console", "sfchat.engine.policy", "sfchat.engine.live",
+              "sfchat.params", "sfchat.config", "sfchat.flags", "sfchat.history", "sfchat.console", "sfchat.engine.policy", "sfchat.engine.live",
               "sfchat.engine.frame", "relay"]
 
 

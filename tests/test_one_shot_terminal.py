@@ -8,9 +8,9 @@ import io
 
 import pytest
 
-from sfchat import cli
 from sfchat.config import Settings
 from sfchat.events import TokensCommitted
+from sfchat.node import oneshot
 from sfchat.node.head import Head
 
 HOSTILE = "line one\n\x1b]0;owned\x07\x1b[2J\ttabbed\x9b31m red\r\n"
@@ -37,7 +37,7 @@ def test_a_reply_reaches_a_terminal_as_plain_text(zoo, monkeypatch, tty):
     out = Terminal(tty)
     monkeypatch.setattr("sys.stdout", out)
     s = Settings(model=str(zoo["qwen2-untied"]), draft="none", k=0, device="cpu", max_new_tokens=2, max_context=128)
-    assert cli.one_shot(s, "hi", as_json=False) == 0
+    assert oneshot.one_shot(s, "hi", as_json=False) == 0
     text = out.getvalue()
     if tty:
         assert "line one\n" in text and "\ttabbed" in text and " red\n" in text

@@ -1,11 +1,11 @@
 """A model's own sampling defaults, read from its ``generation_config.json``.
 
 Contract: ``generation_defaults(source)`` returns the sampling settings the model's authors ship
-(``temperature``, ``top_p``, ``top_k``, ``repetition_penalty``; the keys the file sets, nothing
-else), as transformers' ``generate()`` and vLLM take them: a file whose ``do_sample`` is false (or
-absent, transformers' default) asks for greedy decoding and gives ``{"temperature": 0.0}`` (and
-its ``repetition_penalty``, which generate() applies to greedy decoding too); no file (or one
-that cannot be read) gives ``{}``. The file comes from a directory or a hub repository somebody else made,
+as a ``params.GenParams`` (``temperature``, ``top_p``, ``top_k``, ``repetition_penalty``; the keys
+the file sets, the others None), as transformers' ``generate()`` and vLLM take them: a file whose
+``do_sample`` is false (or absent, transformers' default) asks for greedy decoding and gives a
+temperature of 0.0 (and its ``repetition_penalty``, which generate() applies to greedy decoding
+too); no file (or one that cannot be read) gives ``GenParams()``, nothing set. The file comes from a directory or a hub repository somebody else made,
 so it is hostile: it is read only up to ``MAX_BYTES``, parsed by transformers'
 ``GenerationConfig`` (a file it refuses counts as none), and each value must pass the same
 ``config.RULES`` as a flag or the config file; a value that does not (a temperature of 50, a
@@ -21,6 +21,7 @@ import json
 from typing import NamedTuple
 
 from sfchat.config import RULES
+from sfchat.params import GenParams
 from sfchat.plaintext import plain
 
 FILE = "generation_config.json"
@@ -30,7 +31,7 @@ PENALTY = "repetition_penalty"  # read either way: generate() applies it to gree
 
 
 class Defaults(NamedTuple):
-    values: dict  # setting name -> value, each within config.RULES
+    values: GenParams  # within config.RULES (params.BOUNDS); None where the file sets nothing
     notes: tuple[str, ...] = ()  # values left out, and why, for the user
 
 
@@ -39,9 +40,9 @@ def generation_defaults(source) -> Defaults:
     try:
         path = source.file(FILE, optional=True)
     except (FileNotFoundError, OSError):
-        return Defaults({})
+        return Defaults(GenParams())
     except Exception as exc:  # the hub refused or failed: the model runs without its defaults
-        return Defaults({}, (f"{FILE} of {plain(source.name)} could not be fetched: {plain(exc)[:200]}",))
+        return Defaults(GenParams(), (f"{FILE} of {plain(source.name)} could not be fetched: {plain(exc)[:200]}",))
     with open(path, "rb") as f:
         raw = f.read(MAX_BYTES + 1)
     return parse(raw, plain(source.name))
@@ -52,14 +53,14 @@ def parse(raw: bytes, name: str = "the model") -> Defaults:
     from transformers import GenerationConfig
 
     if len(raw) > MAX_BYTES:
-        return Defaults({}, (f"{FILE} of {name} is over {MAX_BYTES >> 10} KiB: not read",))
+        return Defaults(GenParams(), (f"{FILE} of {name} is over {MAX_BYTES >> 10} KiB: not read",))
     try:
         data = json.loads(raw.decode("utf-8"))
         if type(data) is not dict:
             raise ValueError("not a JSON object")
         config = GenerationConfig.from_dict(dict(data))
     except Exception as exc:  # any refusal of a hostile file: the model runs without its defaults
-        return Defaults({}, (f"{FILE} of {name} is not a generation config ({plain(type(exc).__name__)}): not read",))
+        return Defaults(GenParams(), (f"{FILE} of {name} is not a generation config ({plain(type(exc).__name__)}): not read",))
     values, notes = {}, []
     keys = KEYS + (PENALTY,)
     if config.do_sample is not True:
@@ -71,4 +72,4 @@ def parse(raw: bytes, name: str = "the model") -> Defaults:
             values[key] = RULES[key].check(data[key])
         except ValueError as exc:
             notes.append(f"{FILE} of {name}: {key} {plain(exc)}; left out")
-    return Defaults(values, tuple(notes))
+    return Defaults(GenParams(**values), tuple(notes))

@@ -25,9 +25,10 @@ one the tail runs in this process; ``policy`` replaces the one that picks frames
   long; ``ReplyStarted.dropped_turns`` says how many), then ``reply``. Used by every front end
   that keeps a conversation (the chat screen, local or remote) and by one-shot; ``--serve``
   encodes and checks its clients' messages itself (``encode``, ``reply``).
-* ``sampling(temperature, top_k, top_p, seed, repetition_penalty)``: a reply's ``Sampling``, each value None taken from
-  the settings, else from the model's own ``generation_config.json`` (``model.generation``, read
-  once at ``open``; ``defaults.notes`` says what of it was left out), else greedy.
+* ``sampling(gen)``: a reply's ``Sampling`` from what it asks (a ``params.GenParams``), each value
+  None taken from the settings (``config.gen_params``), else from the model's own
+  ``generation_config.json`` (``model.generation``, read once at ``open``; ``defaults.notes`` says
+  what of it was left out), else ``params.BUILT_IN`` (greedy, a fresh seed for every reply).
 * ``watch(timeout)``, between replies: a link to the tail that is gone is reported and dialled
   again (``driver.RoundDriver.watch``).
 * ``new_chat()`` forgets the conversation (and what the window left out of it); ``close()`` closes the link.
@@ -42,7 +43,7 @@ import time
 from typing import Callable, Iterator
 
 from sfchat import UserError
-from sfchat.config import GPU_DRAFT, Settings
+from sfchat.config import GPU_DRAFT, Settings, gen_params
 from sfchat.events import ReplyFinished, ReplyStarted, RuntimeReady, TokensCommitted
 from sfchat.model.generation import Defaults, generation_defaults
 from sfchat.model.decoder import architecture
@@ -51,10 +52,9 @@ from sfchat.node.driver import RoundDriver
 from sfchat.node.loading import check_devices, check_same_tokenizer, open_engine, progress_events, uses_draft
 from sfchat.node.prompts import TextStream, encode, eos_ids, load_tokenizer, make_sampling, with_system
 from sfchat.node.window import ContextWindow
+from sfchat.params import BUILT_IN, GenParams
 from sfchat.protocol.wire import Sampling
 from sfchat.tally import Tally
-
-BUILT_IN = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "repetition_penalty": 1.0}  # greedy, without the model's or the user's choice
 
 
 def open_draft(s: Settings, tokenizer, on_event: Callable) -> ModelSource:
@@ -97,20 +97,12 @@ class Head:
         engine, info = open_engine(s, on_event, link, src, dsrc, policy, redial)
         return cls(s, tokenizer, engine, eos_ids(src, tokenizer), info, generation_defaults(src))
 
-    def sampling(self, temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
-                 seed: int | None = None, repetition_penalty: float | None = None) -> Sampling:
+    def sampling(self, gen: GenParams = GenParams()) -> Sampling:
         """One reply's sampling: each value given, else the setting (a flag, the config file), else
         the model's own default (its generation_config.json), else greedy, top-k, top-p and the
-        repetition penalty off."""
-        def pick(name: str, given):
-            for value in (given, getattr(self.settings, name), self.defaults.values.get(name)):
-                if value is not None:
-                    return value
-            return BUILT_IN[name]
-
-        return make_sampling(pick("temperature", temperature), pick("top_k", top_k), pick("top_p", top_p),
-                             seed if seed is not None else self.settings.seed,
-                             pick("repetition_penalty", repetition_penalty))
+        repetition penalty off; without a seed anywhere, a fresh one."""
+        g = gen.over(gen_params(self.settings)).over(self.defaults.values).over(BUILT_IN)
+        return make_sampling(g.temperature, g.top_k, g.top_p, g.seed, g.repetition_penalty)
 
     def encode(self, messages: list[dict]) -> list[int]:
         """Prompt ids of a conversation, under the system prompt rule."""

@@ -50,6 +50,7 @@ from sfchat.events import CodeWanted, LinkState, RuntimeFailed
 from sfchat.link.secure import SecretMismatch
 from sfchat.node.connect import HeadDialer
 from sfchat.node.head import Head, open_sources
+from sfchat.params import Ask
 
 STOP = object()  # the request that ends the thread
 WATCH_S = 1.0  # how often an idle thread looks at its link
@@ -154,9 +155,9 @@ class RuntimeWorker(CudaThread):
         self.listener = listener
         super().start()
 
-    def submit(self, messages: list[dict], params: dict) -> None:
+    def submit(self, messages: list[dict], params: Ask) -> None:
         self.cancelled.clear()
-        self.requests.put(("submit", messages, dict(params)))
+        self.requests.put(("submit", messages, params))
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -229,10 +230,7 @@ class RuntimeWorker(CudaThread):
             self._replying = False
         return True
 
-    def _reply(self, messages: list[dict], params: dict) -> None:
-        s = self.settings
-        sampling = self.head.sampling(params.get("temperature"), params.get("top_k"), params.get("top_p"),
-                                      params.get("seed"), params.get("repetition_penalty"))
-        limit = int(params.get("max_new_tokens", s.max_new_tokens))
-        for event in self.head.ask(messages, limit, sampling, self.cancelled.is_set):
+    def _reply(self, messages: list[dict], params: Ask) -> None:
+        for event in self.head.ask(messages, params.max_new_tokens, self.head.sampling(params.gen),
+                                   self.cancelled.is_set):
             self.listener(event)

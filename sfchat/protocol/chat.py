@@ -27,30 +27,31 @@ nothing for ``SILENCE_S`` takes the link as stalled (a relay holding frames back
 other side ended): the client dials again and resumes, the host ends that pairing.
 
 Most messages are ``Tabled``: their ``BOUNDS`` (one ``chat_events`` bound per field, checked
-against the dataclass's fields at import) say how each field is sent and checked; ``Submit``,
-``Params`` and ``Update`` check theirs by hand. An ``Update`` carries one runtime event as
+against the dataclass's fields at import) say how each field is sent and checked; ``Submit``
+and ``Update`` check theirs by hand. A ``Submit``'s parameters are a ``params.Ask`` (the reply's
+token limit and its ``params.GenParams``), sent as one flat object (``params_body``) and checked
+within ``params.BOUNDS`` (``parse_params``). An ``Update`` carries one runtime event as
 ``protocol.chat_events`` writes it: the event's own fields, each within its bound, and nothing of
 what the client has already (a finished reply travels as a ``chat_events.Finished``);
 ``chat_events.update_event`` makes what a person will see of it plain. ``encode`` refuses
 (``ChatError``) what ``decode`` would refuse. ``decode`` raises ``ChatError`` (a
 ``wire.WireError``) for anything that is not one of these messages, never another exception: the
-checks of ``protocol.fields`` and ``chat_events`` raise ``WireError``, which ``decode`` (and
-``Params.of``, for the UI's own parameters) words as a ``ChatError`` naming the message.
-Torch-free; imports nothing of sfchat but ``fields``, ``chat_events`` and the wire's error and
-strict JSON.
+checks of ``protocol.fields`` and ``chat_events`` raise ``WireError``, which ``decode`` words as
+a ``ChatError`` naming the message. Torch-free; imports nothing of sfchat but ``params``,
+``fields``, ``chat_events`` and the wire's error and strict JSON.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import re
 import struct
 from dataclasses import dataclass
 
+from sfchat.params import BOUNDS, Ask, GenParams
 from sfchat.protocol.chat_events import Bound, Flag, Text, Whole, event_body, event_of, fits, sent, taken
 from sfchat.protocol.fields import MAX_EXACT, array, integer, number, required, shown, text
-from sfchat.protocol.wire import REPETITION_PENALTY, WireError, from_json, to_json
+from sfchat.protocol.wire import WireError, from_json, to_json
 
 MAGIC = b"SFCT"
 CHAT_VERSION = 1
@@ -61,6 +62,7 @@ MAX_REQUEST = MAX_SEQ
 MAX_CODE = 256
 MAX_MESSAGES = 4096  # turns of a conversation
 MAX_CONVERSATION_CHARS = 1 << 20
+MAX_NEW_TOKENS = 1 << 20
 ROLES = ("system", "user", "assistant")
 CLIENT_ID = re.compile(r"[0-9a-f]{32}")
 KEEPALIVE_S = 5.0  # an attached side sends at least this often
@@ -121,44 +123,30 @@ class Attach(Tabled):
         return msg
 
 
-@dataclass(frozen=True)
-class Params:
-    """Generation parameters of a request, in the ranges ``sfchat.config`` allows; a sampling
-    setting None is the head's to choose (its flags, else the model's own default)."""
+def params_body(ask: Ask) -> dict:
+    """A ``Submit``'s parameters as they travel: one flat object, a sampling value None for the head's."""
+    gen = ask.gen
+    return {"max_new_tokens": ask.max_new_tokens, "temperature": gen.temperature, "top_k": gen.top_k,
+            "top_p": gen.top_p, "seed": gen.seed, "repetition_penalty": gen.repetition_penalty}
 
-    max_new_tokens: int = 1024
-    temperature: float | None = None
-    top_k: int | None = None
-    top_p: float | None = None
-    seed: int | None = None
-    repetition_penalty: float | None = None
 
-    def as_dict(self) -> dict:
-        return dataclasses.asdict(self)
+def parse_params(d) -> Ask:
+    """A ``Submit``'s parameters, each within ``params.BOUNDS`` (None: the head's to choose)."""
+    if type(d) is not dict:
+        raise ChatError("params is not an object")
 
-    @classmethod
-    def parse(cls, d) -> "Params":
-        if type(d) is not dict:
-            raise ChatError("params is not an object")
-        seed = d.get("seed")
-        if seed is not None and (type(seed) is not int or not -(1 << 63) <= seed < (1 << 64)):
-            raise ChatError(f"seed={shown(seed)} is not a whole number of at most 64 bits")
-        top_p = None if d.get("top_p") is None else number(d, "top_p", 0.0, 1.0)
-        if top_p is not None and top_p <= 0:
-            raise ChatError("top_p must be above 0")
-        temperature = None if d.get("temperature") is None else number(d, "temperature", 0.0, 2.0)
-        top_k = None if d.get("top_k") is None else integer(d, "top_k", 0, 1 << 20)
-        penalty = None if d.get("repetition_penalty") is None else number(d, "repetition_penalty", *REPETITION_PENALTY)
-        return cls(integer(d, "max_new_tokens", 1, 1 << 20), temperature, top_k, top_p, seed, penalty)
+    def given(key: str, check):
+        return None if d.get(key) is None else check(d, key, BOUNDS[key].lo, BOUNDS[key].hi)
 
-    @classmethod
-    def of(cls, params: dict) -> "Params":
-        """The UI's params dict (missing keys: the defaults), checked as a peer's would be."""
-        base = cls().as_dict() | {k: v for k, v in params.items() if k in cls.__dataclass_fields__}
-        try:
-            return cls.parse(base)
-        except WireError as exc:
-            raise ChatError(str(exc)) from None
+    seed = d.get("seed")
+    if seed is not None and not BOUNDS["seed"].fits(seed):
+        raise ChatError(f"seed={shown(seed)} is not a whole number of at most 64 bits")
+    top_p = given("top_p", number)
+    if top_p is not None and top_p <= BOUNDS["top_p"].lo:
+        raise ChatError("top_p must be above 0")
+    gen = GenParams(temperature=given("temperature", number), top_k=given("top_k", integer), top_p=top_p,
+                    repetition_penalty=given("repetition_penalty", number), seed=seed)
+    return Ask(integer(d, "max_new_tokens", 1, MAX_NEW_TOKENS), gen)
 
 
 @dataclass(frozen=True)
@@ -166,10 +154,10 @@ class Submit:
     seq: int
     request: int  # the client's number for this reply (1, 2, 3 ...)
     messages: tuple[tuple[str, str], ...]  # (role, content): the whole conversation
-    params: Params
+    params: Ask
 
     def body(self) -> dict:
-        return {"seq": self.seq, "request": self.request, "params": self.params.as_dict(),
+        return {"seq": self.seq, "request": self.request, "params": params_body(self.params),
                 "messages": [{"role": r, "content": c} for r, c in self.messages]}
 
     @classmethod
@@ -184,7 +172,7 @@ class Submit:
         if total > MAX_CONVERSATION_CHARS or not turns:
             raise ChatError(f"a conversation of 1..{MAX_MESSAGES} messages, {MAX_CONVERSATION_CHARS} characters")
         return cls(integer(d, "seq", 1, MAX_SEQ), integer(d, "request", 1, MAX_REQUEST), tuple(turns),
-                   Params.parse(required(d, "params")))
+                   parse_params(required(d, "params")))
 
 
 SEQ = Whole(1, MAX_SEQ)

@@ -28,7 +28,8 @@ Bodies:
   an older tree than the tail's newest is dropped unread. ``hidden`` holds the head slice's
   output for the frame's tokens as raw bytes (``dtype`` code, row-major ``n_tokens x
   hidden_size``); the sampling parameters travel with every frame, so each is self-contained:
-  temperature, top-k, top-p, seed and repetition penalty (``REPETITION_PENALTY``'s range; 1.0: off).
+  temperature, top-k, top-p, seed and repetition penalty (``params.REPETITION_PENALTY``'s range;
+  1.0: off).
 * VERDICT (tail -> head): for the tree FORWARD of the same ``round``: the frame's nodes that the
   target's walk committed (``path``, uint16 indices into the frame, ascending, at most
   ``MAX_DEPTH``; empty when no node of the frame was on the committed path) and the target's pick
@@ -51,6 +52,8 @@ import json
 import struct
 from dataclasses import dataclass, field
 
+from sfchat.params import REPETITION_PENALTY  # the range every source of a repetition penalty is held to
+
 MAGIC = b"SFCH"
 PROTOCOL_VERSION = 5
 
@@ -67,7 +70,6 @@ MAX_TOKENS_PER_FRAME = 1 << 12
 MAX_HIDDEN_SIZE = 1 << 15
 MAX_DEPTH = 64  # the deepest a tree FORWARD's nodes reach below nodes outside it; a verdict's path
 MAX_NODES = 256  # nodes of a tree FORWARD
-REPETITION_PENALTY = (0.01, 10.0)  # the range every source of a repetition penalty is held to; 1.0: off
 MAX_SCRATCH = 1 << 13  # KV slots past the model's context a head may ask a tail for (its live nodes)
 
 

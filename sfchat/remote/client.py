@@ -49,6 +49,7 @@ from sfchat.link import LinkClosed, PeerGone
 from sfchat.link.pairing import check_code
 from sfchat.link.resume import Resumption
 from sfchat.link.secure import IntegrityError, PairingRefused, WrongCode, secure
+from sfchat.params import Ask
 from sfchat.plaintext import plain
 from sfchat.protocol import chat, chat_events
 from sfchat.remote.outbox import Outbox
@@ -91,9 +92,8 @@ class RemoteRuntime:
         self.thread = threading.Thread(target=self._main, name="sfchat-remote", daemon=True)
         self.thread.start()
 
-    def submit(self, messages: list[dict], params: dict) -> None:
+    def submit(self, messages: list[dict], asked: Ask) -> None:
         turns = tuple((m["role"], m["content"]) for m in messages)
-        asked = chat.Params.of(params)
         with self._cond:
             self._next_request += 1
             request = self._next_request

@@ -177,7 +177,7 @@ class ChatHost:
 
     def _forward(self, msg: chat.Submit) -> None:
         self._requests.append(msg.request)
-        self.runtime.submit([{"role": r, "content": c} for r, c in msg.messages], msg.params.as_dict())
+        self.runtime.submit([{"role": r, "content": c} for r, c in msg.messages], msg.params)
 
     def _attach(self, msg: chat.Attach, link) -> None:
         with self._lock:

@@ -303,9 +303,8 @@ def build_app(generator: GenerationThread, metrics: ServerMetrics, options: Serv
             except RuntimeError:  # the loop is gone (shutting down): nobody is listening
                 pass
 
-        job = Job(ids, req.max_tokens or min(s.max_new_tokens, info.max_context),
-                  req.temperature, req.top_k, req.top_p, req.seed, req.stop, deliver,
-                  repetition_penalty=req.repetition_penalty, client=request.client.host if request.client else "")
+        job = Job(ids, req.max_tokens or min(s.max_new_tokens, info.max_context), req.gen, req.stop, deliver,
+                  client=request.client.host if request.client else "")
         try:
             generator.submit(job)
         except QueueFull:

@@ -51,6 +51,7 @@ from sfchat.link.pairing import require_secret
 from sfchat.link.secure import CodeNeeded, SecretMismatch
 from sfchat.events import LinkState, ReplyFinished, ReplyStarted, TokensCommitted
 from sfchat.node.worker import STOP, CudaThread, open_head
+from sfchat.params import GenParams
 from sfchat.plaintext import plain
 from sfchat.serve.metrics import ServerMetrics
 from sfchat.serve.stops import StopMatcher
@@ -72,13 +73,9 @@ class TokenizerBusy(Exception):
 class Job:
     prompt_ids: list[int]
     max_tokens: int
-    temperature: float | None  # None (each of these three): the head's settings, else the model's default
-    top_k: int | None
-    top_p: float | None
-    seed: int | None
+    gen: GenParams  # each value None: the head's setting, else the model's default
     stops: tuple[str, ...]
     deliver: Callable[[tuple], None]
-    repetition_penalty: float | None = None  # None: the head's setting, else the model's default
     client: str = ""  # who asks (an address): only its own conversation's KV cache is reused
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.perf_counter)
@@ -221,7 +218,7 @@ class GenerationThread(CudaThread):
             self.cache_client = job.client
         queued_s = time.perf_counter() - job.submitted
         stops = StopMatcher(job.stops)
-        sampling = session.sampling(job.temperature, job.top_k, job.top_p, job.seed, job.repetition_penalty)
+        sampling = session.sampling(job.gen)
         tokens: list[int] = []
         started = final = None
         for ev in session.reply(job.prompt_ids, job.max_tokens, sampling,

@@ -8,7 +8,7 @@ and no API key is set, loads the session on the generation thread (progress and 
 as lines on stderr, as in one-shot mode), prints the URL, and serves until interrupted.
 ``Server(settings, options, open_head=...)`` is the same as an object: ``start()`` returns once it
 accepts connections (``url`` then names it; port 0 picks a free one), ``close()`` stops it.
-The tests, ``bench/serve_load.py`` and ``sfchat.cli.start_server`` (a notebook's cell) run it
+The tests, ``bench/serve_load.py`` and ``serve.cli.start_server`` (a notebook's cell) run it
 in-process that way; ``set_code(code)`` gives a running server a new pairing code. ``api_key_from(flag)``: the
 flag (with a warning on stderr: a command line is visible to every user of the machine), else
 ``SFCHAT_API_KEY``. uvicorn runs with its h11 protocol behind the ``gate`` (no socket-counting

@@ -30,7 +30,7 @@ import math
 import os
 from dataclasses import dataclass
 
-from sfchat.protocol.wire import REPETITION_PENALTY
+from sfchat.params import BOUNDS, GenParams
 
 ROLES = {"system", "developer", "user", "assistant"}
 MAX_STOPS = 4
@@ -69,11 +69,9 @@ class ChatRequest:
     messages: tuple[dict, ...]  # {"role": ..., "content": str}; "developer" is given as "system"
     model: str | None = None
     max_tokens: int | None = None  # None: the server's --max-new-tokens
-    temperature: float | None = None  # None: the server's --temperature, else the model's own default
-    top_p: float | None = None
-    top_k: int | None = None  # an extension (vLLM has it too)
-    repetition_penalty: float | None = None  # an extension, as vLLM takes it (generate()'s, not OpenAI's penalties)
-    seed: int | None = None
+    # temperature, top_p, seed; top_k and repetition_penalty as vLLM's extensions (generate()'s, not
+    # OpenAI's penalties): each None for the server's flag, else the model's own default
+    gen: GenParams = GenParams()
     stop: tuple[str, ...] = ()
     stream: bool = False
     include_usage: bool = False  # stream_options.include_usage
@@ -113,6 +111,18 @@ def _number(body: dict, name: str, lo: float, hi: float, lo_open: bool = False) 
     if v < lo or v > hi or (lo_open and v == lo):
         raise bad(f"'{name}' must be {'>' if lo_open else '>='} {lo} and <= {hi}, not {v}", name)
     return float(v)
+
+
+def _gen(body: dict) -> GenParams:
+    """The sampling values a request sets, each within ``params.BOUNDS``, checked in this order."""
+    def number(name: str) -> float | None:
+        return _number(body, name, BOUNDS[name].lo, BOUNDS[name].hi, lo_open=BOUNDS[name].above)
+
+    def integer(name: str) -> int | None:
+        return _integer(body, name, BOUNDS[name].lo, BOUNDS[name].hi)
+
+    return GenParams(temperature=number("temperature"), top_p=number("top_p"), top_k=integer("top_k"),
+                     repetition_penalty=number("repetition_penalty"), seed=integer("seed"))
 
 
 def _integer(body: dict, name: str, lo: int, hi: int) -> int | None:
@@ -212,10 +222,7 @@ def parse_chat_request(raw: bytes, limits: Limits = Limits()) -> ChatRequest:
     return ChatRequest(
         messages=_messages(body.get("messages"), limits), model=model,
         max_tokens=max_completion if max_completion is not None else max_tokens,
-        temperature=_number(body, "temperature", 0.0, 2.0), top_p=_number(body, "top_p", 0.0, 1.0, lo_open=True),
-        top_k=_integer(body, "top_k", 0, 1 << 20),
-        repetition_penalty=_number(body, "repetition_penalty", *REPETITION_PENALTY), seed=_integer(body, "seed", -(1 << 63), (1 << 64) - 1),
-        stop=_stops(body.get("stop")), stream=bool(stream), include_usage=include_usage)
+        gen=_gen(body), stop=_stops(body.get("stop")), stream=bool(stream), include_usage=include_usage)
 
 
 # -- responses --------------------------------------------------------------------------------------

@@ -28,7 +28,6 @@ This module never imports torch, ``sfchat.model``, ``sfchat.engine`` or ``sfchat
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 from textual.app import ComposeResult
 from textual.binding import Binding
@@ -40,6 +39,7 @@ from sfchat.events import (
     TokensCommitted,
 )
 from sfchat.history import History, HistoryError
+from sfchat.params import Ask
 from sfchat.plaintext import plain
 from sfchat.ui.actions import UserActions
 from sfchat.ui.chat import ChatView, ReplyMessage, dropped_notice, reply_summary
@@ -83,23 +83,24 @@ class SfchatApp(UserActions):
         self,
         runtime: Runtime,
         history: History | str | Path | None = None,
-        params: dict[str, Any] | None = None,
+        params: Ask | None = None,
         title: str = "sfchat",
         system: str | None = None,
     ) -> None:
         """``history``: a ``History`` (left open at exit), a database path (opened here and
         closed at exit), or None for a history kept in memory only; construct the app on the
         thread that runs it, which then owns the connection. ``params``: the generation
-        parameters sent with every prompt. ``title``: the header line until the runtime is
-        ready. ``system``: the system prompt of the chats that have none of their own
-        (``--system``; None: the head's own rule)."""
+        parameters sent with every prompt (None: ``params.Ask()``, the default reply limit and
+        all sampling left to the head). ``title``: the header line until the runtime is ready.
+        ``system``: the system prompt of the chats that have none of their own (``--system``;
+        None: the head's own rule)."""
         super().__init__()
         self.runtime = runtime
         self._owns_history = not isinstance(history, History)
         self.history = history if isinstance(history, History) else History(history or ":memory:")
         self.session = ChatSession(self.history, on_error=lambda exc: self.call_later(self._history_failed, exc),
                                    default_system=system)
-        self.params = dict(params or {})
+        self.params = params or Ask()
         self.header_title = title
         self.ready: RuntimeReady | None = None
         self.failed = False
@@ -344,7 +345,7 @@ class SfchatApp(UserActions):
         self._set_state("waiting")
         self._flush_timer.resume()
         try:
-            self.runtime.submit(messages, dict(self.params))
+            self.runtime.submit(messages, self.params)
         except Exception as exc:  # a refused submit is an error notice, not a crash
             await self._runtime_failed(RuntimeFailed(str(exc) or type(exc).__name__))
 
@@ -369,7 +370,7 @@ class SfchatApp(UserActions):
 
 
 def run_tui(runtime: Runtime, history: History | str | Path | None = None,
-            params: dict[str, Any] | None = None, title: str = "sfchat", system: str | None = None) -> None:
+            params: Ask | None = None, title: str = "sfchat", system: str | None = None) -> None:
     """Run the chat app in the terminal until the user quits."""
     SfchatApp(runtime, history, params, title, system).run()
 

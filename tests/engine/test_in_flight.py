@@ -15,7 +15,7 @@ from sfchat.protocol import wire
 from sfchat.protocol.wire import Sampling, decode, encode
 
 from flight_links import Always, Pipelined
-from test_engine import PROMPT, reference
+from engine_runs import PROMPT, reference
 
 K = 4
 TARGET = "qwen2-untied"

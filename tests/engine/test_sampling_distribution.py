@@ -24,6 +24,7 @@ from sampling_cases import (
     ALPHA, K, PROMPT, SAMPLING, VIEWS, combined, describe, generate_sample, gof_pvalue, load,
     parallel_speculative_sample, project, view_pvalues,
 )
+from sfchat.params import GenParams
 
 # Speculative replies are the costly side (~15 ms each on one core: ~1.7 rounds of 5 forwards;
 # they are spread over two processes). 2800 of them catch a smooth shift of 5% of the first
@@ -77,7 +78,7 @@ def test_speculative_sampling_is_distributed_as_generate(models, prompt_ids, exa
 
     session = load(models)
     assert session.encode(PROMPT) == prompt_ids
-    assert session.sampling(seed=0) == replace(SAMPLING, seed=0)  # the model's defaults, no flag given
+    assert session.sampling(GenParams(seed=0)) == replace(SAMPLING, seed=0)  # the model's defaults, no flag given
     spec, histogram = parallel_speculative_sample(models, prompt_ids, None, N_SPEC, first_seed=0)
     # every depth of the walk ran often: 0..K drafts on the committed path
     assert (histogram[:K + 1] >= 150).all(), histogram

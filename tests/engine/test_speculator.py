@@ -23,7 +23,7 @@ from sfchat.protocol import wire
 from sfchat.protocol.wire import Sampling
 
 from flight_links import Pipelined
-from test_engine import PROMPT
+from engine_runs import PROMPT
 
 K = 4
 TARGET = "qwen2-untied"

@@ -21,7 +21,8 @@ from sfchat.model import source
 from sfchat.engine.verifier import UNEXPECTED, TailError, Verifier
 from sfchat.node.tail_loader import TailLoader
 from sfchat.protocol.wire import FORWARD_FIXED, HEADER, MAGIC, PROTOCOL_VERSION, MsgType
-from test_tail import K, check_serves, hello_for, tail_case  # noqa: F401  (the tail_case fixture)
+
+from tail_cases import K, check_serves, hello_for, tail_case  # noqa: F401  (the tail_case fixture)
 
 N_FRAMES = 10_000
 SEED = 20_261_201

@@ -11,7 +11,8 @@ import torch
 from sfchat.engine.verifier import Verifier
 from sfchat.node.tail_loader import TailLoader
 from sfchat.protocol.wire import HEADER, MAGIC, PROTOCOL_VERSION, DType, Forward, MsgType, Sampling, decode, encode
-from test_tail import K, check_serves, hello_for, replies, tail_case  # noqa: F401  (the tail_case fixture)
+
+from tail_cases import K, check_serves, hello_for, replies, tail_case  # noqa: F401  (the tail_case fixture)
 
 
 def raw_hello(path, **raw_fields) -> bytes:

@@ -23,7 +23,7 @@ from sfchat.protocol.wire import Sampling
 
 from conftest import FAMILIES
 from tree_masks import tree_mask
-from test_engine import PROMPT, reference, run
+from engine_runs import PROMPT, reference, run
 
 TARGETS = [f"{f}-{'tied' if t else 'untied'}" for f, t in FAMILIES]
 N_NEW = 40
@@ -134,7 +134,7 @@ def test_lookup_finds_what_followed_the_latest_occurrence():
 def test_tree_rounds_through_the_relay_equal_generate(zoo):
     """Relay mode, sealed, real processes: a tree-budget head against a tail told the budget by
     the hello; greedy output equals generate() and --json reports the tree figures."""
-    from test_two_machines import generate_reference, head, start_relay, start_tail
+    from machines import generate_reference, head, start_relay, start_tail
 
     relay, url = start_relay()
     tail = start_tail(url, "trees", zoo["qwen2-untied"].parent)

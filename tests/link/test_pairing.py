@@ -1,5 +1,5 @@
 """Pairing by a short code (sfchat.link.pairing, sfchat.link.codes and the pairing frames of
-sfchat.link.pairer) over the meddling in-memory relay of test_secure_link: what a capture holds,
+sfchat.link.pairer) over the meddling in-memory relay of sealed_pairs: what a capture holds,
 what one attempt tests, how the tail budgets code attempts (they wait for a turn, never a lock;
 the code is never replaced), and that nothing a would-be head sends makes the tail raise or leave."""
 
@@ -19,18 +19,12 @@ from sfchat.link import PeerGone
 from sfchat.link.pairer import AGAIN, MAGIC, OPEN, REFUSE, HeadPairer
 from sfchat.link.pairing import ATTEMPT_INTERVAL_S, BURST, Passcode
 from sfchat.link.secure import IntegrityError, PairingRefused, SecureLink, WrongCode
-from test_secure_link import SECRET, Relay, fuzz, handshake_both, pair
+
+from sealed_pairs import SECRET, Relay, fuzz, handshake_both, pair, shared_windows
 
 
 def captured(relay: Relay) -> list[bytes]:
     return [frame for _, frame in relay.captured]
-
-
-def shared_windows(a: list[bytes], b: list[bytes], width: int = 8, skip: int = 8) -> list[bytes]:
-    """Byte strings of ``width`` that frames of ``a`` (past their first ``skip`` header bytes) share
-    with frames of ``b``."""
-    other = b"\xff".join(b)
-    return [f[i:i + width] for f in a for i in range(skip, len(f) - width + 1) if f[i:i + width] in other]
 
 
 def test_a_capture_of_a_pairing_holds_nothing_that_depends_on_the_code_alone():

@@ -19,7 +19,8 @@ import pytest
 from sfchat import UserError
 from sfchat.link.probe import HINT, check_url, probe
 from sfchat.link.relay import RelayLink
-from test_relay_link import TOKEN, relay  # noqa: F401  (the relay fixture)
+
+from threaded_relay import TOKEN, relay  # noqa: F401  (the relay fixture)
 
 ENV = {k: v for k, v in os.environ.items() if not k.startswith("SFCHAT_") or k == "SFCHAT_STATE_DIR"}
 

@@ -1,5 +1,5 @@
 """Resumption (sfchat.link.resume and the RESUME frames of sfchat.link.pairer) over the meddling
-in-memory relay of test_secure_link: a code pairing leaves both sides one secret, a restarted
+in-memory relay of sealed_pairs: a code pairing leaves both sides one secret, a restarted
 tail that kept it pairs again with no code, a stranger still needs the code, a capture of a
 resumption holds nothing to test offline, and the tail's file is private and written whole."""
 
@@ -14,8 +14,8 @@ from sfchat.link.pairer import DATA, OPEN, RESUME
 from sfchat.link.pairing import BURST, SECRET_BYTES, Passcode
 from sfchat.link.resume import Resumption, ResumeFile
 from sfchat.link.secure import SecureLink, WrongCode
-from test_pairing import shared_windows
-from test_secure_link import SECRET, Relay, handshake_both
+
+from sealed_pairs import SECRET, Relay, handshake_both, shared_windows
 
 RESTARTED_CODE = "9-restarted-tail"  # what a restarted tail prints: the head never typed it
 

@@ -16,7 +16,7 @@ from sfchat.model.slices import ModelSlice
 from sfchat.model.source import ModelSource
 from sfchat.protocol.handshake import Hello
 
-from test_memory import gpus, qwen7b  # noqa: F401  (a fixture and a config)
+from memory_configs import gpus, qwen7b  # noqa: F401  (a fixture and a config)
 
 
 def test_one_device_holds_one_workspace_and_one_graph_pool():

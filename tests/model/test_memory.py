@@ -24,13 +24,9 @@ from sfchat.model.slices import ModelSlice
 from sfchat.model.source import ModelSource
 from sfchat.protocol.wire import Sampling
 
-T4_FREE = int(14.5 * GIB)  # what a 15 GB T4 has free once CUDA is up
+from memory_configs import T4S, T4_FREE, gpus, qwen05b, qwen32b, qwen72b, qwen7b  # noqa: F401  (fixture)
+
 CTX = 4096 + 8 + 1
-
-
-def qwen7b():
-    return Qwen2Config(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
-                       num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False)
 
 
 def qwen14b():
@@ -38,37 +34,7 @@ def qwen14b():
                        num_key_value_heads=8, vocab_size=152064, tie_word_embeddings=False)
 
 
-def qwen32b():
-    return Qwen2Config(hidden_size=5120, intermediate_size=27648, num_hidden_layers=64, num_attention_heads=40,
-                       num_key_value_heads=8, vocab_size=152064, tie_word_embeddings=False)
-
-
-def qwen72b():
-    return Qwen2Config(hidden_size=8192, intermediate_size=29568, num_hidden_layers=80, num_attention_heads=64,
-                       num_key_value_heads=8, vocab_size=152064, tie_word_embeddings=False)
-
-
-def qwen05b():
-    return Qwen2Config(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                       num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True)
-
-
-@pytest.fixture
-def gpus(monkeypatch):
-    """Fake CUDA devices: ``free[i]`` bytes free on cuda:i (set by the test), nothing cached by torch."""
-    free = {0: T4_FREE, 1: T4_FREE}
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: len(free))
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: (free[torch.device(d).index], 15 * GIB))
-    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d: 0)
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d: 0)
-    monkeypatch.delenv("SFCHAT_NO_MEMORY_CHECK", raising=False)
-    return free
-
-
 AUTO = [(64, True)]  # --tree-budget auto on a GPU: one frame of 63 drafts and the root
-T4S = [torch.device("cuda:0"), torch.device("cuda:1")]
 
 
 def draft_plan(device, quant="none", **kw):
@@ -148,7 +114,7 @@ def test_2_plus_2_t4s_each_gpu_with_its_share(gpus):
     totals = {d: total for d, (total, _) in memory.per_device(plan).items()}
     assert abs(totals[T4S[0]] - totals[T4S[1]]) < 1.5 * layer  # balanced to within a layer or so
     assert plan[0][2].weights - 152064 * 5120 * 2 < plan[1][2].weights  # fewer layers beside the embedding
-    # 5 graphs per segment: the 65-node frame, per window; the draft's 2: its step, greedy and sampled, compiled
+    # 5 graphs per segment: the 64-node frame, per window; the draft's 2: its step, greedy and sampled, compiled
     assert [len(n.graphs) for _, _, n in plan] == [5, 5, 2]
     check_head(qwen32b(), 32, devices=T4S, dtype=torch.float16, quant="nf4", max_len=CTX, verifies=AUTO,
                draft=draft_plan("cuda:1"))

@@ -18,7 +18,7 @@ from sfchat.model.source import ModelSource
 from sfchat.node.loading import frame_layout
 from sfchat.protocol.handshake import Hello
 
-from test_memory import T4S, gpus, qwen05b, qwen32b, qwen72b  # noqa: F401  (a fixture and configs)
+from memory_configs import T4S, gpus, qwen05b, qwen32b, qwen72b  # noqa: F401  (a fixture and configs)
 
 
 @pytest.fixture

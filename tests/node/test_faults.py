@@ -21,7 +21,7 @@ import time
 import pytest
 
 import relay_process
-from test_two_machines import ENV, PROMPT, SECRET, TOKEN, local_tokens, start_relay
+from machines import ENV, PROMPT, SECRET, TOKEN, local_tokens, start_relay
 
 N_NEW = 40
 CODE = re.compile(r"pairing code: (\S+)")
@@ -196,6 +196,7 @@ def test_a_tail_that_lost_its_state_is_given_its_new_code_through_the_runtime(zo
     from sfchat.config import Settings
     from sfchat.events import CodeWanted, ReplyFinished, RuntimeFailed, RuntimeReady, TokensCommitted
     from sfchat.node.worker import RuntimeWorker
+    from sfchat.params import Ask
 
     relay, port = relay_process.start_relay(subprocess.DEVNULL, "--emulate-rtt-ms", "300")
     procs.append(relay)
@@ -217,7 +218,7 @@ def test_a_tail_that_lost_its_state_is_given_its_new_code_through_the_runtime(zo
     try:
         next_event(RuntimeReady)
         ask = [{"role": "user", "content": PROMPT}]
-        worker.submit(ask, {"max_new_tokens": N_NEW})
+        worker.submit(ask, Ask(N_NEW))
         next_event(TokensCommitted)
         first.send_signal(signal.SIGKILL)
         second, new_code = coded_tail(url, "lost", zoo, tmp_path / "second", procs)  # no secret to resume
@@ -226,7 +227,7 @@ def test_a_tail_that_lost_its_state_is_given_its_new_code_through_the_runtime(zo
         worker.cancel()  # the person dismisses the question: this reply ends, the runtime lives
         failed = next_event(RuntimeFailed)
         assert not failed.fatal and "cancelled while waiting for the pairing code" in failed.message
-        worker.submit(ask, {"max_new_tokens": N_NEW})
+        worker.submit(ask, Ask(N_NEW))
         assert "did not resume this head's pairing" in next_event(CodeWanted).reason
         worker.set_code(new_code)
         done = next_event(ReplyFinished)

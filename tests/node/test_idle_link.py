@@ -11,8 +11,9 @@ import time
 from sfchat.events import LinkState, RuntimeFailed, RuntimeReady
 from sfchat.node import tail as tail_node
 from sfchat.node.worker import RuntimeWorker
-from test_relay_link import ThreadedRelay
-from test_relay_security import settings
+
+from threaded_relay import ThreadedRelay
+from relay_heads import settings
 
 
 def next_event(events: queue.Queue, wanted, timeout: float = 60):

@@ -20,10 +20,12 @@ from sfchat.link.pairing import ATTEMPT_INTERVAL_S, BURST
 from sfchat.link.relay import RelayLink
 from sfchat.node import tail as tail_node
 from sfchat.node.worker import RuntimeWorker
+from sfchat.params import Ask
 from sfchat.link.secure import WrongCode
-from test_relay_link import TOKEN, relay  # noqa: F401  (the relay fixture)
-from test_relay_security import open_head, reply, settings
-from test_two_machines import PROMPT
+
+from threaded_relay import TOKEN, relay  # noqa: F401  (the relay fixture)
+from relay_heads import open_head, reply, settings
+from machines import PROMPT
 
 
 @pytest.fixture
@@ -211,7 +213,7 @@ def test_the_runtime_asks_for_the_code_again_instead_of_dying(zoo, relay, tail_l
         assert "the pairing code has 5 characters" in next_event(events, CodeWanted).reason
         worker.set_code(code.upper().replace("-", " "))  # as a person may type it
         next_event(events, RuntimeReady)
-        worker.submit([{"role": "user", "content": PROMPT}], {"max_new_tokens": 4})
+        worker.submit([{"role": "user", "content": PROMPT}], Ask(4))
         assert len(next_event(events, ReplyFinished).token_ids) == 4
     finally:
         worker.close()

@@ -12,8 +12,8 @@ from sfchat.node.connect import connect_relay
 from sfchat.model.slices import ModelSlice
 from sfchat.protocol.wire import Sampling
 
-from test_engine import PROMPT, reference
-from test_two_machines import SECRET, TOKEN, start_relay, start_tail
+from engine_runs import PROMPT, reference
+from machines import SECRET, TOKEN, start_relay, start_tail
 
 TARGET = "qwen2-untied"
 N_NEW = 48

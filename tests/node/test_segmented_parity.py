@@ -17,7 +17,7 @@ from sfchat.model.devices import resolve_devices
 from sfchat.node.head import Head
 from sfchat.protocol.wire import Sampling
 
-from test_two_machines import ENV, PROMPT, SECRET, TOKEN, generate_reference, noisy_copy, start_relay
+from machines import ENV, PROMPT, SECRET, TOKEN, generate_reference, noisy_copy, start_relay
 
 N = 48
 NOISE = 0.3  # the draft's first proposal is the target's pick about half the time here, its second often

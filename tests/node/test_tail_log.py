@@ -7,8 +7,8 @@ import shutil
 import socket
 import time
 
-from test_tail import hello_for
-from test_two_machines import SECRET, TOKEN, start_relay, start_tail
+from tail_cases import hello_for
+from machines import SECRET, TOKEN, start_relay, start_tail
 
 from sfchat.link.relay import RelayLink
 from sfchat.link.secure import secure
@@ -92,8 +92,8 @@ def test_a_tail_in_once_mode_ends_with_its_relay_instead_of_dialling_it_forever(
     import threading
 
     from sfchat.node import tail as tail_node
-    from test_relay_link import ThreadedRelay
-    from test_relay_security import settings
+    from threaded_relay import ThreadedRelay
+    from relay_heads import settings
 
     lines = []
     monkeypatch.setattr(tail_node, "log", lines.append)

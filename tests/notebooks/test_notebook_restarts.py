@@ -16,13 +16,14 @@ from pathlib import Path
 import nbformat
 import pytest
 from relay_process import TOKEN
-from test_notebooks import SESSION, client, free_port, kernel_env, printed, with_parameters  # noqa: F401
+from notebook_kernels import SESSION, client, free_port, kernel_env, printed, with_parameters  # noqa: F401
 
 from sfchat.config import Settings
 from sfchat.events import CodeWanted, ReplyFinished, RuntimeReady
 from sfchat.link.relay import RelayLink
 from sfchat.node.head import Head
 from sfchat.node.prompts import make_sampling
+from sfchat.params import Ask, GenParams
 from sfchat.plaintext import plain
 from sfchat.protocol.chat_events import reply_text
 from sfchat.remote.client import RemoteRuntime
@@ -195,7 +196,7 @@ def test_the_head_notebook_offers_its_chat_to_a_screen_at_home_which_types_a_new
             home = RemoteRuntime(lambda: RelayLink(relay_url, TOKEN, command.group(3), "head"), code, command.group(3))
             home.start(events.append)
             until(lambda: any(isinstance(e, RuntimeReady) for e in events), "ready at home")
-            home.submit([{"role": "user", "content": PROMPT}], {"max_new_tokens": N_TOKENS, "temperature": 0.0})
+            home.submit([{"role": "user", "content": PROMPT}], Ask(N_TOKENS, GenParams(temperature=0.0)))
             done = until(lambda: [e for e in events if isinstance(e, ReplyFinished)], "a reply at home")[0]
             assert done.text == reply_text(first) and done.tokens_per_round > 1
             # the tail in a new notebook session: a new code, which the screen at home asks for and passes on
@@ -205,7 +206,7 @@ def test_the_head_notebook_offers_its_chat_to_a_screen_at_home_which_types_a_new
             new_code = tail.code()
             history = [{"role": "user", "content": PROMPT}, {"role": "assistant", "content": first},
                        {"role": "user", "content": AGAIN}]
-            home.submit(history, {"max_new_tokens": N_TOKENS, "temperature": 0.0})
+            home.submit(history, Ask(N_TOKENS, GenParams(temperature=0.0)))
             until(lambda: [e for e in events if isinstance(e, CodeWanted)], "the tail's code asked at home")
             home.set_code(new_code)
             finished = until(lambda: [e for e in events if isinstance(e, ReplyFinished)][1:], "the second reply")

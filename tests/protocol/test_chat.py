@@ -12,6 +12,7 @@ import typing
 
 import pytest
 
+from sfchat.params import Ask, GenParams
 from sfchat.events import (
     CodeWanted, Event, LinkState, LoadProgress, ReplyFinished, ReplyStarted, RoundStats, RuntimeFailed, RuntimeReady,
     TokensCommitted,
@@ -40,8 +41,8 @@ EVENTS = [LoadProgress("tail", "download", 3, 10, "model.safetensors"), READY, L
           chat_events.Finished("eos", None, 3, 40, 1, (0, 0, 1), 64, {k: 1.5 for k in chat_events.FIGURES})]
 MESSAGES = [chat.Attach("cd" * 16, HOST, 7), chat.Attach("cd" * 16, "", 0),
             chat.Welcome(HOST, True, 7, 3),
-            chat.Submit(1, 1, (("system", "be brief"), ("user", "hi <|im_end|>")), chat.Params(64, 0.7, 40, 0.9, 5, 1.1)),
-            chat.Submit(2, 2, (("user", "hi"),), chat.Params.of({"max_new_tokens": 64})),  # sampling: the head's
+            chat.Submit(1, 1, (("system", "be brief"), ("user", "hi <|im_end|>")), Ask(64, GenParams(0.7, 40, 0.9, 1.1, 5))),
+            chat.Submit(2, 2, (("user", "hi"),), Ask(64)),  # sampling: the head's
             chat.Cancel(2, 1), chat.NewChat(3), chat.GiveCode(4, "7-crossover-clockwork"), chat.Ack(9),
             *[chat.Update(i + 1, i % 2, e) for i, e in enumerate(EVENTS)], *[chat.Update(99, 5, e) for e in EVENTS]]
 
@@ -92,13 +93,13 @@ def test_every_message_round_trips(msg):
 def test_a_screen_that_sets_no_sampling_leaves_it_to_the_head():
     """The head samples with its flags, else the model's own defaults: a chat screen without
     sampling flags must not send greedy settings of its own (it sent temperature 0 always)."""
-    params = chat.decode(chat.encode(chat.Submit(1, 1, (("user", "hi"),), chat.Params.of({"max_new_tokens": 8})))).params
-    assert (params.temperature, params.top_k, params.top_p, params.repetition_penalty) == (None, None, None, None)
+    params = chat.decode(chat.encode(chat.Submit(1, 1, (("user", "hi"),), Ask(8)))).params
+    assert params.gen == GenParams()
 
 
 def test_a_screens_repetition_penalty_reaches_the_head():
-    sent = chat.Params.of({"max_new_tokens": 8, "repetition_penalty": 1.2})
-    assert chat.decode(chat.encode(chat.Submit(1, 1, (("user", "hi"),), sent))).params.repetition_penalty == 1.2
+    sent = Ask(8, GenParams(repetition_penalty=1.2))
+    assert chat.decode(chat.encode(chat.Submit(1, 1, (("user", "hi"),), sent))).params.gen.repetition_penalty == 1.2
 
 
 def frame(kind: chat.ChatType, body: dict | bytes, version: int = chat.CHAT_VERSION, magic: bytes = chat.MAGIC) -> bytes:

@@ -11,21 +11,17 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from sfchat.protocol import wire
 from sfchat.protocol.wire import (
-    FORWARD_FIXED, HEADER, MAGIC, PROTOCOL_VERSION, VERDICT_FIXED, Control, DType, Forward, MsgType, Sampling,
+    FORWARD_FIXED, HEADER, PROTOCOL_VERSION, VERDICT_FIXED, Control, DType, Forward, MsgType, Sampling,
     Verdict, WireError, decode, encode,
 )
+
+from wire_frames import frame
 
 
 def fuzz(n: int):
     """Bounded, derandomized (the same cases on every run) and without a deadline."""
     return settings(max_examples=n, deadline=None, derandomize=True, database=None,
                     suppress_health_check=[HealthCheck.too_slow])
-
-
-def frame(mtype: int, body: bytes, *, version: int = PROTOCOL_VERSION, flags: int = 0, rnd: int = 0,
-          body_len: int | None = None, magic: bytes = MAGIC) -> bytes:
-    """A hand-made frame, so that tests can break exactly one thing."""
-    return HEADER.pack(magic, version, mtype, flags, rnd, len(body) if body_len is None else body_len) + body
 
 
 def forward_body(n_tok: int, hsize: int, *, tree: bool = False, first_id: int = 0, dtype: int = DType.FLOAT32,

@@ -6,11 +6,9 @@ clients speak to it, so these tests pin the wire contract documented in relay/se
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import statistics
 import time
-from pathlib import Path
 
 import pytest
 from websockets.asyncio.client import ClientConnection, connect
@@ -18,39 +16,11 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from relay.server import RelayConfig, serve
 
-TOKEN = "t0ken-for-tests"
-REPO = Path(__file__).resolve().parents[2]
-
-
-def run(coro, timeout: float = 60.0):
-    async def bounded():
-        return await asyncio.wait_for(coro, timeout)
-    return asyncio.run(bounded())
+from relay_dial import TOKEN, dial, event, pair, run
 
 
 def config(**overrides) -> RelayConfig:
     return RelayConfig(token=TOKEN, host="127.0.0.1", port=0, **overrides)
-
-
-async def dial(port: int, session: str, role: str, token: str | None = TOKEN, **options) -> ClientConnection:
-    headers = {"Authorization": f"Bearer {token}"} if token is not None else {}
-    return await connect(f"ws://127.0.0.1:{port}/session/{session}?role={role}", additional_headers=headers,
-                         compression=None, max_size=64 << 20, proxy=None, **options)
-
-
-async def event(ws: ClientConnection) -> dict:
-    message = await asyncio.wait_for(ws.recv(), 5)
-    assert isinstance(message, str), "expected a relay event, got a frame"
-    return json.loads(message)
-
-
-async def pair(port: int, session: str) -> tuple[ClientConnection, ClientConnection]:
-    head = await dial(port, session, "head")
-    assert await event(head) == {"event": "welcome", "session": session, "peer_present": False}
-    tail = await dial(port, session, "tail")
-    assert await event(tail) == {"event": "welcome", "session": session, "peer_present": True}
-    assert await event(head) == {"event": "peer_joined", "role": "tail"}
-    return head, tail
 
 
 def frames(seed: int, n: int) -> list[bytes]:

@@ -22,7 +22,7 @@ import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
-from test_relay import REPO, TOKEN, dial, event, pair, run
+from relay_dial import REPO, TOKEN, dial, event, pair, run
 
 
 def read_banner(proc: subprocess.Popen, seconds: float = 20.0) -> str:

@@ -18,8 +18,8 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from relay.server import RelayConfig, serve
 from relay_process import settled
-from test_relay_link import TOKEN
-from test_two_machines import ENV
+from threaded_relay import TOKEN
+from machines import ENV
 
 
 def run(coro, timeout: float = 60.0):

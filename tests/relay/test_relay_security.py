@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import re
 import struct
-from pathlib import Path
 import threading
 import time
 
@@ -15,13 +14,13 @@ import pytest
 from relay import session as relay_session
 from sfchat.protocol import wire
 from sfchat.config import Settings
-from sfchat.events import LinkState, ReplyFinished
+from sfchat.events import LinkState
 from sfchat.link.relay import RelayLink
 from sfchat.link.secure import DATA, IntegrityError, PlaintextPeer, SecureLink, WrongCode, secure
-from test_relay_link import TOKEN, relay  # noqa: F401  (the relay fixture)
-from test_two_machines import PROMPT
 
-SECRET = "3-harbor-lantern"
+from threaded_relay import TOKEN, relay  # noqa: F401  (the relay fixture)
+from relay_heads import SECRET, open_head, reply, settings
+
 TOKENS = tuple(range(151_000, 151_009))  # a tree frame that is a chain: the root + 8 drafts
 PATTERN = b"<known hidden-state pattern 0123456789abcdef>"
 HIDDEN = 448
@@ -163,13 +162,6 @@ def test_a_meddling_relay_is_caught_by_the_receiver(relay, tap, attack, delivere
 
 # -- whole sessions: tail_node.serve and Head over the relay ---------------------------
 
-def settings(url: str, session: str, model, **changes) -> Settings:
-    base = dict(relay=url, token=TOKEN, session=session, secret=SECRET, model=str(model), draft="none", k=0,
-                device="cpu", reconnect_timeout=0.0, models_dir=str(Path(model).parent))
-    base.update(changes)
-    return Settings(**base)
-
-
 def start_tail(s: Settings) -> tuple[threading.Thread, list]:
     from sfchat.node.tail import serve as serve_tail
 
@@ -177,18 +169,6 @@ def start_tail(s: Settings) -> tuple[threading.Thread, list]:
     thread = threading.Thread(target=lambda: result.append(serve_tail(s, once=True)), daemon=True)
     thread.start()
     return thread, result
-
-
-def open_head(s: Settings, events: list):
-    from sfchat.node.head import Head
-    from sfchat.node.connect import connect_relay
-
-    return Head.open(s, events.append, connect_relay(s, events.append, 30))
-
-
-def reply(session, n: int = 12):
-    ids = session.encode([{"role": "user", "content": PROMPT}])
-    return [e for e in session.reply(ids, n, wire.Sampling()) if isinstance(e, ReplyFinished)][0], ids
 
 
 def test_a_full_encrypted_session_matches_local_mode_and_leaks_nothing(zoo, relay, tap, monkeypatch):

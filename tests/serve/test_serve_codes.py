@@ -4,7 +4,7 @@ Round four's finding (issue 32.1): a head whose tail went away dialled again on 
 and, when the tail refused resumption, fell back to its code by itself, so whoever held the free
 tail slot tested one guess of the code per request. Now the head tries a code once per time it is
 given one: a refused resumption fails the request with a reason, and ``Server.set_code`` gives
-the running server the new code (issue 33.2.1), which ``cli.start_server`` run twice replaces
+the running server the new code (issue 33.2.1), which ``serve.cli.start_server`` run twice replaces
 rather than fails beside.
 """
 
@@ -20,11 +20,12 @@ import time
 
 import openai
 import pytest
-from test_serve import ask, client, settings_for
-from test_relay_link import TOKEN as LINK_TOKEN, relay  # noqa: F401  (the in-process relay fixture)
-from test_two_machines import ENV, SECRET, TOKEN, start_relay, start_tail
+from serve_clients import ask, client, settings_for
+from threaded_relay import TOKEN as LINK_TOKEN, relay  # noqa: F401  (the in-process relay fixture)
+from machines import ENV, SECRET, TOKEN, start_relay, start_tail
 
-from sfchat import UserError, cli
+from sfchat import UserError
+from sfchat.serve import cli
 from sfchat.config import Settings
 from sfchat.events import LinkState
 from sfchat.link import pairing

@@ -17,7 +17,7 @@ import time
 import httpx
 import openai
 import pytest
-from test_serve import KEY, Gate, ask, client, metrics, settings_for, wait_until
+from serve_clients import KEY, Gate, ask, client, metrics, settings_for, wait_until
 
 from sfchat.serve.app import ServeOptions
 from sfchat.serve.main import Server

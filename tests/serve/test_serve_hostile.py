@@ -19,7 +19,7 @@ import httpx
 import openai
 import pytest
 import uvicorn
-from test_serve import KEY, MAX_CONTEXT, client, settings_for
+from serve_clients import KEY, MAX_CONTEXT, client, settings_for
 
 from sfchat import cli
 from sfchat.config import Settings

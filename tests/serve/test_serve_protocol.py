@@ -27,8 +27,9 @@ def refusal(raw: bytes, limits: Limits = Limits(max_tokens=256)) -> ApiError:
 def test_a_full_request_is_read():
     req = parse(model="m", max_completion_tokens=7, max_tokens=99, temperature=0.5, top_p=0.9, top_k=3, seed=-1,
                 stop="END", stream=True, stream_options={"include_usage": True}, n=1, user="u", repetition_penalty=1.1)
-    assert (req.model, req.max_tokens, req.temperature, req.top_p, req.top_k, req.seed) == ("m", 7, 0.5, 0.9, 3, -1)
-    assert req.repetition_penalty == 1.1  # vLLM's extension, generate()'s penalty
+    assert (req.model, req.max_tokens, req.gen.temperature, req.gen.top_p, req.gen.top_k, req.gen.seed) == \
+        ("m", 7, 0.5, 0.9, 3, -1)
+    assert req.gen.repetition_penalty == 1.1  # vLLM's extension, generate()'s penalty
     assert (req.stop, req.stream, req.include_usage) == (("END",), True, True)
     assert req.messages == ({"role": "user", "content": "hi"},)
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 
 import openai
-from test_serve import metrics, settings_for
-from test_two_machines import SECRET, TOKEN, start_relay, start_tail
+from serve_clients import metrics, settings_for
+from machines import SECRET, TOKEN, start_relay, start_tail
 
 from sfchat.events import ReplyFinished
 from sfchat.node.prompts import make_sampling

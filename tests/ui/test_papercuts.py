@@ -13,7 +13,7 @@ from sfchat.ui import SfchatApp
 from sfchat.ui.chat import reply_summary
 from sfchat.ui.widgets import HeaderBar
 
-from test_ui import READY, FakeRuntime, open_history, pilot_test, static_text, wait_for
+from pilots import READY, FakeRuntime, open_history, pilot_test, static_text, wait_for
 
 LOCAL_NO_DRAFT = replace(READY, draft="none", k=0, mode="local", split=15, n_layers=30, dtype="float32")
 
@@ -98,10 +98,10 @@ async def test_the_history_lists_a_model_by_its_name_not_its_path(tmp_path):
 def test_the_loading_header_names_the_model_as_the_ready_header_does(monkeypatch, tmp_path):
     """The loading header showed the CPU default model's whole cache path; the ready one, its name."""
     import sfchat.ui
-    from sfchat import cli
+    from sfchat import tui
 
     titles = []
     monkeypatch.setattr(sfchat.ui, "run_tui", lambda runtime, path, params, title, system: titles.append(title))
     model = str(tmp_path / "cache" / "sfchat" / "models" / "SmolLM2-135M-Instruct")
-    assert cli.chat(Settings(model=model, history=str(tmp_path / "history.sqlite3"))) == 0
+    assert tui.chat(Settings(model=model, history=str(tmp_path / "history.sqlite3"))) == 0
     assert titles == ["sfchat — SmolLM2-135M-Instruct (local) — loading…"]

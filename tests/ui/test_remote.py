@@ -8,166 +8,22 @@ test reaches, never moments it times."""
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 from relay_process import TOKEN
 
-from sfchat.events import (
-    CodeWanted, LinkState, ReplyFinished, ReplyStarted, RoundStats, RuntimeFailed, RuntimeReady, TokensCommitted,
-)
+from sfchat.events import LinkState, ReplyFinished, RoundStats, RuntimeFailed, RuntimeReady, TokensCommitted
 from sfchat.history import History
-from sfchat.link.pairing import Passcode
 from sfchat.link.relay import RelayLink
-from sfchat.link.resume import Resumption
-from sfchat.link.secure import SecureLink
-from sfchat.remote.client import RemoteRuntime
+from sfchat.params import Ask, GenParams
 from sfchat.protocol import chat
 from sfchat.remote.host import ChatHost, fold
-from sfchat.tally import Tally
 from sfchat.ui import SfchatApp
 from sfchat.ui.chat import ReplyMessage
 from sfchat.ui.screens import CodeScreen
 
-from test_ui import READY, notices, pilot_test, send, wait_for
-
-SESSION = "remote-chat"
-CODE = "4-crossover-clockwork"
-PIECES = ["Speculative", " decoding", " lets", " a", " **small", " draft", " model**", " propose", " tokens,",
-          " and", " the", " big", " model", " checks", " them."]
-REPLY = "".join(PIECES)
-K = 4
-WAIT = 30.0  # a bound on each wait for a state, not a measurement
-
-
-class ScriptedHead:
-    """The head's runtime interface, each round held until the test releases it; honours cancel."""
-
-    def __init__(self, ask_code: bool = False, dropped_turns: int = 0) -> None:
-        self.ask_code, self.dropped_turns = ask_code, dropped_turns
-        self.codes: list[str] = []
-        self.submitted: list[tuple[list[dict], dict]] = []
-        self.new_chats = 0
-        self.cancels = 0
-        self.finished = threading.Event()
-        self._cond = threading.Condition()
-        self._rounds = 0  # rounds released and not yet run
-        self._cancelled = False
-        self.listener = None
-
-    def start(self, listener) -> None:
-        self.listener = listener
-        threading.Thread(target=self._load, daemon=True).start()
-
-    def _load(self) -> None:
-        self.listener(LinkState("waiting", "waiting for a tail"))
-        if self.ask_code:
-            self.listener(CodeWanted("wrong pairing code: the tail of session 'kaggle' did not accept it"))
-            with self._cond:
-                self._cond.wait_for(lambda: self.codes, WAIT)
-        self.listener(LinkState("connected", "ws://relay"))
-        self.listener(READY)
-
-    def release(self, rounds: int = len(PIECES)) -> None:
-        with self._cond:
-            self._rounds += rounds
-            self._cond.notify_all()
-
-    def submit(self, messages, params) -> None:
-        self.submitted.append((messages, params))
-        self.finished.clear()
-        with self._cond:
-            self._cancelled = False
-        threading.Thread(target=self._generate, daemon=True).start()
-
-    def _generate(self) -> None:
-        emit, tally, text, ids = self.listener, Tally(K), "", ()
-        emit(ReplyStarted(prompt_tokens=40, reused_tokens=10, prefill_tokens=30, dropped_turns=self.dropped_turns))
-        reason = "eos"
-        for i, piece in enumerate(PIECES):
-            with self._cond:
-                self._cond.wait_for(lambda: self._rounds or self._cancelled, WAIT)
-                if self._cancelled:
-                    reason = "cancelled"
-                    break
-                self._rounds -= 1
-            stats = RoundStats(accepted=i % K, committed=1, draft_ms=5.0, head_ms=3.0, tail_ms=4.0, rtt_ms=80.0,
-                               round_ms=100.0)
-            text, ids = text + piece, ids + (i,)
-            emit(TokensCommitted(piece, (i,), stats, 0.1 * (i + 1)))
-            tally.add(stats, 0.1 * (i + 1))
-        emit(ReplyFinished(reason, text, ids, 40, **tally.figures()))
-        self.finished.set()
-
-    def cancel(self) -> None:
-        self.cancels += 1
-        with self._cond:
-            self._cancelled = True
-            self._cond.notify_all()
-
-    def new_chat(self) -> None:
-        self.new_chats += 1
-
-    def set_code(self, code: str) -> None:
-        with self._cond:
-            self.codes.append(code)
-            self._cond.notify_all()
-
-    def close(self) -> None:
-        with self._cond:
-            self._cancelled = True
-            self._cond.notify_all()
-
-
-class Gate:
-    """A dial that waits while the test holds its gate shut (``open.clear()``)."""
-
-    def __init__(self, dial) -> None:
-        self.dial, self.open = dial, threading.Event()
-        self.open.set()
-
-    def __call__(self):
-        assert self.open.wait(WAIT), "the test never let this side dial again"
-        return self.dial()
-
-
-class RecordingRemote(RemoteRuntime):
-    def start(self, listener) -> None:
-        self.events = []
-
-        def record(event):
-            self.events.append(event)
-            listener(event)
-
-        super().start(record)
-
-
-
-
-def make_pair(url: str, head: ScriptedHead, client_code: str | None = CODE):
-    log: list[str] = []
-    passcode, kept = Passcode(CODE), Resumption()
-    host_dial = Gate(lambda: SecureLink(RelayLink(url, TOKEN, SESSION, "tail"), passcode, SESSION, "tail",
-                                        log=log.append, resumption=kept))
-    host = ChatHost(head, host_dial, log.append)
-    threading.Thread(target=host.serve, daemon=True).start()
-    client_dial = Gate(lambda: RelayLink(url, TOKEN, SESSION, "head"))
-    client = RecordingRemote(client_dial, client_code, SESSION)
-    return host, host_dial, client, client_dial, log
-
-
-def until(condition) -> bool:
-    """Wait (off the app's loop) until ``condition()`` holds, within WAIT."""
-    deadline = time.monotonic() + WAIT
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
-
-
-def streamed(client: RecordingRemote) -> str:
-    return "".join(e.text for e in client.events if isinstance(e, TokensCommitted))
+from pilots import READY, notices, pilot_test, send, wait_for
+from remote_pair import CODE, PIECES, REPLY, SESSION, WAIT, RecordingRemote, ScriptedHead, make_pair, streamed, until
 
 
 def shown_reply(app) -> str:
@@ -187,7 +43,7 @@ async def test_a_wrong_chat_code_is_asked_again_then_the_reply_streams_with_the_
     head = ScriptedHead()
     host, _, client, _, log = make_pair(relay_url, head, client_code="4-wrong-code")
     db = tmp_path / "home.sqlite3"
-    app = SfchatApp(client, db, {"max_new_tokens": 64, "temperature": 0.0})
+    app = SfchatApp(client, db, Ask(64, GenParams(temperature=0.0)))
     async with app.run_test(size=(120, 40)) as pilot:
         await wait_for(pilot, lambda: isinstance(app.screen, CodeScreen), WAIT)
         assert "wrong chat code" in app.screen.reason
@@ -206,7 +62,7 @@ async def test_a_wrong_chat_code_is_asked_again_then_the_reply_streams_with_the_
         assert figures.tokens == len(PIECES)
     host.close()
     assert head.submitted[0][0] == [{"role": "user", "content": "explain speculative decoding"}]
-    assert head.submitted[0][1]["max_new_tokens"] == 64
+    assert head.submitted[0][1].max_new_tokens == 64
     history = History(db)  # the history is the client's
     (stored,) = history.list_chats()
     assert [m.content for m in history.load_chat(stored.id)] == ["explain speculative decoding", REPLY]
@@ -218,7 +74,7 @@ async def test_a_wrong_chat_code_is_asked_again_then_the_reply_streams_with_the_
 async def test_turns_the_head_left_out_of_the_context_are_said_on_the_remote_screen(relay_url, tmp_path):
     head = ScriptedHead(dropped_turns=3)
     host, _, client, _, _ = make_pair(relay_url, head)
-    app = SfchatApp(client, tmp_path / "home.sqlite3", {"max_new_tokens": 64})
+    app = SfchatApp(client, tmp_path / "home.sqlite3", Ask(64))
     async with app.run_test(size=(120, 40)) as pilot:
         await wait_for(pilot, lambda: app.ready is not None, WAIT)
         head.release()
@@ -235,7 +91,7 @@ async def test_turns_the_head_left_out_of_the_context_are_said_on_the_remote_scr
 async def test_a_reconnect_of_either_side_mid_reply_loses_and_repeats_nothing(relay_url, tmp_path, side):
     head = ScriptedHead()
     host, host_dial, client, client_dial, _ = make_pair(relay_url, head)
-    app = SfchatApp(client, tmp_path / "home.sqlite3", {"max_new_tokens": 64})
+    app = SfchatApp(client, tmp_path / "home.sqlite3", Ask(64))
     async with app.run_test(size=(120, 40)) as pilot:
         await wait_for(pilot, lambda: app.ready is not None, WAIT)
         head.release(4)
@@ -275,7 +131,7 @@ async def test_escape_cancels_the_remote_reply_and_keeps_its_prefix(relay_url, t
     head = ScriptedHead()
     host, _, client, _, _ = make_pair(relay_url, head)
     db = tmp_path / "home.sqlite3"
-    app = SfchatApp(client, db, {"max_new_tokens": 64})
+    app = SfchatApp(client, db, Ask(64))
     async with app.run_test(size=(120, 40)) as pilot:
         await wait_for(pilot, lambda: app.ready is not None, WAIT)
         head.release(3)
@@ -315,7 +171,7 @@ async def test_a_second_client_starts_afresh_and_the_first_ones_reply_is_not_sen
     first.start(lambda e: ready.set() if isinstance(e, RuntimeReady) else None)
     assert ready.wait(WAIT)
     head.release(2)
-    first.submit([{"role": "user", "content": "first"}], {})
+    first.submit([{"role": "user", "content": "first"}], Ask())
     assert until(lambda: len(streamed(first)) > 0)  # the first reply is under way
     first.close()  # and its screen goes away mid-reply
     assert first.join(WAIT)
@@ -351,7 +207,7 @@ def test_a_client_cannot_queue_replies_without_bound_and_unseen_rounds_fold():
     wire = Wire()
     host._take(chat.Attach("ab" * 16, "", 0), wire)
     for n in range(1, 11):  # a client asking for ten replies at once
-        host._take(chat.Submit(n, n, (("user", "hi"),), chat.Params()), wire)
+        host._take(chat.Submit(n, n, (("user", "hi"),), Ask()), wire)
     assert len(head.submitted) == 2
     refused = [u for u in host.updates._items if isinstance(u.event, RuntimeFailed)]
     assert len(refused) == 8

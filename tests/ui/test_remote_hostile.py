@@ -18,6 +18,7 @@ from sfchat.events import (
     CodeWanted, LinkState, ReplyFinished, ReplyStarted, RoundStats, RuntimeFailed, RuntimeReady, TokensCommitted,
 )
 from sfchat.link.pairing import require_secret
+from sfchat.params import Ask
 from sfchat.plaintext import plain
 from sfchat.remote.cli import offer_chat
 from sfchat.protocol import chat, chat_events
@@ -27,9 +28,8 @@ from sfchat.ui import SfchatApp
 from sfchat.ui.metrics import MetricsPanel
 from sfchat.ui.screens import ConfirmScreen
 
-from test_remote import WAIT, ScriptedHead, make_pair, until
-from test_ui import READY, FakeRuntime, pilot_test, send, wait_for
-from test_ui_screen import screen_lines
+from remote_pair import WAIT, ScriptedHead, make_pair, until
+from pilots import READY, FakeRuntime, pilot_test, screen_lines, send, wait_for
 
 
 def next_event(events: queue.Queue, kind: type):
@@ -145,7 +145,7 @@ def test_a_reply_past_what_was_asked_is_cut_said_and_stopped(relay_url, text, id
     head.delivered = lambda: sum(isinstance(e, TokensCommitted) for e in client.events)
     try:
         assert ready.wait(WAIT)
-        client.submit([{"role": "user", "content": "sixteen tokens, please"}], {"max_new_tokens": 16})
+        client.submit([{"role": "user", "content": "sixteen tokens, please"}], Ask(16))
         assert until(lambda: any(isinstance(e, (RuntimeFailed, ReplyFinished)) for e in client.events))
         assert until(head.finished.is_set)
         rounds = [e for e in client.events if isinstance(e, TokensCommitted)]
@@ -328,7 +328,7 @@ class Meddler:
 def test_a_stalled_or_refused_chat_link_is_noticed_on_both_sides_and_shown(relay_url, monkeypatch, meddling):
     """Round five: after the relay replayed or withheld one sealed frame the host refused it and
     paired afresh, but the screen was never told: "generating" with no end."""
-    from test_remote import PIECES, REPLY, streamed
+    from remote_pair import PIECES, REPLY, streamed
 
     monkeypatch.setattr(chat, "KEEPALIVE_S", 0.2)  # the deadlines are the mechanism's, shortened for the test
     monkeypatch.setattr(chat, "SILENCE_S", 3.0)  # fifteen keepalives: a loaded machine delays one, not fifteen
@@ -340,7 +340,7 @@ def test_a_stalled_or_refused_chat_link_is_noticed_on_both_sides_and_shown(relay
         assert ready.wait(WAIT) and until(lambda: host.link is not None and host._attached)
         meddler = Meddler(host.link.inner)
         head.release(2)
-        client.submit([{"role": "user", "content": "tell me"}], {"max_new_tokens": 64})
+        client.submit([{"role": "user", "content": "tell me"}], Ask(64))
         assert until(lambda: streamed(client) == "".join(PIECES[:2]))
         setattr(meddler, meddling, True)  # the next frame from the screen (its keepalive at the latest)
         assert until(lambda: any("ending this chat client's pairing" in line for line in log)), log

@@ -21,7 +21,7 @@ from sfchat.node.worker import RuntimeWorker
 from sfchat.protocol.chat_events import reply_text
 from sfchat.remote.host import ChatHost
 
-from test_ui_real import one_shot_text
+from real_worker import one_shot_text
 
 SESSION = "remote-real"
 CODE = "5-crossover-clockwork"
@@ -47,14 +47,15 @@ SCREEN = NO_TORCH + textwrap.dedent("""
     sys.path.insert(0, {tests!r})
     import sfchat.cli, sfchat.remote.cli  # the command line's whole path to the screen
     from sfchat.link.relay import RelayLink
+    from sfchat.params import Ask, GenParams
     from sfchat.remote.client import RemoteRuntime
     from sfchat.ui import SfchatApp
     from sfchat.ui.chat import ReplyMessage
-    from test_ui import send, wait_for
+    from pilots import send, wait_for
 
     async def main():
         runtime = RemoteRuntime(lambda: RelayLink({url!r}, {token!r}, {session!r}, "head"), {code!r}, {session!r})
-        app = SfchatApp(runtime, ":memory:", {{"max_new_tokens": {n}, "temperature": 0.0}})
+        app = SfchatApp(runtime, ":memory:", Ask({n}, GenParams(temperature=0.0)))
         async with app.run_test(size=(120, 40)) as pilot:
             await wait_for(pilot, lambda: app.ready is not None, 120)
             await send(pilot, {prompt!r})

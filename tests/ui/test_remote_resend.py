@@ -7,11 +7,11 @@ the screen shows."""
 from __future__ import annotations
 
 from sfchat.history import History
+from sfchat.params import Ask
 from sfchat.ui import SfchatApp
-from test_remote import REPLY, WAIT, ScriptedHead, make_pair
-from test_ui import pilot_test, send, wait_for
-from test_ui_resend import retype, shown
-from test_ui_system import set_system
+
+from remote_pair import REPLY, WAIT, ScriptedHead, make_pair
+from pilots import pilot_test, retype, send, set_system, shown, wait_for
 
 
 @pilot_test
@@ -19,7 +19,7 @@ async def test_regenerate_and_edit_reach_the_remote_head_with_the_conversation_c
     head = ScriptedHead()
     host, _, client, _, _ = make_pair(relay_url, head)
     db = tmp_path / "home.sqlite3"
-    app = SfchatApp(client, db, {"max_new_tokens": 64})
+    app = SfchatApp(client, db, Ask(64))
     async with app.run_test(size=(80, 24)) as pilot:
         await wait_for(pilot, lambda: app.ready is not None, WAIT)
         head.release(1000)
@@ -49,7 +49,7 @@ async def test_regenerate_and_edit_reach_the_remote_head_with_the_conversation_c
 async def test_a_chats_system_prompt_reaches_the_remote_head(relay_url, tmp_path):
     head = ScriptedHead()
     host, _, client, _, _ = make_pair(relay_url, head)
-    app = SfchatApp(client, tmp_path / "home.sqlite3", {"max_new_tokens": 64}, system="the screen's --system")
+    app = SfchatApp(client, tmp_path / "home.sqlite3", Ask(64), system="the screen's --system")
     async with app.run_test(size=(80, 24)) as pilot:
         await wait_for(pilot, lambda: app.ready is not None, WAIT)
         head.release(1000)

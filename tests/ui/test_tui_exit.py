@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from test_cli import cli_env
+from command_line import cli_env
 
 ROWS, COLUMNS = 30, 100
 CTRL_Q = b"\x11"

@@ -2,163 +2,29 @@
 
 from __future__ import annotations
 
-import asyncio
-import functools
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
-import pytest
 from textual.widgets import Static
 
-from sfchat.events import (
-    LinkState, LoadProgress, ReplyFinished, ReplyStarted, RoundStats, RuntimeFailed,
-    RuntimeReady, TokensCommitted,
-)
-from sfchat.tally import Tally
 from sfchat.history import History
+from sfchat.params import Ask, GenParams
 from sfchat.ui import SfchatApp
-from sfchat.ui.chat import Notice, ReplyMessage, UserMessage
+from sfchat.ui.chat import ReplyMessage, UserMessage
 from sfchat.ui.metrics import MetricsPanel
 from sfchat.ui.prompt import PromptInput
 from sfchat.ui.screens import ConfirmScreen, HistoryScreen
 
-K = 4
-REPLY = ("Speculative decoding lets a **small draft model** propose tokens that the big "
-         "model checks in one pass, so the network round trip is paid once per round.")
-READY = RuntimeReady(model="Qwen/Qwen2.5-7B-Instruct", draft="Qwen/Qwen2.5-0.5B-Instruct",
-                     split=14, n_layers=28, dtype="bf16", k=K, device="cpu", mode="relay",
-                     max_context=4096)
-
-
-class FakeRuntime:
-    """Streams REPLY word by word from its own thread, like the real runtime; honours cancel."""
-
-    def __init__(self, reply: str = REPLY, round_s: float = 0.002, ready: bool = True,
-                 fail_with: str | None = None, finish_reason: str = "eos") -> None:
-        self.reply, self.round_s, self.ready, self.fail_with = reply, round_s, ready, fail_with
-        self.finish_reason = finish_reason
-        self.submitted: list[tuple[list[dict], dict]] = []
-        self.new_chats = 0
-        self.closed = False
-        self._cancel = threading.Event()
-        self._listener = None
-
-    def start(self, listener) -> None:
-        self._listener = listener
-        threading.Thread(target=self._load, daemon=True).start()
-
-    def _load(self) -> None:
-        emit = self._listener
-        emit(LinkState("waiting", "waiting for a tail: run sfchat --tail"))
-        for node in ("head", "tail"):
-            for done in range(0, 5):
-                emit(LoadProgress(node, "load", done, 4, f"layer {done}"))
-        emit(LinkState("connected", "rtt 80 ms"))
-        if self.ready:
-            emit(READY)
-
-    def submit(self, messages, params) -> None:
-        self.submitted.append((messages, params))
-        self._cancel.clear()
-        threading.Thread(target=self._generate, daemon=True).start()
-
-    def _generate(self) -> None:
-        emit = self._listener
-        if self.fail_with:
-            emit(RuntimeFailed(self.fail_with))
-            return
-        emit(ReplyStarted(prompt_tokens=40, reused_tokens=10, prefill_tokens=30))
-        words = self.reply.split(" ")
-        pieces = [w if i == 0 else " " + w for i, w in enumerate(words)]
-        text, hist, rounds, start = "", [0] * (K + 1), 0, time.monotonic()
-        tally = Tally(K)
-        reason = self.finish_reason
-        i = 0
-        while i < len(pieces):
-            if self._cancel.is_set():
-                reason = "cancelled"
-                break
-            accepted = rounds % (K + 1)
-            chunk = "".join(pieces[i:i + accepted + 1])
-            i += accepted + 1
-            text += chunk
-            hist[accepted] += 1
-            rounds += 1
-            stats = RoundStats(accepted=accepted, committed=accepted + 1, draft_ms=5.0,
-                               head_ms=3.0, tail_ms=4.0, rtt_ms=80.0 + accepted, round_ms=100.0)
-            elapsed = time.monotonic() - start
-            emit(TokensCommitted(chunk, tuple(range(accepted + 1)), stats, elapsed))
-            tally.add(stats, elapsed)
-            time.sleep(self.round_s)
-        n = len(text.split(" "))
-        # as a real head does: the reply's figures are the tally of its rounds
-        self.finished = ReplyFinished(reason, text, tuple(range(n)), 40, **tally.figures())
-        emit(self.finished)
-
-    def cancel(self) -> None:
-        self._cancel.set()
-
-    def new_chat(self) -> None:
-        self.new_chats += 1
-
-    def close(self) -> None:
-        self.closed = True
-
-
-def pilot_test(fn):
-    """Run an async test body on a fresh event loop (no async pytest plugin needed)."""
-
-    @functools.wraps(fn)
-    def run(*args, **kwargs):
-        asyncio.run(fn(*args, **kwargs))
-
-    return run
-
-
-async def wait_for(pilot, condition, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        await pilot.pause(0.02)
-
-
-async def open_history(pilot) -> None:
-    """F2, then wait until the history screen is up."""
-    await pilot.press("f2")
-    await wait_for(pilot, lambda: isinstance(pilot.app.screen, HistoryScreen))
-
-
-def static_text(widget) -> str:
-    """What the widget shows on screen, as plain text lines."""
-    from textual.geometry import Region
-
-    lines = widget.render_lines(Region(0, 0, widget.size.width, widget.size.height))
-    return "\n".join(line.text.rstrip() for line in lines)
-
-
-def notices(app) -> str:
-    return "\n".join(str(n.render()) for n in app.query(Notice))
-
-
-async def send(pilot, text: str) -> None:
-    for ch in text:
-        await pilot.press("space" if ch == " " else ch)
-    await pilot.press("enter")
-
-
-@pytest.fixture
-def db(tmp_path):
-    return tmp_path / "history.sqlite3"
+from pilots import (  # noqa: F401  (fixture)
+    REPLY, FakeRuntime, db, notices, open_history, pilot_test, send, static_text, wait_for
+)
 
 
 @pilot_test
 async def test_reply_streams_and_metrics_fill(db):
     runtime = FakeRuntime()
-    app = SfchatApp(runtime, db, {"max_new_tokens": 64, "temperature": 0.0}, "sfchat test")
+    app = SfchatApp(runtime, db, Ask(64, GenParams(temperature=0.0)), "sfchat test")
     async with app.run_test(size=(120, 40)) as pilot:
         await wait_for(pilot, lambda: app.ready is not None)
         await send(pilot, "hello there")
@@ -168,7 +34,7 @@ async def test_reply_streams_and_metrics_fill(db):
         assert reply.markdown.source == REPLY
         assert reply.status == "complete"
         assert runtime.submitted[0][0] == [{"role": "user", "content": "hello there"}]
-        assert runtime.submitted[0][1]["max_new_tokens"] == 64
+        assert runtime.submitted[0][1].max_new_tokens == 64
         panel = app.query_one(MetricsPanel)
         assert panel.display
         speed = " ".join(static_text(app.query_one("#speed")).split())

@@ -9,11 +9,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from sfchat.events import ReplyFinished, RuntimeFailed
 from sfchat.node.prompts import encode
+from sfchat.params import Ask, GenParams
 from sfchat.ui import SfchatApp
 from sfchat.ui.chat import ChatView, Notice, ReplyMessage
 
-from test_ui import notices, pilot_test, send, wait_for
-from test_ui_real import RecordingWorker, settings_for
+from pilots import notices, pilot_test, send, wait_for
+from real_worker import RecordingWorker, settings_for
 
 SYSTEM = "be brief"
 PROMPTS = ["hello world", "the quick brown fox", "how are you today", "numbers 0 1 2 3", "and then"]
@@ -59,7 +60,7 @@ def common(a: list[int], b: list[int]) -> int:
 async def test_a_chat_past_the_context_leaves_out_its_oldest_turns(zoo, tmp_path):
     s = settings_for(zoo, system=SYSTEM, max_context=128)
     worker = PromptRecorder(s)
-    app = SfchatApp(worker, tmp_path / "h.sqlite3", {"max_new_tokens": N_NEW, "temperature": 0.0})
+    app = SfchatApp(worker, tmp_path / "h.sqlite3", Ask(N_NEW, GenParams(temperature=0.0)))
     async with app.run_test(size=(120, 60)) as pilot:
         await wait_for(pilot, lambda: app.ready is not None, 120)
         for i, prompt in enumerate(PROMPTS):

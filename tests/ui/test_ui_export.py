@@ -9,9 +9,8 @@ import os
 from sfchat.ui import SfchatApp
 from sfchat.ui.export import ExportScreen, chat_markdown
 from sfchat.ui.screens import ConfirmScreen
-from test_ui import FakeRuntime, db, pilot_test, send, wait_for  # noqa: F401
-from test_ui_resend import replied, warned
-from test_ui_system import set_system
+
+from pilots import FakeRuntime, db, pilot_test, replied, send, set_system, wait_for, warned  # noqa: F401  (fixtures)
 
 HOSTILE = "Red \x1b[31mtext\x1b[0m and a title \x1b]0;owned\x07 bell\x07."
 

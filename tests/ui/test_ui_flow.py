@@ -14,7 +14,8 @@ from sfchat.events import CodeWanted, LinkState, ReplyStarted, RoundStats, Runti
 from sfchat.ui import SfchatApp
 from sfchat.ui.chat import ReplyMessage, UserMessage
 from sfchat.ui.prompt import PromptInput
-from test_ui import READY, FakeRuntime, db, notices, pilot_test, send, wait_for  # noqa: F401
+
+from pilots import READY, FakeRuntime, db, notices, pilot_test, send, wait_for  # noqa: F401
 
 LONG = " ".join(f"w{i}" for i in range(4000))  # streams for longer than any test waits
 GOOD_CODE = "7-crossover-clockwork"

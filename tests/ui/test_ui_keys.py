@@ -16,7 +16,8 @@ from textual._xterm_parser import XTermParser
 from sfchat.ui import SfchatApp
 from sfchat.ui.chat import ChatView
 from sfchat.ui.prompt import PromptInput
-from test_ui import FakeRuntime, db, pilot_test, wait_for  # noqa: F401
+
+from pilots import FakeRuntime, db, pilot_test, wait_for  # noqa: F401
 
 README = Path(__file__).parents[2] / "README.md"
 KEY = re.compile(r"\b(?:(?:Ctrl|Alt|Shift)\+(?:Enter|[A-Z])|F\d{1,2})\b")

@@ -9,7 +9,8 @@ from dataclasses import replace
 from sfchat.events import LinkState, ReplyFinished, ReplyStarted, RoundStats, TokensCommitted
 from sfchat.tally import Tally
 from sfchat.ui import SfchatApp
-from test_ui import READY, FakeRuntime, db, pilot_test, send, static_text, wait_for  # noqa: F401
+
+from pilots import READY, FakeRuntime, db, pilot_test, send, static_text, wait_for  # noqa: F401
 
 K = 4
 LOCAL = replace(READY, draft="none", k=0, mode="local", model="HuggingFaceTB/SmolLM2-135M-Instruct")

@@ -10,49 +10,21 @@ import textwrap
 import threading
 import time
 
-from sfchat.config import Settings
-from sfchat.events import LoadProgress, ReplyFinished, ReplyStarted, TokensCommitted
+from sfchat.events import LoadProgress, ReplyFinished, TokensCommitted
 from sfchat.history import History
-from sfchat.node.head import Head
-from sfchat.node.worker import RuntimeWorker
+from sfchat.params import Ask, GenParams
 from sfchat.ui import SfchatApp
 from sfchat.ui.chat import ReplyMessage
-from sfchat.protocol.wire import Sampling
 
-from test_ui import pilot_test, send, wait_for
-
-
-class RecordingWorker(RuntimeWorker):
-    """The real worker, keeping a copy of every event it reports."""
-
-    def start(self, listener) -> None:
-        self.events = []
-
-        def record(event):
-            self.events.append(event)
-            listener(event)
-
-        super().start(record)
-
-    def started(self) -> list[ReplyStarted]:
-        return [e for e in self.events if isinstance(e, ReplyStarted)]
-
-
-def one_shot_text(settings: Settings, prompt: str, n: int) -> str:
-    session = Head.open(settings)
-    ids = session.encode([{"role": "user", "content": prompt}])
-    return [e for e in session.reply(ids, n, Sampling()) if isinstance(e, ReplyFinished)][0].text
-
-
-def settings_for(zoo, model="llama-tied", **kw) -> Settings:
-    return Settings(model=str(zoo[model]), draft=str(zoo["draft"]), k=3, device="cpu", **kw)
+from pilots import pilot_test, send, wait_for
+from real_worker import RecordingWorker, one_shot_text, settings_for
 
 
 @pilot_test
 async def test_reply_matches_one_shot_and_follow_up_reuses_the_cache(zoo, tmp_path):
     s = settings_for(zoo)
     worker = RecordingWorker(s)
-    app = SfchatApp(worker, tmp_path / "h.sqlite3", {"max_new_tokens": 16, "temperature": 0.0})
+    app = SfchatApp(worker, tmp_path / "h.sqlite3", Ask(16, GenParams(temperature=0.0)))
     async with app.run_test(size=(120, 40)) as pilot:
         await wait_for(pilot, lambda: app.ready is not None, 120)
         await send(pilot, "hello world")
@@ -89,7 +61,7 @@ async def test_escape_cancels_a_real_reply_and_keeps_its_prefix(zoo, tmp_path):
     full = one_shot_text(s, "tell me more", 200)
     worker = HeldWorker(s)
     db = tmp_path / "h.sqlite3"
-    app = SfchatApp(worker, db, {"max_new_tokens": 200, "temperature": 0.0})
+    app = SfchatApp(worker, db, Ask(200, GenParams(temperature=0.0)))
     async with app.run_test(size=(120, 40)) as pilot:
         await wait_for(pilot, lambda: app.ready is not None, 120)
         await send(pilot, "tell me more")
@@ -127,12 +99,13 @@ DRIVER = textwrap.dedent("""
     sys.path.insert(0, {tests!r})
     from sfchat.config import Settings
     from sfchat.node.worker import RuntimeWorker
+    from sfchat.params import Ask, GenParams
     from sfchat.ui import SfchatApp
-    from test_ui import send, wait_for
+    from pilots import send, wait_for
 
     async def main():
         s = Settings(model={model!r}, draft="none", device="cpu")
-        app = SfchatApp(RuntimeWorker(s), {db!r}, {{"max_new_tokens": 100000, "temperature": 0.0}})
+        app = SfchatApp(RuntimeWorker(s), {db!r}, Ask(100000, GenParams(temperature=0.0)))
         async with app.run_test(size=(100, 30)) as pilot:
             await wait_for(pilot, lambda: app.ready is not None, 120)
             await send(pilot, "keep talking")

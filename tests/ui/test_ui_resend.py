@@ -6,17 +6,12 @@ from __future__ import annotations
 
 from sfchat.history import History
 from sfchat.ui import SfchatApp
-from sfchat.ui.chat import Notice, ReplyMessage, UserMessage
+from sfchat.ui.chat import Notice, ReplyMessage
 from sfchat.ui.prompt import PromptInput
-from test_ui import REPLY, FakeRuntime, db, notices, pilot_test, send, wait_for  # noqa: F401
 
-
-def shown(app) -> list[tuple[str, str]]:
-    """The turns on screen, in order."""
-    out = []
-    for w in app.query("UserMessage, ReplyMessage"):
-        out.append(("user", str(w.render())) if isinstance(w, UserMessage) else ("assistant", w.markdown.source))
-    return out
+from pilots import (  # noqa: F401  (fixtures)
+    REPLY, FakeRuntime, db, notices, pilot_test, replied, retype, send, shown, wait_for, warned
+)
 
 
 def stored(db) -> list[tuple[str, str, str]]:
@@ -26,15 +21,6 @@ def stored(db) -> list[tuple[str, str, str]]:
         return [(m.role, m.content, m.status) for m in history.load_chat(chat.id)]
     finally:
         history.close()
-
-
-async def replied(pilot, app, turns: int) -> None:
-    await wait_for(pilot, lambda: not app.session.replying and len(app.session.turns) == turns)
-    await pilot.pause()
-
-
-def warned(app, text: str) -> bool:
-    return any(text in str(n.message) for n in app._notifications)
 
 
 @pilot_test
@@ -76,13 +62,6 @@ async def test_regenerate_is_refused_while_a_reply_runs_and_redoes_a_cancelled_o
         await replied(pilot, app, 2)
         assert shown(app) == [("user", "long one"), ("assistant", "Short now.")]
     assert stored(db) == [("user", "long one", "complete"), ("assistant", "Short now.", "complete")]
-
-
-async def retype(pilot, app, text: str) -> None:
-    """Empty the editor with Backspace and type ``text``."""
-    for _ in app.query_one(PromptInput).text:
-        await pilot.press("backspace")
-    await send(pilot, text)
 
 
 @pilot_test

@@ -13,7 +13,10 @@ from sfchat.history import History
 from sfchat.plaintext import plain
 from sfchat.ui import SfchatApp
 from sfchat.ui.chat import ReplyMessage
-from test_ui import READY, FakeRuntime, db, notices, open_history, pilot_test, send, static_text, wait_for  # noqa: F401
+
+from pilots import (  # noqa: F401  (fixtures)
+    READY, FakeRuntime, db, notices, open_history, pilot_test, screen_lines, send, static_text, wait_for
+)
 
 HOSTILE_CLOSE = "[/]"
 HOSTILE_TOAST = "[bold red]FAKE[/]"
@@ -40,10 +43,6 @@ def toast_texts(app) -> list[tuple[str, list]]:
         content = Content.from_markup(n.message) if n.markup else Content(n.message)
         shown.append((content.plain, [span.style for span in content.spans]))
     return shown
-
-
-def screen_lines(app) -> list[str]:
-    return [strip.text for strip in app.screen._compositor.render_strips()]
 
 
 def test_plain_strips_escapes_and_controls_and_keeps_text():
@@ -178,12 +177,13 @@ def test_the_kernel_hub_warning_of_bitsandbytes_is_dropped(caplog):
 def test_one_shot_errors_reach_stderr_without_escape_codes(monkeypatch, capsys):
     """A tail ERROR (as the head raises it) carrying ANSI escapes: one plain line on stderr."""
     import sfchat.cli as cli
+    from sfchat.node import oneshot
     from sfchat.node.driver import LinkError
 
     def tail_error(*args):
         raise LinkError(HOSTILE_ERROR)
 
-    monkeypatch.setattr(cli, "one_shot", tail_error)
+    monkeypatch.setattr(oneshot, "one_shot", tail_error)
     assert cli.main(["--model", "/some/model", "--prompt", "hi"]) == cli.EXIT_LINK
     err = capsys.readouterr().err
     assert "re-enter your secret" in err and "\x1b" not in err and "\x07" not in err

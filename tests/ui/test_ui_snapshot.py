@@ -8,6 +8,7 @@ and look at the SVG under tests/ui/__snapshots__/ before committing it.
 from __future__ import annotations
 
 from sfchat.tally import Tally
+from sfchat.params import Ask
 from sfchat.events import (
     LinkState, LoadProgress, ReplyFinished, ReplyStarted, RoundStats, RuntimeReady,
     TokensCommitted,
@@ -90,5 +91,5 @@ async def converse(pilot) -> None:
 
 
 def test_main_screen_snapshot(snap_compare):
-    app = SfchatApp(ScriptedRuntime(), None, {"max_new_tokens": 512}, "sfchat")
+    app = SfchatApp(ScriptedRuntime(), None, Ask(512), "sfchat")
     assert snap_compare(app, terminal_size=(130, 42), run_before=converse)

@@ -6,22 +6,10 @@ from __future__ import annotations
 from sfchat.history import History
 from sfchat.ui import SfchatApp
 from sfchat.ui.screens import SystemScreen
-from test_ui import FakeRuntime, db, open_history, pilot_test, send, static_text, wait_for  # noqa: F401
-from test_ui_resend import replied
 
-
-async def set_system(pilot, text: str) -> None:
-    """F5, empty the editor, type ``text``, Enter."""
-    app = pilot.app
-    await pilot.press("f5")
-    await wait_for(pilot, lambda: isinstance(app.screen, SystemScreen))
-    editor = app.screen.query_one("#system-input")
-    for _ in editor.text:
-        await pilot.press("backspace")
-    for ch in text:
-        await pilot.press("space" if ch == " " else ch)
-    await pilot.press("enter")
-    await wait_for(pilot, lambda: not isinstance(app.screen, SystemScreen))
+from pilots import (  # noqa: F401  (fixtures)
+    FakeRuntime, db, open_history, pilot_test, replied, send, set_system, static_text, wait_for
+)
 
 
 def system_line(app) -> str:
