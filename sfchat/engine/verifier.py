@@ -6,7 +6,8 @@ Contract
 reply (sans-I/O: the same object serves the in-memory link of local mode and the relay loop of
 ``sfchat --tail``). The tail needs no model flags: a HELLO names the model, revision, split,
 dtype and context size; the tail loads its slice through the loader it was given (reporting
-PROGRESS), checks that what it loaded agrees with the hello, and answers READY (naming the dtype
+PROGRESS), checks that what it loaded agrees with the hello, has the loader ready it for the
+hello's frame shapes (its CUDA graphs, where memory allows), and answers READY (naming the dtype
 it computes in: float16 instead of the head's bfloat16 on a GPU without bf16, such as a T4; the
 head's hidden states are then converted on arrival).
 
@@ -51,7 +52,6 @@ from sfchat.protocol.messages import Failure, Progress
 from sfchat.engine import sampling
 from sfchat.engine.scratch import Scratch
 from sfchat.model.decoder import n_layers
-from sfchat.model.memory import check_graphs
 from sfchat.model.slices import ModelSlice
 from sfchat.model.devices import DTYPE_NAMES, DTYPES
 
@@ -70,10 +70,13 @@ def tensor_from_bytes(raw: bytes, dtype: torch.dtype, rows: int, cols: int, devi
 
 
 class Verifier:
-    def __init__(self, load: Callable[[Hello, Callable], ModelSlice], log=None):
+    def __init__(self, load, log=None):
         """``load(hello, progress)`` opens and loads the slice a hello names (a ``UserError`` when
         it cannot: refused as an ERROR); ``progress(stage, done, total, detail)`` reports to the
-        head. The loader decides where models may come from and on which devices they run."""
+        head; ``load.shapes(model, hello)`` readies the slice for the hello's frame shapes (its
+        graphs), or raises a ``UserError`` saying why it cannot (refused as an ERROR). The loader
+        (``node.tail_loader.TailLoader``) decides where models may come from, on which devices
+        they run and what memory allows; the verifier only speaks the protocol."""
         self.load = load
         self.log = log or (lambda msg: None)
         self.model: ModelSlice | None = None
@@ -141,17 +144,10 @@ class Verifier:
         if n_layers(cfg) != hello.n_layers or cfg.hidden_size != hello.hidden_size:
             self._fail(emit, f"tail's model has {n_layers(cfg)} layers / hidden {cfg.hidden_size}, "
                              f"the head's {hello.n_layers} / {hello.hidden_size}: not the same model")
-        # a verify runs at one of the hello's frame shapes: a graph each, if memory holds them
-        if hello.graphs and self.model.device.type == "cuda":
-            try:
-                check_graphs(self.model, hello.shapes())
-            except UserError as exc:
-                self._fail(emit, f"tail cannot capture the head's frame shapes: {exc}")
-            for m, is_tree in hello.shapes():
-                if not self.model.captured(m, m, is_tree):  # a verify sees its rows' slots and the trash slot
-                    self.model.capture(m, m, log=self.log, tree=is_tree, span=m + 1 if is_tree else None)
-        if not hello.graphs:
-            self.model.graphs.clear()
+        try:  # a verify runs at one of the hello's frame shapes: the loader graphs them, or says why not
+            self.load.shapes(self.model, hello)
+        except UserError as exc:
+            self._fail(emit, str(exc))
         self.model.reset(zero=True)  # nothing an earlier head left may reach this one's softmax
         self.seen = None
         self.prefill_s = 0.0

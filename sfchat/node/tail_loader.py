@@ -3,7 +3,10 @@
 Contract: ``TailLoader(device, devices, models_dirs, log)`` is the callable a ``Verifier`` is
 given (by ``sfchat --tail`` and by local mode alike): it opens the model a HELLO names, refuses
 what this tail may not open or cannot hold (a ``UserError``, answered to the head as an ERROR)
-and loads the tail's slice. It knows nothing of the head's engine.
+and loads the tail's slice; ``shapes(model, hello)`` then captures a CUDA graph per frame shape
+the hello names, after checking that memory holds them (refused as ``tail cannot capture the
+head's frame shapes: ...``), or drops the graphs when the head runs without them. It knows
+nothing of the head's engine.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import torch
 from sfchat import UserError
 from sfchat.model.decoder import n_layers
 from sfchat.model.devices import DTYPE_NAMES, pick_dtype, runnable_dtype
-from sfchat.model.memory import check_tail, unequal_free
+from sfchat.model.memory import check_graphs, check_tail, unequal_free
 from sfchat.model.slices import ModelSlice
 from sfchat.model.source import ModelSource
 from sfchat.protocol import wire
@@ -73,3 +76,18 @@ class TailLoader:
         return ModelSlice.load(src, split, L, embed=False, head=True, dtype=dtype, device=self.device,
                                max_len=hello.max_len, progress=report, quant=quant, devices=self.devices,
                                reserved=unequal_free(self.devices))
+
+    def shapes(self, model: ModelSlice, hello: Hello) -> None:
+        """Graphs for the hello's frame shapes on a GPU, if memory holds them; none without."""
+        if not hello.graphs:
+            model.graphs.clear()
+            return
+        if model.device.type != "cuda":
+            return
+        try:
+            check_graphs(model, hello.shapes())
+        except UserError as exc:
+            raise UserError(f"tail cannot capture the head's frame shapes: {exc}") from None
+        for m, is_tree in hello.shapes():
+            if not model.captured(m, m, is_tree):  # a verify sees its rows' slots and the trash slot
+                model.capture(m, m, log=self.log, tree=is_tree, span=m + 1 if is_tree else None)

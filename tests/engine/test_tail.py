@@ -217,3 +217,37 @@ def test_logits_that_overflow_end_the_session_with_the_remedies_instead_of_garba
     assert "layers [2, 4)" in message and "computed logits that are not finite in float32" in message
     assert "--dtype bfloat16" in message and "--dtype float32" in message
     check_serves(v, good, ref, fwd)  # the next head is served exactly
+
+
+
+def test_a_tail_whose_gpu_cannot_hold_the_frame_graphs_refuses_the_hello_and_stays_usable(tail_case, monkeypatch):
+    """The loader decides the graphs (memory is the node's business): on a GPU it checks them
+    first, and the verifier answers its refusal as the head's ERROR, then serves the next hello."""
+    import sfchat.node.tail_loader as tail_loader
+    from sfchat import UserError
+    from tail_cases import K
+
+    good, other, ref, fwd = tail_case
+    loader = TailLoader(torch.device("cpu"))
+    asked = []
+
+    def refuse(model, shapes):
+        asked.append(list(shapes))
+        raise UserError("the graphs need 3.0 GiB on cuda:0, 1.0 GiB is free")
+
+    class OnAGpu:
+        """The tail's own loader, its slice placed as a GPU tail's (refused before anything runs)."""
+        shapes = staticmethod(loader.shapes)
+
+        def __call__(self, hello, progress):
+            model = loader(hello, progress)
+            model.device = torch.device("cuda")
+            return model
+
+    monkeypatch.setattr(tail_loader, "check_graphs", refuse)
+    v = Verifier(OnAGpu())
+    msg = replies(v, hello_for(good), fails=True)
+    assert msg == "tail cannot capture the head's frame shapes: the graphs need 3.0 GiB on cuda:0, 1.0 GiB is free"
+    assert asked == [[(K + 1, True), (8, True)]]
+    v.load, v.model.device = loader, torch.device("cpu")  # the same verifier and slice, on the CPU again
+    check_serves(v, good, ref, fwd)
