@@ -39,7 +39,7 @@ from typing import Callable
 
 from sfchat import UserError
 from sfchat.events import LinkState
-from sfchat.link import LinkClosed, pairing
+from sfchat.link import LinkClosed, SessionLink, pairing
 from sfchat.link.backoff import MIN_WAIT_S
 from sfchat.link.pairing import ATTEMPT_INTERVAL_S, BURST, require_secret
 from sfchat.link.relay import SlotTaken, join_while_taken
@@ -57,7 +57,7 @@ PAIRING_WAIT_S = 60.0  # the peer's answers to the pairing
 class Dialer:
     ask_text = ASK_CODE  # what a person is asked when no code was given
 
-    def __init__(self, join: Callable[[float], object], session: str, code: str | None = None, *,
+    def __init__(self, join: Callable[[float], SessionLink], session: str, code: str | None = None, *,
                  insecure: bool = False, on_event: Callable = lambda e: None,
                  ask_code: Callable[[str], str] | None = None, where: str = ""):
         self.join, self.session, self.insecure, self.where = join, session, insecure, where
