@@ -20,7 +20,7 @@ from typing import Callable
 from sfchat import UserError
 from sfchat.config import Settings
 from sfchat.events import LinkState
-from sfchat.link.dialer import ASK_CODE, SLOT_WAIT_S, Dialer  # noqa: F401  (the head's words and waits)
+from sfchat.link.dialer import Dialer
 from sfchat.link.relay import RelayLink
 
 
