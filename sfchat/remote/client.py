@@ -17,12 +17,12 @@ the host's runtime to ``listener`` (the host's figures, so the metrics panel sho
 ``submit``, ``cancel``, ``new_chat``, ``set_code`` and ``close`` never block: a command is
 numbered, kept until the host acknowledges it, and sent again after a reconnect, so nothing is
 lost or done twice. A lost link is dialled again with the one backoff (``link.backoff``), as
-long as the runtime is open,
-and so is one that is silent for ``chat.SILENCE_S`` (the host sends at least every
-``chat.KEEPALIVE_S``; so does this runtime once attached): a relay that withholds or replays a
-frame, or a host that ended the pairing, is noticed within that and shown;
-meanwhile ``LinkState`` says so ("reconnecting", "waiting" for a host that is not there), and
-the host's own link state is shown again once it is back.
+long as the runtime is open, and so is one that is silent for ``chat.SILENCE_S`` (the host
+sends at least every ``chat.KEEPALIVE_S``; so does this runtime once attached): a relay that
+withholds or replays a frame, or a host that ended the pairing, is noticed within that and
+shown; meanwhile ``LinkState`` says so ("reconnecting", "waiting" for a host that is not there),
+and the host's own link state is shown again once it is back (the dialer's own "connected" is
+not reported: the screen shows the head's link).
 
 History stays here: the conversation is sent whole with every ``Submit`` (the host keeps
 nothing of it but its KV cache). A host restarted since (another instance) has lost the reply in
