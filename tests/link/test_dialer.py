@@ -7,6 +7,7 @@ import threading
 import time
 
 import pytest
+from polling import WAIT, until
 from relay_process import TOKEN
 
 from sfchat.events import LinkState
@@ -19,16 +20,6 @@ from sfchat.link.resume import Resumption
 from sfchat.link.secure import SecureLink
 
 CODE = "7-crossover-clockwork"
-WAIT = 60.0
-
-
-def until(condition, wait: float = WAIT) -> bool:
-    deadline = time.monotonic() + wait
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 class Clock:

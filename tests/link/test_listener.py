@@ -8,6 +8,7 @@ import threading
 import time
 
 import pytest
+from polling import WAIT, until
 from relay_process import TOKEN
 
 from sfchat import UserError, nodelog
@@ -21,7 +22,6 @@ from sfchat.link.secure import IntegrityError, SecureLink
 
 CODE = "7-crossover-clockwork"
 SESSION = "listened"
-WAIT = 60.0
 
 
 class Recorder:
@@ -46,15 +46,6 @@ class Recorder:
 
     def link_lost(self) -> None:
         self.said.append("lost")
-
-
-def until(condition, wait: float = WAIT) -> bool:
-    deadline = time.monotonic() + wait
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 def test_a_listener_pairs_two_heads_one_after_another_on_one_relay_connection(relay_url):

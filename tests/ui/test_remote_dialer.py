@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import queue
 import threading
-import time
 
+from polling import WAIT, until
 from relay_process import TOKEN
 
 from sfchat.events import CodeWanted, LinkState
@@ -18,7 +18,6 @@ from sfchat.remote.client import RemoteRuntime
 
 CODE = "4-crossover-clockwork"
 SESSION = "dialled-chat"
-WAIT = 60.0
 
 
 def next_event(events: queue.Queue, kind: type, where=lambda event: True):
@@ -50,12 +49,7 @@ class PairingHost:
                 self.link.restart()
 
     def wait_keyed(self) -> bool:
-        deadline = time.monotonic() + WAIT
-        while not self.link.keyed:
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.01)
-        return True
+        return until(lambda: self.link.keyed)
 
     def leave(self) -> None:
         self.stopped.set()
