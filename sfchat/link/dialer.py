@@ -8,9 +8,9 @@ relay's head role gets its peer, the first time and after every loss: the model 
 (``dial(wait_timeout)``) returns the link once a peer is present on the session and paired: the
 relay link that ``join(connect_timeout)`` opens (a ``RelayLink`` in the head's role) sealed end to
 end by ``SecureLink``, or plain with ``insecure``. It reports ``LinkState`` "waiting" (with what
-starts or brings back a peer, ``waiting_text()``; and while another node holds the session's head
-slot, retried for up to ``SLOT_WAIT_S`` through ``relay.join_while_taken``) and "connected"
-(naming ``where``). Every wait of one dial (the relay's answer, the slot, the peer, the pairing)
+starts or brings back a peer, ``waiting_text()``; and while another node, ``rival``, holds the
+session's head slot, retried for up to ``SLOT_WAIT_S`` through ``relay.join_while_taken``) and
+"connected" (naming ``where``). Every wait of one dial (the relay's answer, the slot, the peer, the pairing)
 ends by ``wait_timeout`` when one is given. ``close()`` (from any thread) closes the relay link
 being dialled and makes every later dial raise ``LinkClosed``. Redialling after a failure is the
 caller's, through ``link.backoff.redial`` (one backoff under one deadline).
@@ -56,6 +56,7 @@ PAIRING_WAIT_S = 60.0  # the peer's answers to the pairing
 
 class Dialer:
     ask_text = ASK_CODE  # what a person is asked when no code was given
+    rival = "head"  # what else may hold the session's head slot
 
     def __init__(self, join: Callable[[float], SessionLink], session: str, code: str | None = None, *,
                  insecure: bool = False, on_event: Callable = lambda e: None,
@@ -176,8 +177,8 @@ class Dialer:
         """A relay connection in the head's role, once a peer is there."""
 
         def taken(exc: SlotTaken) -> None:
-            self.on_event(LinkState("waiting", f"{exc}: trying again (another head of yours, or someone else "
-                                               "holding the relay token)"))
+            self.on_event(LinkState("waiting", f"{exc}: trying again (another {self.rival} of yours, or someone "
+                                               "else holding the relay token)"))
 
         def join():
             self._check_open()
@@ -186,8 +187,8 @@ class Dialer:
         try:
             link = join_while_taken(join, self._left(deadline, SLOT_WAIT_S), taken)
         except SlotTaken as exc:
-            raise UserError(f"{exc} for {SLOT_WAIT_S:.0f} s: is another head running on session {self.session!r}? "
-                            "(or pick another --session)") from None
+            raise UserError(f"{exc} for {SLOT_WAIT_S:.0f} s: is another {self.rival} running on session "
+                            f"{self.session!r}? (or pick another --session)") from None
         with self._lock:
             self._dialling = link
         try:

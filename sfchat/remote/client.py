@@ -296,6 +296,7 @@ class ChatDialer(Dialer):
     """The dialer in the chat screen's words: its peer is the head, its code the chat code."""
 
     ask_text = "the chat code the head printed (sfchat --offer-chat), such as 7-crossover-clockwork"
+    rival = "chat screen"
 
     def check(self, code: str | None) -> None:
         if not code:
