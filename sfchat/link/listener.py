@@ -27,9 +27,13 @@ hand in a fake clock's).
 sent a frame left, and 1 when such a peer's pairing ended or the relay connection was lost, so
 that no listener outlives its test.
 
-Every line it writes (and the handler's, through ``self.log``) passes ``nodelog.limited``: the
-process's one rate limit, so that no peer can make the node write more than it allows.
-Torch-free.
+``sealed(join, passcode, session, resumption, log, names)`` is the dial of a sealed listener:
+``join()`` (a ``RelayLink`` in the tail's role) wrapped in a ``SecureLink`` that answers pairings
+within ``passcode``'s budget and keeps its secret in ``resumption``, logging as ``names`` say.
+
+Every line it writes (and the handler's, through ``self.log``; and a sealed dial's pairing
+attempts) passes ``nodelog.limited``: the process's one rate limit, so that no peer can make the
+node write more than it allows. Torch-free.
 """
 
 from __future__ import annotations
@@ -41,7 +45,10 @@ from sfchat import UserError
 from sfchat.link import LinkClosed, PeerGone, SessionLink
 from sfchat.link.backoff import redial
 from sfchat.link.relay import TokenRefused
-from sfchat.link.secure import IntegrityError, PlaintextPeer
+from sfchat.link.pairer import Names
+from sfchat.link.pairing import Passcode
+from sfchat.link.resume import Resumption
+from sfchat.link.secure import IntegrityError, PlaintextPeer, SecureLink
 from sfchat.nodelog import limited
 from sfchat.plaintext import plain
 
@@ -165,3 +172,10 @@ class Listener:
                      f"({TOKEN_REFUSALS - refusals} more tries)")
 
         return redial(attempt, UserError, on_retry=failed, pause=self.pause)
+
+
+def sealed(join: Callable[[], SessionLink], passcode: Passcode, session: str, resumption: Resumption,
+           log: Callable[[str], None], names: Names = Names()) -> Callable[[], SessionLink]:
+    """A dial whose links pair one peer after another, sealed end to end (see the module docstring)."""
+    log = limited(log)
+    return lambda: SecureLink(join(), passcode, session, "tail", log=log, resumption=resumption, names=names)

@@ -40,14 +40,14 @@ from sfchat import UserError
 from sfchat.config import Settings
 from sfchat.link.pairing import Passcode, require_secret
 from sfchat.link import LinkClosed
-from sfchat.link.listener import TOKEN_REFUSALS, Listener  # noqa: F401  (the tail stops after as many)
+from sfchat.link.listener import TOKEN_REFUSALS, Listener, sealed  # noqa: F401  (TOKEN_REFUSALS: the tail's)
 from sfchat.link.relay import RelayLink
 from sfchat.link.resume import ResumeFile
 from sfchat.model.devices import resolve_devices
 from sfchat.engine.verifier import TailError, Verifier
 from sfchat.node.tail_loader import TailLoader
 from sfchat.protocol.messages import Failure
-from sfchat.link.secure import IntegrityError, PlaintextPeer, SecureLink
+from sfchat.link.secure import IntegrityError, PlaintextPeer
 from sfchat.nodelog import node_log
 
 STATS_EVERY_S = 30.0
@@ -83,17 +83,14 @@ def serve(s: Settings, once: bool = False) -> int:
             show_code(passcode.code)
         if resumption.secret is not None:
             log(f"the head this tail paired with last resumes without a code (its secret: {resumption.path})")
-    listener = Listener(lambda: _dial(s, passcode, resumption), VerifierHandler(verifier),
-                        log=log, poll=lambda: STATS_EVERY_S, once=once,
+
+    def join() -> RelayLink:
+        return RelayLink(s.relay, s.token, s.session, "tail")
+
+    dial = join if passcode is None else sealed(join, passcode, s.session, resumption, log)
+    listener = Listener(dial, VerifierHandler(verifier), log=log, poll=lambda: STATS_EVERY_S, once=once,
                         greeting=f"connected to {s.relay} as the tail of session {s.session!r}; waiting for a head")
     return listener.serve()
-
-
-def _dial(s: Settings, passcode: Passcode | None, resumption: ResumeFile | None):
-    link = RelayLink(s.relay, s.token, s.session, "tail")
-    if passcode is None:
-        return link
-    return SecureLink(link, passcode, s.session, "tail", log=log, resumption=resumption)
 
 
 class VerifierHandler:
