@@ -6,7 +6,9 @@ the line passed through ``LIMIT``, the one ``LogLimit`` of this process, which e
 in it shares. So nothing a peer can cause (relay joins and leaves, pairing and resumption
 attempts, frames refused) makes a process write more than ``LOG_BURST_BYTES`` at once and
 ``LOG_BYTES_PER_S`` on average; the lines left out are counted in the next line written.
-``LogLimit`` is a token bucket of bytes; its ``clock`` is for tests. Standard library only.
+``limited(log)`` puts any other log function behind the same limit (a node log as it is): the
+listener (``sfchat.link.listener``) logs through it, whatever log it is given. ``LogLimit`` is
+a token bucket of bytes; its ``clock`` is for tests. Standard library only.
 """
 
 from __future__ import annotations
@@ -56,4 +58,19 @@ def node_log(name: str) -> Callable[[str], None]:
         if line is not None:
             print(line, file=sys.stderr, flush=True)
 
+    log.limited = True
     return log
+
+
+def limited(log: Callable[[str], None]) -> Callable[[str], None]:
+    """``log`` with every line (made plain) through ``LIMIT``; a log that is already behind it as it is."""
+    if getattr(log, "limited", False):
+        return log
+
+    def admitted(message: str) -> None:
+        line = LIMIT.admit(plain(message))
+        if line is not None:
+            log(line)
+
+    admitted.limited = True
+    return admitted

@@ -117,3 +117,12 @@ def fresh_head_attempts(monkeypatch):
     from sfchat.link import pairing
 
     monkeypatch.setattr(pairing, "HEAD_ATTEMPTS", pairing.HeadAttempts())
+
+
+@pytest.fixture(autouse=True)
+def fresh_log_limit(monkeypatch):
+    """Each test's node logs start with the whole burst of the process's one log limit
+    (``sfchat.nodelog.LIMIT``): lines an earlier test wrote must not leave out this one's."""
+    from sfchat import nodelog
+
+    monkeypatch.setattr(nodelog, "LIMIT", nodelog.LogLimit())

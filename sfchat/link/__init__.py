@@ -19,7 +19,19 @@ A ``Link`` carries whole binary frames in order between the two nodes of one ses
 
 Implementations: ``link.relay.RelayLink`` (through the relay), ``link.secure.SecureLink`` (sealed
 end to end over another link), ``node.local_link.MemoryLink`` (the tail in this process). The
-head's round driver is written against this protocol and these exceptions alone. Torch-free.
+head's round driver is written against this protocol and these exceptions alone.
+
+What keeps a relay session paired uses two more, and nothing else of the links:
+
+* ``SessionLink``, a ``Link`` to one relay session (``RelayLink``; ``SecureLink`` passes them
+  through): ``peer_present`` (the other role is connected) and ``wait_peer(timeout)``
+  (``TimeoutError``, or ``LinkClosed``). The dialer (``link.dialer``, the head role) waits on
+  them before it pairs.
+* ``PairedLink``, a ``SessionLink`` that pairs (``SecureLink``): ``keyed`` (this pairing has
+  keys), ``paired_by`` (the head's: "code" or "resume") and ``restart()`` (the tail's: forget
+  this pairing and wait for the next on the same connection). The dialer reads ``paired_by``;
+  the listener (``link.listener``, the tail role) restarts a pairing whose peer is no longer
+  trusted, and its handlers look at ``keyed``. Torch-free.
 """
 
 from __future__ import annotations
@@ -49,3 +61,20 @@ class Link(Protocol):
     def closed_reason(self) -> str | None: ...
 
     def close(self) -> None: ...
+
+
+class SessionLink(Link, Protocol):
+    @property
+    def peer_present(self) -> bool: ...
+
+    def wait_peer(self, timeout: float | None = None) -> None: ...
+
+
+class PairedLink(SessionLink, Protocol):
+    @property
+    def keyed(self) -> bool: ...
+
+    @property
+    def paired_by(self) -> str | None: ...
+
+    def restart(self) -> None: ...

@@ -21,7 +21,7 @@ The head (``opening()``) tries a resumption first when it holds the secret of an
 pairing (``resume.Resumption``). When the tail refuses it or its answer does not verify (a tail
 restarted without its file, one another head paired with since, or a stranger in the tail's
 slot), the head falls back to its code only when it was given one for this link (``code``; the
-dialer gives a code once per time a person or a setting supplies it, ``connect.HeadDialer``);
+dialer gives a code once per time a person or a setting supplies it, ``link.dialer.Dialer``);
 without one it fails with ``ResumptionRefused``, so that whoever answers as a tail cannot make
 the head test a guess of the code by refusing resumptions. ``CodeNeeded`` (its base) is the
 head having neither. When a code attempt fails it raises ``WrongCode``, which is final for this

@@ -39,8 +39,8 @@ frame finds its likeliest nodes already proposed; a verdict is taken at most one
 
 Faults (relay mode): a lost link (tail gone, relay gone, no verdict within ``round_timeout``: a
 deadline that nothing else the tail sends extends) during a round or the handshake is
-re-established with backoff for up to ``reconnect_timeout``; the round is redone after a fresh
-HELLO, and the new tail is re-primed through the ordinary prefill path; every new reason a try
+re-established with the one backoff (``link.backoff.redial``) for up to ``reconnect_timeout``; the
+round is redone after a fresh HELLO, and the new tail is re-primed through the ordinary prefill path; every new reason a try
 fails for is reported. Between replies ``watch(timeout)`` notices a link that is gone at once
 (``Link.closed_reason``), reports why, and dials again (see ``watch``). A stall is reported after
 ``STALL_NOTICE_S``. Verdicts of abandoned frames are ignored. A tail that breaks the protocol (a
@@ -61,13 +61,14 @@ from sfchat.events import LinkState, RoundStats
 from sfchat.protocol.handshake import Hello, Ready
 from sfchat.protocol.messages import Failure, Progress
 from sfchat.link import Link, LinkClosed, PeerGone
+from sfchat.link.backoff import Backoff, GaveUp, redial
 from sfchat.engine.live import ProtocolError
 from sfchat.engine.policy import PipelinePolicy
 from sfchat.engine.frame import Commit, Frame
 from sfchat.engine.speculator import Speculator
 
 STALL_NOTICE_S = 3.0  # a round without a verdict for this long is reported as stalled
-WATCH_BACKOFF_S, WATCH_BACKOFF_MAX_S = 5.0, 60.0  # between two idle dials of a link that stays gone
+WATCH_BACKOFF_S = (5.0, 60.0)  # between two idle dials of a link that stays gone: the first wait, the longest
 
 
 class LinkError(Exception):
@@ -103,7 +104,7 @@ class RoundDriver:
         self.on_progress = None
         self.flight: deque[Frame] = deque()  # sent, not answered yet; oldest first
         self.flight_sampling: wire.Sampling | None = None
-        self._watch_delay = self._watch_next = 0.0  # the idle watch's backoff (see ``watch``)
+        self._watch, self._watch_next = Backoff(*WATCH_BACKOFF_S), 0.0  # the idle watch's backoff (see ``watch``)
         self.policy = policy or PipelinePolicy(max_in_flight if link.overlaps else 1)
 
     # the engine's parts, for benchmarks and tests that look inside
@@ -146,27 +147,28 @@ class RoundDriver:
             raise LinkError(f"protocol error: unexpected {type(msg).__name__} while waiting for the tail to be ready")
 
     def _recover(self, cause: LinkLost) -> Ready:
-        """Reconnect with backoff and re-HELLO; the next round re-sends the whole context. Each new
-        reason a try fails for (the relay refused the token, no tail came) is reported."""
+        """Reconnect with the one backoff (``link.backoff``) and re-HELLO; the next round re-sends the
+        whole context. Each new reason a try fails for (the relay refused the token, no tail came)
+        is reported."""
         self.on_event(LinkState("reconnecting", str(cause)))
         self.flight.clear()
-        deadline = time.monotonic() + self.reconnect_timeout
-        delay, said = 0.5, None
+        said = None
         self._watch_next = math.inf  # given up or cancelled: the next message dials again, not the idle watch
-        while True:
-            try:
-                ready = self._redial(max(deadline - time.monotonic(), 1.0))
-                break
-            except (LinkError, UserError, TimeoutError) as exc:
-                if time.monotonic() + delay > deadline:
-                    raise LinkLost(f"gave up after {self.reconnect_timeout:.0f} s of reconnecting: {exc}") from None
-                if str(exc) != said:
-                    said = str(exc)
-                    self.on_event(LinkState("reconnecting", f"{cause}; {exc}; trying again"))
-                time.sleep(delay)
-                delay = min(delay * 2, 5.0)
+
+        def failed(exc: BaseException, delay: float) -> None:
+            nonlocal said
+            if str(exc) != said:
+                said = str(exc)
+                self.on_event(LinkState("reconnecting", f"{cause}; {exc}; trying again"))
+
+        try:
+            ready = redial(self._redial, (LinkError, UserError, TimeoutError),
+                           deadline=time.monotonic() + self.reconnect_timeout, on_retry=failed)
+        except GaveUp as exc:
+            raise LinkLost(f"gave up after {self.reconnect_timeout:.0f} s of reconnecting: {exc.last}") from None
         self.spec.restart()
-        self._watch_delay, self._watch_next = 0.0, 0.0
+        self._watch.reset()
+        self._watch_next = 0.0
         self.on_event(LinkState("connected", "reconnected; the context was sent again"))
         return ready
 
@@ -187,19 +189,20 @@ class RoundDriver:
         if why is None or self.reconnect is None or self.hello is None or time.monotonic() < self._watch_next:
             return
         cause = f"the link to the tail was lost: {why}"
-        if self._watch_delay == 0.0:
+        if self._watch.delay == self._watch.first:
             self.on_event(LinkState("reconnecting", cause))
         self.flight.clear()
         try:
             self._redial(timeout)
         except (LinkError, UserError, TimeoutError) as exc:
             self.link.close()  # a handshake that failed leaves no tail holding our context
-            self._watch_delay = min(max(self._watch_delay * 2, WATCH_BACKOFF_S), WATCH_BACKOFF_MAX_S)
-            self._watch_next = time.monotonic() + self._watch_delay
-            self.on_event(LinkState("reconnecting", f"{cause}; {exc}; trying again in {self._watch_delay:.0f} s "
+            delay = self._watch.next()
+            self._watch_next = time.monotonic() + delay
+            self.on_event(LinkState("reconnecting", f"{cause}; {exc}; trying again in {delay:.0f} s "
                                                     "and at the next message"))
             return
-        self._watch_delay, self._watch_next = 0.0, 0.0
+        self._watch.reset()
+        self._watch_next = 0.0
         self.spec.restart()
         self.on_event(LinkState("connected", "reconnected; the context is sent again with the next message"))
 

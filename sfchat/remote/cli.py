@@ -33,7 +33,8 @@ from sfchat.events import LinkState, LoadProgress, RuntimeFailed, RuntimeReady
 from sfchat.link.pairing import Passcode, check_code
 from sfchat.link.relay import RelayLink, SlotTaken, join_while_taken
 from sfchat.link.resume import ResumeFile
-from sfchat.link.secure import Names, SecureLink
+from sfchat.link.listener import sealed
+from sfchat.link.secure import Names
 from sfchat.nodelog import node_log
 from sfchat.remote.client import RemoteRuntime
 from sfchat.remote.host import ChatHost
@@ -99,10 +100,7 @@ def offer_chat(s: Settings, chat_session: str | None, runtime) -> int:
             raise UserError(f"{exc} for {SLOT_WAIT_S:.0f} s: someone else holds the slot of chat session "
                             f"{session!r}. {another_session(s)}") from None
 
-    def dial():
-        return SecureLink(join(), passcode, session, "tail", log=log, resumption=resumption, names=CHAT_HOST)
-
-    host = ChatHost(runtime, dial, log, watch=report)
+    host = ChatHost(runtime, sealed(join, passcode, session, resumption, log, CHAT_HOST), log, watch=report)
     log(f"chat code: {passcode.code if passcode.generated else '(SFCHAT_CHAT_CODE)'}")
     log("on your own machine (no GPU, no torch: see the README, \"The chat screen from your own terminal\"), with "
         "the relay's token in SFCHAT_TOKEN, run:")

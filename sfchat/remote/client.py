@@ -5,21 +5,24 @@ Contract
 ``RemoteRuntime(dial, code, session)`` implements the chat UI's runtime interface
 (``sfchat.ui.runtime.Runtime``) by driving a ``remote.host.ChatHost`` through the relay.
 ``dial()`` returns a fresh relay link in the head's role on the chat session (a
-``RelayLink``); the runtime pairs it with ``code`` (``sfchat.link.secure``: SPAKE2, sealed end to
-end), and after the first pairing resumes with the secret it left, on every reconnect, without
-the code: a resumption the host refuses (a host restarted in a new notebook session) is followed
-by no code attempt of ours that could be guessed against (a throwaway code is what the link
-falls back to), and the person is asked for the code again (``CodeWanted``), as for a wrong one.
+``RelayLink``); a ``ChatDialer`` (``link.dialer.Dialer`` in the chat screen's words, code
+attempts in this process's budget) waits on it for the host and pairs with ``code`` (SPAKE2,
+sealed end to end), and after the first pairing resumes with the secret it left, on every
+reconnect, without the code: a resumption the host refuses (a host restarted in a new notebook
+session) is followed by no code attempt of ours that could be guessed against, and the person is
+asked for the code again (``CodeWanted``), as for a wrong one or one shorter than
+``pairing.check_code`` allows (asked before anything is dialled).
 ``start(listener)`` starts one thread that dials, pairs, attaches and reports every event of
 the host's runtime to ``listener`` (the host's figures, so the metrics panel shows the head's);
 ``submit``, ``cancel``, ``new_chat``, ``set_code`` and ``close`` never block: a command is
 numbered, kept until the host acknowledges it, and sent again after a reconnect, so nothing is
-lost or done twice. A lost link is dialled again with backoff, as long as the runtime is open,
-and so is one that is silent for ``chat.SILENCE_S`` (the host sends at least every
-``chat.KEEPALIVE_S``; so does this runtime once attached): a relay that withholds or replays a
-frame, or a host that ended the pairing, is noticed within that and shown;
-meanwhile ``LinkState`` says so ("reconnecting", "waiting" for a host that is not there), and
-the host's own link state is shown again once it is back.
+lost or done twice. A lost link is dialled again with the one backoff (``link.backoff``), as
+long as the runtime is open, and so is one that is silent for ``chat.SILENCE_S`` (the host
+sends at least every ``chat.KEEPALIVE_S``; so does this runtime once attached): a relay that
+withholds or replays a frame, or a host that ended the pairing, is noticed within that and
+shown; meanwhile ``LinkState`` says so ("reconnecting", "waiting" for a host that is not there),
+and the host's own link state is shown again once it is back (the dialer's own "connected" is
+not reported: the screen shows the head's link).
 
 History stays here: the conversation is sent whole with every ``Submit`` (the host keeps
 nothing of it but its KV cache). A host restarted since (another instance) has lost the reply in
@@ -46,17 +49,16 @@ from typing import Callable
 from sfchat import UserError
 from sfchat.events import CodeWanted, LinkState, ReplyFinished, RuntimeFailed, TokensCommitted
 from sfchat.link import LinkClosed, PeerGone
+from sfchat.link.backoff import redial
+from sfchat.link.dialer import Dialer
 from sfchat.link.pairing import check_code
-from sfchat.link.resume import Resumption
-from sfchat.link.secure import IntegrityError, PairingRefused, WrongCode, secure
+from sfchat.link.secure import CodeNeeded, IntegrityError, PairingRefused, WrongCode
 from sfchat.params import Ask
 from sfchat.plaintext import plain
 from sfchat.protocol import chat, chat_events
 from sfchat.remote.outbox import Outbox
 
 POLL_S = 1.0
-PAIR_TIMEOUT_S = 60.0
-REDIAL_S = (0.5, 10.0)
 ACK_EVERY = 16  # updates taken before an acknowledgement (and at every reply's end)
 CHARS_PER_TOKEN = 256  # characters of a reply per token asked for (a token's text is a few; the longest, dozens)
 
@@ -67,13 +69,13 @@ class Closed(Exception):
 
 class RemoteRuntime:
     def __init__(self, dial: Callable[[], object], code: str | None, session: str):
-        self.dial, self.session = dial, session
+        self.session = session
         self.client = os.urandom(16).hex()
         self.commands = Outbox("sfchat-chat-client")
-        self.resumption = Resumption()
+        self.dialer = ChatDialer(lambda timeout: dial(), session, code, on_event=self._dialer_event,
+                                 ask_code=self._ask_code)
         self.listener: Callable = lambda event: None
         self._cond = threading.Condition()
-        self._code = code  # the chat code, until the first pairing
         self._asking = False  # this runtime's own question (the chat code) is open
         self._answer: str | None = None
         self._closing = False
@@ -123,6 +125,7 @@ class RemoteRuntime:
             link = self._link
             self._cond.notify_all()
         self.commands.close()
+        self.dialer.close()
         if link is not None:
             link.close()
 
@@ -134,19 +137,9 @@ class RemoteRuntime:
 
     # -- the thread ----------------------------------------------------------------------------------
     def _main(self) -> None:
-        delay = REDIAL_S[0]
         try:
             while True:
-                try:
-                    link = self._connect()
-                except UserError as exc:
-                    self._check_open()
-                    self.listener(LinkState("reconnecting", f"{plain(exc)}; dialling again in {delay:.1f} s"))
-                    with self._cond:
-                        self._cond.wait_for(lambda: self._closing, delay)
-                    delay = min(delay * 2, REDIAL_S[1])
-                    continue
-                delay = REDIAL_S[0]
+                link = redial(self._connect, UserError, on_retry=self._retrying, pause=self._pause)
                 why = self._serve(link)
                 self.commands.detach()
                 link.close()
@@ -165,67 +158,46 @@ class RemoteRuntime:
             if self._closing:
                 raise Closed
 
-    def _connect(self):
+    def _retrying(self, exc: BaseException, delay: float) -> None:
+        self._check_open()
+        self.listener(LinkState("reconnecting", f"{plain(exc)}; dialling again in {delay:.1f} s"))
+
+    def _pause(self, delay: float) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: self._closing, delay)
+
+    def _connect(self, left: float | None):
         """A link paired with the host (by its code, or resumed), waiting for the host as long as it takes."""
-        while True:
+        try:
+            link = self.dialer()
+        except PairingRefused as exc:
             self._check_open()
-            if self.resumption.secret is None:
-                self._need_code()
-            relay = self.dial()
-            with self._cond:
-                self._link = relay
-                if self._closing:
-                    relay.close()
-                    raise Closed
-            if not relay.peer_present:
-                self.listener(LinkState("waiting", f"waiting for the head on session {self.session!r}: start it with "
-                                                   "sfchat --offer-chat (the head notebook's chat cell)"))
-                try:
-                    relay.wait_peer(None)
-                except LinkClosed:
-                    self._check_open()
-                    raise UserError("the relay closed the connection while waiting for the head") from None
-            resuming = self.resumption.secret is not None
-            code = os.urandom(16).hex() if resuming else self._code  # no guessable fallback after the first pairing
-            try:
-                return secure(relay, code, self.session, "head", PAIR_TIMEOUT_S, self.resumption)
-            except WrongCode:
-                self._check_open()
-                if resuming:
-                    self.resumption.secret = None
-                    self._code = None
-                    self._reason = ("the head no longer knows this screen (restarted in a new session?): type the "
-                                    "chat code it printed last")
-                else:
-                    self._code = None
-                    self._reason = "wrong chat code: the head did not accept it; type the code it printed"
-            except PairingRefused as exc:
-                self._check_open()
-                raise UserError(plain(exc)) from None
+            raise UserError(plain(exc)) from None
+        except LinkClosed:
+            self._check_open()
+            raise UserError("the relay closed the connection while waiting for the head") from None
+        with self._cond:
+            self._link = link
+            if self._closing:
+                link.close()
+                raise Closed
+        return link
 
-    _reason = ""
+    def _ask_code(self, reason: str) -> str:
+        """Ask the person for the chat code (``CodeWanted``) and wait for the answer."""
+        with self._cond:
+            self._asking, self._answer = True, None
+        self.listener(CodeWanted(reason))
+        with self._cond:
+            self._cond.wait_for(lambda: self._answer is not None or self._closing)
+            self._asking = False
+            if self._closing:
+                raise Closed
+            return self._answer.strip()
 
-    def _need_code(self) -> None:
-        """Ask the person for the chat code until one that obeys ``pairing.check_code`` is given."""
-        while True:
-            reason = self._reason or ("the chat code the head printed (sfchat --offer-chat), such as "
-                                      "7-crossover-clockwork")
-            if self._code:
-                try:
-                    check_code(self._code, "the chat code", "type the one the head printed")
-                    break
-                except UserError as exc:
-                    reason = str(exc)
-            with self._cond:
-                self._asking, self._answer = True, None
-            self.listener(CodeWanted(reason))
-            with self._cond:
-                self._cond.wait_for(lambda: self._answer is not None or self._closing)
-                self._asking = False
-                if self._closing:
-                    raise Closed
-                self._code = self._answer.strip()
-        self._reason = ""
+    def _dialer_event(self, event) -> None:
+        if event.state != "connected":  # the host's own link state is what the screen shows once attached
+            self.listener(event)
 
     def _serve(self, link) -> str:
         """Attach and take the host's messages until the link ends; returns why it did."""
@@ -318,6 +290,30 @@ class RemoteRuntime:
         if over or isinstance(event, (ReplyFinished, RuntimeFailed)):
             self._replies.pop(request, None)
         return events
+
+
+class ChatDialer(Dialer):
+    """The dialer in the chat screen's words: its peer is the head, its code the chat code."""
+
+    ask_text = "the chat code the head printed (sfchat --offer-chat), such as 7-crossover-clockwork"
+    rival = "chat screen"
+
+    def check(self, code: str | None) -> None:
+        if not code:
+            raise UserError(self.ask_text)
+        check_code(code, "the chat code", "type the one the head printed")
+
+    def reason(self, exc: Exception) -> str:
+        if isinstance(exc, CodeNeeded):
+            return ("the head no longer knows this screen (restarted in a new session?): type the chat code it "
+                    "printed last")
+        if isinstance(exc, WrongCode):
+            return "wrong chat code: the head did not accept it; type the code it printed"
+        return super().reason(exc)
+
+    def waiting_text(self) -> str:
+        return (f"waiting for the head on session {self.session!r}: start it with sfchat --offer-chat (the head "
+                "notebook's chat cell)")
 
 
 class Reply:

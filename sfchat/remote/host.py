@@ -8,11 +8,15 @@ chat client (``remote.client.RemoteRuntime``). ``dial()`` returns the host's rel
 ``SecureLink`` in the tail's role on the chat session, with a ``Passcode`` (the chat code the
 host printed) and a ``ResumeFile``, so a client pairs by the code once and resumes after
 that, as a head does with its tail; code attempts wait for their turn in the code's budget.
-``serve()`` starts the runtime and serves until ``close()`` (from another thread); a relay
-connection that is lost is dialled again with backoff, and nothing a client sends ends it. An
-attached client is sent an ``Ack`` every ``chat.KEEPALIVE_S``; one that is not heard for
-``chat.SILENCE_S``, or whose frame fails the link's integrity check, loses its pairing (the same
-relay connection waits for it to pair again), and, no longer kept alive, notices.
+``serve()`` starts the runtime and serves until ``close()`` (from another thread) behind a
+``link.listener.Listener``, the tail's: the host is its handler (``take``, ``tick``,
+``peer_gone``, ``pairing_ended``, ``link_lost``); a relay connection that is lost is dialled
+again with the one backoff (a relay that keeps refusing the token stops it), nothing a client
+sends ends it, and every line of the host's log passes the process's one rate limit
+(``nodelog.limited``). An attached client is sent an ``Ack`` every ``chat.KEEPALIVE_S``; one
+that is not heard for ``chat.SILENCE_S``, or whose frame fails the link's integrity check, loses
+its pairing (the listener restarts it: the same relay connection waits for it to pair again),
+and, no longer kept alive, notices.
 ``watch(event)`` sees every runtime event first (the command line prints some).
 
 Updates (every runtime event, as a ``protocol.chat.Update``) are numbered and kept in an
@@ -43,12 +47,12 @@ import time
 from collections import deque
 from typing import Callable
 
-from sfchat import UserError
 from sfchat.events import (
     CodeWanted, LinkState, LoadProgress, ReplyFinished, ReplyStarted, RuntimeFailed, RuntimeReady, TokensCommitted,
 )
-from sfchat.link import LinkClosed, PeerGone
-from sfchat.link.secure import IntegrityError
+from sfchat.link import LinkClosed
+from sfchat.link.listener import Listener
+from sfchat.nodelog import limited
 from sfchat.plaintext import plain
 from sfchat.protocol import chat, chat_events
 from sfchat.remote.outbox import Outbox
@@ -56,14 +60,13 @@ from sfchat.remote.outbox import Outbox
 POLL_S = 1.0  # how often the receiving loop looks whether the host was closed
 MAX_KEPT = 4096  # updates kept for a client that has not acknowledged them
 MAX_REPLIES = 2  # replies of the client given to the runtime or held, at most (the screen asks for one at a time)
-REDIAL_S = (0.5, 10.0)  # backoff of a lost relay connection: first wait, longest wait
 ORPHAN = 0  # the request of a reply no attached client asked for
 
 
 class ChatHost:
     def __init__(self, runtime, dial: Callable[[], object], log: Callable[[str], None] = print,
                  watch: Callable[[object], None] = lambda event: None):
-        self.runtime, self.dial, self.log, self.watch = runtime, dial, log, watch
+        self.runtime, self.log, self.watch = runtime, limited(log), watch
         self.instance = os.urandom(16).hex()
         self.updates = Outbox("sfchat-chat-host")
         self._lock = threading.RLock()  # everything below; never held while the link sends
@@ -77,9 +80,10 @@ class ChatHost:
         self._progress: dict[tuple[str, str], LoadProgress] = {}
         self._code_wanted: CodeWanted | None = None
         self._fatal: RuntimeFailed | None = None
-        self._closed = threading.Event()
         self._attached = False  # a client is attached on the present pairing (this thread's)
-        self.link = None
+        self._heard = self._kept_alive = time.monotonic()  # the client's last frame, our last keepalive
+        self.listener = Listener(dial, self, log=self.log, poll=lambda: min(POLL_S, chat.KEEPALIVE_S),
+                                 ending="ending this chat client's pairing")
 
     # -- the runtime's events (its thread) -----------------------------------------------------------
     def _on_event(self, event) -> None:
@@ -209,90 +213,65 @@ class ChatHost:
         state += [e for e in (self._link_state, self._code_wanted, self._fatal) if e is not None]
         return state
 
-    # -- serving -------------------------------------------------------------------------------------
+    # -- serving: the handler behind the listener (the serving thread) --------------------------------
+    @property
+    def link(self):
+        """The relay link the listener holds now (None before the first dial)."""
+        return self.listener.link
+
     def serve(self) -> None:
         """Start the runtime and serve chat clients until ``close()``."""
         self.runtime.start(self._on_event)
-        self.link = self.dial()  # a first failure is the user's to fix
         try:
-            while not self._closed.is_set():
-                try:
-                    self._serve_link(self.link)
-                except LinkClosed as exc:
-                    self._attached = False
-                    self.updates.detach()
-                    if self._closed.is_set():
-                        return
-                    self.log(f"relay connection lost ({plain(exc)}); dialling again")
-                    self.link.close()
-                    self.link = self._redial()
+            self.listener.serve()
         finally:
             self.updates.close()
-            if self.link is not None:
-                self.link.close()
             self.runtime.close()
 
-    def _serve_link(self, link) -> None:
-        heard = kept_alive = time.monotonic()
-        while not self._closed.is_set():
-            now = time.monotonic()
-            if self._attached and now - heard > chat.SILENCE_S:
-                self._end_pairing(link, f"nothing from the chat client for {chat.SILENCE_S:.0f} s (the relay may be "
-                                        "holding its frames back)")
-            elif self._attached and now - kept_alive >= chat.KEEPALIVE_S:
-                kept_alive = now
-                with self._lock:
-                    taken = self._taken
-                link.send(chat.encode(chat.Ack(taken)))
-            try:
-                frame = link.recv(timeout=min(POLL_S, chat.KEEPALIVE_S))
-            except TimeoutError:
-                continue
-            except PeerGone:
-                self._attached = False
-                self.updates.detach()
-                self.log("the chat client left; its updates are kept for when it comes back")
-                continue
-            except IntegrityError as exc:
-                self._end_pairing(link, plain(exc))
-                continue
-            heard = time.monotonic()
-            try:
-                msg = chat.decode(frame)
-            except chat.ChatError as exc:
-                self.log(f"refused a frame from the chat client: {plain(exc)}")
-                continue
-            try:
-                self._take(msg, link)
-            except LinkClosed:
-                raise
-            except Exception as exc:  # a runtime that refuses a command: said, never the host's end
-                self.log(f"the chat client's {type(msg).__name__} failed: {plain(exc)}")
+    def take(self, frame: bytes, link) -> None:
+        self._heard = time.monotonic()
+        try:
+            msg = chat.decode(frame)
+        except chat.ChatError as exc:
+            self.log(f"refused a frame from the chat client: {plain(exc)}")
+            return
+        try:
+            self._take(msg, link)
+        except LinkClosed:
+            raise
+        except Exception as exc:  # a runtime that refuses a command: said, never the host's end
+            self.log(f"the chat client's {type(msg).__name__} failed: {plain(exc)}")
 
-    def _end_pairing(self, link, why: str) -> None:
+    def tick(self, link) -> None:
+        now = time.monotonic()
+        if self._attached and now - self._heard > chat.SILENCE_S:
+            self.listener.end_pairing(f"nothing from the chat client for {chat.SILENCE_S:.0f} s (the relay may be "
+                                      "holding its frames back)")
+        elif self._attached and now - self._kept_alive >= chat.KEEPALIVE_S:
+            self._kept_alive = now
+            with self._lock:
+                taken = self._taken
+            link.send(chat.encode(chat.Ack(taken)))
+
+    def peer_gone(self) -> None:
+        self._detach()
+        self.log("the chat client left; its updates are kept for when it comes back")
+
+    def pairing_ended(self, link, exc) -> None:
         """The paired client is no longer trusted or heard: it must pair (resume) again, and it
         notices (this host's keepalives stop)."""
+        self._detach()
+
+    def link_lost(self) -> None:
+        self._detach()
+        self._heard = self._kept_alive = time.monotonic()
+
+    def _detach(self) -> None:
         self._attached = False
         self.updates.detach()
-        self.log(f"{why}; ending this chat client's pairing")
-        link.restart()  # same relay connection: a meddler must not free the host's slot
-
-    def _redial(self):
-        delay = REDIAL_S[0]
-        while not self._closed.is_set():
-            try:
-                return self.dial()
-            except UserError as exc:
-                self.log(f"{plain(exc)}; trying again in {delay:.1f} s")
-                self._closed.wait(delay)
-                delay = min(delay * 2, REDIAL_S[1])
-        raise LinkClosed("the chat host was closed")
 
     def close(self) -> None:
-        self._closed.set()
-        link = self.link
-        if link is not None:
-            link.close()
+        self.listener.close()
 
 
 def fold(unsent: list) -> list:
