@@ -1,9 +1,11 @@
-"""What the UI tests share: a fake runtime that streams a canned reply from a thread, and the
-helpers that drive the chat app under Textual's Pilot and read what it shows."""
+"""What the UI tests share: a fake runtime that streams a canned reply from a thread, the chat app
+under Textual's Pilot once its runtime is ready, the helpers that drive it and read what it shows
+and what its history keeps, and a mixin that records what a runtime reports."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import threading
 import time
@@ -14,8 +16,10 @@ from sfchat.events import (
     LinkState, LoadProgress, ReplyFinished, ReplyStarted, RoundStats, RuntimeFailed,
     RuntimeReady, TokensCommitted,
 )
+from sfchat.history import History
 from sfchat.params import Ask
 from sfchat.tally import Tally
+from sfchat.ui import SfchatApp
 from sfchat.ui.chat import Notice, UserMessage
 from sfchat.ui.prompt import PromptInput
 from sfchat.ui.screens import HistoryScreen, SystemScreen
@@ -120,6 +124,53 @@ async def wait_for(pilot, condition, timeout: float = 30.0) -> None:
         if time.monotonic() > deadline:
             raise AssertionError("condition not met in time")
         await pilot.pause(0.02)
+
+
+@contextlib.asynccontextmanager
+async def chat_app(runtime, db, *args, size=(100, 30), ready: bool = True, wait: float = 30.0, **kwargs):
+    """``SfchatApp(runtime, db, *args, **kwargs)`` under Pilot in a terminal of ``size``: yields
+    (app, pilot), once the runtime has reported ready (within ``wait`` seconds) unless ``ready`` is
+    False."""
+    app = SfchatApp(runtime, db, *args, **kwargs)
+    async with app.run_test(size=size) as pilot:
+        if ready:
+            await wait_for(pilot, lambda: app.ready is not None, wait)
+        yield app, pilot
+
+
+def slow_runtime(words: int = 400) -> FakeRuntime:
+    """A reply of ``words`` words at 20 ms a round: long enough to act on while it streams."""
+    return FakeRuntime(reply=" ".join(f"w{i}" for i in range(words)), round_s=0.02)
+
+
+async def streaming(pilot, text: str, wait: float = 30.0) -> None:
+    """Send ``text``, then wait until its reply streams."""
+    await send(pilot, text)
+    await wait_for(pilot, lambda: pilot.app.state == "streaming", wait)
+
+
+def stored(db) -> list[tuple[str, str, str]]:
+    """(role, content, status) of each message of the history's one chat."""
+    history = History(db)
+    try:
+        (chat,) = history.list_chats()
+        return [(m.role, m.content, m.status) for m in history.load_chat(chat.id)]
+    finally:
+        history.close()
+
+
+class Recording:
+    """Mixed in before a runtime (``class R(Recording, Runtime)``): keeps every event it reports in
+    ``events``, in order."""
+
+    def start(self, listener) -> None:
+        self.events = []
+
+        def record(event):
+            self.events.append(event)
+            listener(event)
+
+        super().start(record)
 
 
 async def open_history(pilot) -> None:

@@ -9,18 +9,11 @@ from sfchat.node.head import Head
 from sfchat.node.worker import RuntimeWorker
 from sfchat.protocol.wire import Sampling
 
+from pilots import Recording
 
-class RecordingWorker(RuntimeWorker):
+
+class RecordingWorker(Recording, RuntimeWorker):
     """The real worker, keeping a copy of every event it reports."""
-
-    def start(self, listener) -> None:
-        self.events = []
-
-        def record(event):
-            self.events.append(event)
-            listener(event)
-
-        super().start(record)
 
     def started(self) -> list[ReplyStarted]:
         return [e for e in self.events if isinstance(e, ReplyStarted)]

@@ -4,7 +4,6 @@ with it through an in-process relay."""
 from __future__ import annotations
 
 import threading
-import time
 
 from sfchat.events import CodeWanted, LinkState, ReplyFinished, ReplyStarted, RoundStats, TokensCommitted
 from sfchat.link.pairing import Passcode
@@ -16,7 +15,8 @@ from sfchat.remote.client import RemoteRuntime
 from sfchat.remote.host import ChatHost
 from sfchat.tally import Tally
 
-from pilots import READY
+import polling
+from pilots import READY, Recording
 from relay_process import TOKEN
 
 
@@ -120,15 +120,8 @@ class Gate:
         return self.dial()
 
 
-class RecordingRemote(RemoteRuntime):
-    def start(self, listener) -> None:
-        self.events = []
-
-        def record(event):
-            self.events.append(event)
-            listener(event)
-
-        super().start(record)
+class RecordingRemote(Recording, RemoteRuntime):
+    """The chat client, keeping a copy of every event it reports."""
 
 
 def make_pair(url: str, head: ScriptedHead, client_code: str | None = CODE):
@@ -145,12 +138,7 @@ def make_pair(url: str, head: ScriptedHead, client_code: str | None = CODE):
 
 def until(condition) -> bool:
     """Wait (off the app's loop) until ``condition()`` holds, within WAIT."""
-    deadline = time.monotonic() + WAIT
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
+    return polling.until(condition, WAIT)
 
 
 def streamed(client: RecordingRemote) -> str:

@@ -18,11 +18,10 @@ from sfchat.link.relay import RelayLink
 from sfchat.params import Ask, GenParams
 from sfchat.protocol import chat
 from sfchat.remote.host import ChatHost, fold
-from sfchat.ui import SfchatApp
 from sfchat.ui.chat import ReplyMessage
 from sfchat.ui.screens import CodeScreen
 
-from pilots import READY, notices, pilot_test, send, wait_for
+from pilots import READY, chat_app, notices, pilot_test, send, stored, wait_for
 from remote_pair import CODE, PIECES, REPLY, SESSION, WAIT, RecordingRemote, ScriptedHead, make_pair, streamed, until
 
 
@@ -43,8 +42,8 @@ async def test_a_wrong_chat_code_is_asked_again_then_the_reply_streams_with_the_
     head = ScriptedHead()
     host, _, client, _, log = make_pair(relay_url, head, client_code="4-wrong-code")
     db = tmp_path / "home.sqlite3"
-    app = SfchatApp(client, db, Ask(64, GenParams(temperature=0.0)))
-    async with app.run_test(size=(120, 40)) as pilot:
+    ask = Ask(64, GenParams(temperature=0.0))
+    async with chat_app(client, db, ask, size=(120, 40), ready=False) as (app, pilot):
         await wait_for(pilot, lambda: isinstance(app.screen, CodeScreen), WAIT)
         assert "wrong chat code" in app.screen.reason
         await type_code(pilot, "4-still-wrong")
@@ -74,9 +73,7 @@ async def test_a_wrong_chat_code_is_asked_again_then_the_reply_streams_with_the_
 async def test_turns_the_head_left_out_of_the_context_are_said_on_the_remote_screen(relay_url, tmp_path):
     head = ScriptedHead(dropped_turns=3)
     host, _, client, _, _ = make_pair(relay_url, head)
-    app = SfchatApp(client, tmp_path / "home.sqlite3", Ask(64))
-    async with app.run_test(size=(120, 40)) as pilot:
-        await wait_for(pilot, lambda: app.ready is not None, WAIT)
+    async with chat_app(client, tmp_path / "home.sqlite3", Ask(64), size=(120, 40), wait=WAIT) as (app, pilot):
         head.release()
         await send(pilot, "go on")
         await wait_for(pilot, lambda: not app.session.replying and app.session.turns, WAIT)
@@ -91,9 +88,7 @@ async def test_turns_the_head_left_out_of_the_context_are_said_on_the_remote_scr
 async def test_a_reconnect_of_either_side_mid_reply_loses_and_repeats_nothing(relay_url, tmp_path, side):
     head = ScriptedHead()
     host, host_dial, client, client_dial, _ = make_pair(relay_url, head)
-    app = SfchatApp(client, tmp_path / "home.sqlite3", Ask(64))
-    async with app.run_test(size=(120, 40)) as pilot:
-        await wait_for(pilot, lambda: app.ready is not None, WAIT)
+    async with chat_app(client, tmp_path / "home.sqlite3", Ask(64), size=(120, 40), wait=WAIT) as (app, pilot):
         head.release(4)
         await send(pilot, "tell me")
         await wait_for(pilot, lambda: streamed(client) == "".join(PIECES[:4]), WAIT)
@@ -131,9 +126,7 @@ async def test_escape_cancels_the_remote_reply_and_keeps_its_prefix(relay_url, t
     head = ScriptedHead()
     host, _, client, _, _ = make_pair(relay_url, head)
     db = tmp_path / "home.sqlite3"
-    app = SfchatApp(client, db, Ask(64))
-    async with app.run_test(size=(120, 40)) as pilot:
-        await wait_for(pilot, lambda: app.ready is not None, WAIT)
+    async with chat_app(client, db, Ask(64), size=(120, 40), wait=WAIT) as (app, pilot):
         head.release(3)
         await send(pilot, "go on")
         await wait_for(pilot, lambda: streamed(client) == "".join(PIECES[:3]), WAIT)
@@ -143,18 +136,14 @@ async def test_escape_cancels_the_remote_reply_and_keeps_its_prefix(relay_url, t
         partial = shown_reply(app)
     host.close()
     assert head.cancels == 1 and partial == "".join(PIECES[:3])
-    history = History(db)
-    reply = history.load_chat(history.list_chats()[0].id)[1]
-    assert reply.status == "cancelled" and reply.content == partial
-    history.close()
+    assert stored(db)[1] == ("assistant", partial, "cancelled")
 
 
 @pilot_test
 async def test_the_tails_pairing_code_is_asked_on_the_home_screen_and_reaches_the_head(relay_url, tmp_path):
     head = ScriptedHead(ask_code=True)
     host, _, client, _, _ = make_pair(relay_url, head)
-    app = SfchatApp(client, tmp_path / "home.sqlite3")
-    async with app.run_test(size=(120, 40)) as pilot:
+    async with chat_app(client, tmp_path / "home.sqlite3", size=(120, 40), ready=False) as (app, pilot):
         await wait_for(pilot, lambda: isinstance(app.screen, CodeScreen), WAIT)
         assert "did not accept it" in app.screen.reason
         await type_code(pilot, "9-new-tail-code")
@@ -176,9 +165,7 @@ async def test_a_second_client_starts_afresh_and_the_first_ones_reply_is_not_sen
     first.close()  # and its screen goes away mid-reply
     assert first.join(WAIT)
     second = RecordingRemote(lambda: RelayLink(relay_url, TOKEN, SESSION, "head"), CODE, SESSION)
-    app = SfchatApp(second, tmp_path / "other.sqlite3")
-    async with app.run_test(size=(120, 40)) as pilot:
-        await wait_for(pilot, lambda: app.ready is not None, WAIT)
+    async with chat_app(second, tmp_path / "other.sqlite3", size=(120, 40), wait=WAIT) as (app, pilot):
         await wait_for(pilot, head.finished.is_set, WAIT)  # the first reply was cancelled for the newcomer
         assert head.cancels == 1
         head.release()

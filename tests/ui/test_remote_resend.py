@@ -8,10 +8,9 @@ from __future__ import annotations
 
 from sfchat.history import History
 from sfchat.params import Ask
-from sfchat.ui import SfchatApp
 
 from remote_pair import REPLY, WAIT, ScriptedHead, make_pair
-from pilots import pilot_test, retype, send, set_system, shown, wait_for
+from pilots import chat_app, pilot_test, retype, send, set_system, shown, wait_for
 
 
 @pilot_test
@@ -19,9 +18,7 @@ async def test_regenerate_and_edit_reach_the_remote_head_with_the_conversation_c
     head = ScriptedHead()
     host, _, client, _, _ = make_pair(relay_url, head)
     db = tmp_path / "home.sqlite3"
-    app = SfchatApp(client, db, Ask(64))
-    async with app.run_test(size=(80, 24)) as pilot:
-        await wait_for(pilot, lambda: app.ready is not None, WAIT)
+    async with chat_app(client, db, Ask(64), size=(80, 24), wait=WAIT) as (app, pilot):
         head.release(1000)
         await send(pilot, "first")
         await wait_for(pilot, lambda: not app.session.replying and len(app.session.turns) == 2, WAIT)
@@ -49,9 +46,8 @@ async def test_regenerate_and_edit_reach_the_remote_head_with_the_conversation_c
 async def test_a_chats_system_prompt_reaches_the_remote_head(relay_url, tmp_path):
     head = ScriptedHead()
     host, _, client, _, _ = make_pair(relay_url, head)
-    app = SfchatApp(client, tmp_path / "home.sqlite3", Ask(64), system="the screen's --system")
-    async with app.run_test(size=(80, 24)) as pilot:
-        await wait_for(pilot, lambda: app.ready is not None, WAIT)
+    async with chat_app(client, tmp_path / "home.sqlite3", Ask(64), system="the screen's --system", size=(80, 24),
+                        wait=WAIT) as (app, pilot):
         head.release(1000)
         await send(pilot, "first")
         await wait_for(pilot, lambda: not app.session.replying and len(app.session.turns) == 2, WAIT)

@@ -10,23 +10,22 @@ from textual.widgets import Static
 
 from sfchat.history import History
 from sfchat.params import Ask, GenParams
-from sfchat.ui import SfchatApp
 from sfchat.ui.chat import ReplyMessage, UserMessage
 from sfchat.ui.metrics import MetricsPanel
 from sfchat.ui.prompt import PromptInput
 from sfchat.ui.screens import ConfirmScreen, HistoryScreen
 
 from pilots import (  # noqa: F401  (fixture)
-    REPLY, FakeRuntime, db, notices, open_history, pilot_test, send, static_text, wait_for
+    REPLY, FakeRuntime, chat_app, db, notices, open_history, pilot_test, send, slow_runtime, static_text, stored,
+    streaming, wait_for
 )
 
 
 @pilot_test
 async def test_reply_streams_and_metrics_fill(db):
     runtime = FakeRuntime()
-    app = SfchatApp(runtime, db, Ask(64, GenParams(temperature=0.0)), "sfchat test")
-    async with app.run_test(size=(120, 40)) as pilot:
-        await wait_for(pilot, lambda: app.ready is not None)
+    ask = Ask(64, GenParams(temperature=0.0))
+    async with chat_app(runtime, db, ask, "sfchat test", size=(120, 40)) as (app, pilot):
         await send(pilot, "hello there")
         await wait_for(pilot, lambda: not app.session.replying and app.session.turns)
         await pilot.pause()
@@ -63,8 +62,7 @@ async def test_reply_streams_and_metrics_fill(db):
 
 @pilot_test
 async def test_submit_before_ready_says_still_loading(db):
-    app = SfchatApp(FakeRuntime(ready=False), db)
-    async with app.run_test(size=(100, 30)) as pilot:
+    async with chat_app(FakeRuntime(ready=False), db, ready=False) as (app, pilot):
         await wait_for(pilot, lambda: app.link_state == "connected")
         await send(pilot, "hi")
         await pilot.pause()
@@ -78,12 +76,8 @@ async def test_submit_before_ready_says_still_loading(db):
 
 @pilot_test
 async def test_escape_cancels_and_marks_partial_reply(db):
-    runtime = FakeRuntime(reply=" ".join(f"w{i}" for i in range(400)), round_s=0.02)
-    app = SfchatApp(runtime, db)
-    async with app.run_test(size=(100, 30)) as pilot:
-        await wait_for(pilot, lambda: app.ready is not None)
-        await send(pilot, "long one")
-        await wait_for(pilot, lambda: app.state == "streaming")
+    async with chat_app(slow_runtime(), db) as (app, pilot):
+        await streaming(pilot, "long one")
         await pilot.pause(0.1)
         await pilot.press("escape")
         await wait_for(pilot, lambda: not app.session.replying)
@@ -93,18 +87,13 @@ async def test_escape_cancels_and_marks_partial_reply(db):
         assert "[cancelled]" in static_text(reply.query_one(".reply-info"))
         partial = reply.markdown.source
         assert partial.startswith("w0 w1") and len(partial.split()) < 400
-    history = History(db)
-    stored = history.load_chat(history.list_chats()[0].id)[1]
-    assert (stored.status, stored.content) == ("cancelled", partial)
-    history.close()
+    assert stored(db)[1] == ("assistant", partial, "cancelled")
 
 
 @pilot_test
 async def test_chat_survives_restart_and_continues(db):
     first = FakeRuntime(reply="First answer.")
-    app = SfchatApp(first, db)
-    async with app.run_test(size=(100, 30)) as pilot:
-        await wait_for(pilot, lambda: app.ready is not None)
+    async with chat_app(first, db) as (app, pilot):
         await send(pilot, "question one")
         await wait_for(pilot, lambda: not app.session.replying and app.session.turns)
         await pilot.press("ctrl+n")
@@ -112,9 +101,7 @@ async def test_chat_survives_restart_and_continues(db):
         await wait_for(pilot, lambda: not app.session.replying and len(app.session.turns) == 2)
 
     second = FakeRuntime(reply="Second answer.")
-    app = SfchatApp(second, db)
-    async with app.run_test(size=(100, 30)) as pilot:
-        await wait_for(pilot, lambda: app.ready is not None)
+    async with chat_app(second, db) as (app, pilot):
         await open_history(pilot)
         await pilot.press("down", "enter")  # the older chat: the list is newest first
         await wait_for(pilot, lambda: not isinstance(app.screen, HistoryScreen))
@@ -145,9 +132,7 @@ async def test_crashed_stream_is_shown_interrupted(db):
     history.add_message(chat, "user", "tell me")
     history.add_message(chat, "assistant", "half a rep", status="streaming")
     history.close()
-    app = SfchatApp(FakeRuntime(), db)
-    async with app.run_test(size=(100, 30)) as pilot:
-        await wait_for(pilot, lambda: app.ready is not None)
+    async with chat_app(FakeRuntime(), db) as (app, pilot):
         await open_history(pilot)
         await pilot.press("enter")
         await wait_for(pilot, lambda: app.query(ReplyMessage))
@@ -163,9 +148,7 @@ async def test_history_screen_deletes_a_chat_but_not_the_open_one(db):
     for title in ("old", "new"):
         history.add_message(history.new_chat(title), "user", title)
     history.close()
-    app = SfchatApp(FakeRuntime(), db)
-    async with app.run_test(size=(100, 30)) as pilot:
-        await wait_for(pilot, lambda: app.ready is not None)
+    async with chat_app(FakeRuntime(), db) as (app, pilot):
         await open_history(pilot)
         await pilot.press("enter")  # open "new"
         await wait_for(pilot, lambda: app.session.title == "new")
@@ -191,9 +174,7 @@ async def test_history_screen_deletes_a_chat_but_not_the_open_one(db):
 
 @pilot_test
 async def test_runtime_failure_is_a_notice_not_a_traceback(db):
-    app = SfchatApp(FakeRuntime(fail_with="the tail went away"), db)
-    async with app.run_test(size=(100, 30)) as pilot:
-        await wait_for(pilot, lambda: app.ready is not None)
+    async with chat_app(FakeRuntime(fail_with="the tail went away"), db) as (app, pilot):
         await send(pilot, "hi")
         await wait_for(pilot, lambda: "the tail went away" in notices(app))
         assert not app.query(ReplyMessage) and not app.session.replying
@@ -202,9 +183,7 @@ async def test_runtime_failure_is_a_notice_not_a_traceback(db):
 
 @pilot_test
 async def test_context_exhaustion_is_said_in_the_chat(db):
-    app = SfchatApp(FakeRuntime(reply="Out of room", finish_reason="context"), db)
-    async with app.run_test(size=(100, 30)) as pilot:
-        await wait_for(pilot, lambda: app.ready is not None)
+    async with chat_app(FakeRuntime(reply="Out of room", finish_reason="context"), db) as (app, pilot):
         await send(pilot, "hi")
         await wait_for(pilot, lambda: "filled the context window (4096 tokens)" in notices(app))
         assert "oldest turns" in notices(app)  # the next message goes on: nothing says to start afresh
@@ -215,9 +194,7 @@ async def test_context_exhaustion_is_said_in_the_chat(db):
 
 @pilot_test
 async def test_narrow_terminal_hides_panel_and_still_chats(db):
-    app = SfchatApp(FakeRuntime(reply="Short."), db)
-    async with app.run_test(size=(80, 24)) as pilot:
-        await wait_for(pilot, lambda: app.ready is not None)
+    async with chat_app(FakeRuntime(reply="Short."), db, size=(80, 24)) as (app, pilot):
         panel = app.query_one(MetricsPanel)
         prompt = app.query_one(PromptInput)
         assert not panel.display and prompt.region.height >= 3
@@ -234,9 +211,7 @@ async def test_narrow_terminal_hides_panel_and_still_chats(db):
 
 @pilot_test
 async def test_newline_keys_and_command_palette_commands(db):
-    app = SfchatApp(FakeRuntime(), db)
-    async with app.run_test(size=(100, 30)) as pilot:
-        await wait_for(pilot, lambda: app.ready is not None)
+    async with chat_app(FakeRuntime(), db) as (app, pilot):
         await pilot.press("a", "ctrl+j", "b", "shift+enter", "c")
         assert app.query_one(PromptInput).text == "a\nb\nc"
         titles = {c.title for c in app.get_system_commands(app.screen)}

@@ -11,11 +11,10 @@ from textual.widgets import Input
 
 import sfchat.history
 from sfchat.events import CodeWanted, LinkState, ReplyStarted, RoundStats, RuntimeFailed, TokensCommitted
-from sfchat.ui import SfchatApp
 from sfchat.ui.chat import ReplyMessage, UserMessage
 from sfchat.ui.prompt import PromptInput
 
-from pilots import READY, FakeRuntime, db, notices, pilot_test, send, wait_for  # noqa: F401
+from pilots import READY, FakeRuntime, chat_app, db, notices, pilot_test, send, streaming, wait_for  # noqa: F401
 
 LONG = " ".join(f"w{i}" for i in range(4000))  # streams for longer than any test waits
 GOOD_CODE = "7-crossover-clockwork"
@@ -29,11 +28,8 @@ def screen_text(app) -> str:
 @pilot_test
 async def test_enter_while_a_reply_is_written_queues_the_message_and_sends_it_after(db):
     runtime = FakeRuntime(reply=LONG, round_s=0.05)
-    app = SfchatApp(runtime, db)
-    async with app.run_test(size=(100, 30)) as pilot:
-        await wait_for(pilot, lambda: app.ready is not None)
-        await send(pilot, "first")
-        await wait_for(pilot, lambda: app.state == "streaming")
+    async with chat_app(runtime, db) as (app, pilot):
+        await streaming(pilot, "first")
         app.query_one(PromptInput).load_text("next one")  # typed while the reply streams
         await pilot.press("enter")
         await pilot.pause(0.1)
@@ -70,11 +66,8 @@ class FailingRuntime(FakeRuntime):
 @pilot_test
 async def test_a_queued_message_goes_back_to_the_editor_when_the_reply_fails(db):
     runtime = FailingRuntime()
-    app = SfchatApp(runtime, db)
-    async with app.run_test(size=(100, 30)) as pilot:
-        await wait_for(pilot, lambda: app.ready is not None)
-        await send(pilot, "first")
-        await wait_for(pilot, lambda: app.state == "streaming")
+    async with chat_app(runtime, db) as (app, pilot):
+        await streaming(pilot, "first")
         app.query_one(PromptInput).load_text("second")
         await pilot.press("enter")
         await wait_for(pilot, lambda: "Queued" in notices(app))
@@ -115,8 +108,7 @@ class PairingRuntime(FakeRuntime):
 @pilot_test
 async def test_a_wrong_pairing_code_is_asked_for_again_masked_and_then_the_chat_goes_on(db):
     runtime = PairingRuntime()
-    app = SfchatApp(runtime, db)
-    async with app.run_test(size=(80, 24)) as pilot:
+    async with chat_app(runtime, db, size=(80, 24), ready=False) as (app, pilot):
         await wait_for(pilot, lambda: bool(app.screen.query(Input)) and app.screen.query_one(Input).has_focus)
         field = app.screen.query_one(Input)
         assert field.password
@@ -149,9 +141,7 @@ async def test_a_wrong_pairing_code_is_asked_for_again_masked_and_then_the_chat_
 async def test_a_locked_history_is_an_error_notice_that_keeps_the_prompt(db, monkeypatch):
     monkeypatch.setattr(sfchat.history, "LOCK_TIMEOUT_S", 0.3, raising=False)
     runtime = FakeRuntime(reply="Fine.")
-    app = SfchatApp(runtime, db)
-    async with app.run_test(size=(100, 30)) as pilot:
-        await wait_for(pilot, lambda: app.ready is not None)
+    async with chat_app(runtime, db) as (app, pilot):
         other = sqlite3.connect(db, isolation_level=None)
         other.execute("BEGIN EXCLUSIVE")  # another program holds the write lock
         await send(pilot, "hello")

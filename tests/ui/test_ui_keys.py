@@ -13,11 +13,10 @@ from pathlib import Path
 
 from textual._xterm_parser import XTermParser
 
-from sfchat.ui import SfchatApp
 from sfchat.ui.chat import ChatView
 from sfchat.ui.prompt import PromptInput
 
-from pilots import FakeRuntime, db, pilot_test, wait_for  # noqa: F401
+from pilots import FakeRuntime, chat_app, db, pilot_test, wait_for  # noqa: F401
 
 README = Path(__file__).parents[2] / "README.md"
 KEY = re.compile(r"\b(?:(?:Ctrl|Alt|Shift)\+(?:Enter|[A-Z])|F\d{1,2})\b")
@@ -53,9 +52,7 @@ def promised(for_what: str, hints: list[str]) -> set[str]:
 @pilot_test
 async def test_every_documented_newline_and_history_key_works_in_a_plain_terminal(db):
     runtime = FakeRuntime()
-    app = SfchatApp(runtime, db)
-    async with app.run_test(size=(100, 30)) as pilot:
-        await wait_for(pilot, lambda: app.ready is not None)
+    async with chat_app(runtime, db) as (app, pilot):
         prompt = app.query_one(PromptInput)
         hints = [ChatView.EMPTY_TEXT, str(prompt.placeholder)]
         newline, history = promised("newline", hints), promised("history", hints)
@@ -77,9 +74,7 @@ async def test_every_documented_newline_and_history_key_works_in_a_plain_termina
 
 @pilot_test
 async def test_the_palettes_keys_entry_shows_sfchats_keys_fits_80x24_and_esc_closes_it(db):
-    app = SfchatApp(FakeRuntime(), db)
-    async with app.run_test(size=(80, 24)) as pilot:
-        await wait_for(pilot, lambda: app.ready is not None)
+    async with chat_app(FakeRuntime(), db, size=(80, 24)) as (app, pilot):
         main = app.screen
         await pilot.press("ctrl+p")
         await pilot.pause(0.2)

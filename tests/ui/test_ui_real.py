@@ -13,10 +13,9 @@ import time
 from sfchat.events import LoadProgress, ReplyFinished, TokensCommitted
 from sfchat.history import History
 from sfchat.params import Ask, GenParams
-from sfchat.ui import SfchatApp
 from sfchat.ui.chat import ReplyMessage
 
-from pilots import pilot_test, send, wait_for
+from pilots import chat_app, pilot_test, send, stored, streaming, wait_for
 from real_worker import RecordingWorker, one_shot_text, settings_for
 
 
@@ -24,9 +23,8 @@ from real_worker import RecordingWorker, one_shot_text, settings_for
 async def test_reply_matches_one_shot_and_follow_up_reuses_the_cache(zoo, tmp_path):
     s = settings_for(zoo)
     worker = RecordingWorker(s)
-    app = SfchatApp(worker, tmp_path / "h.sqlite3", Ask(16, GenParams(temperature=0.0)))
-    async with app.run_test(size=(120, 40)) as pilot:
-        await wait_for(pilot, lambda: app.ready is not None, 120)
+    ask = Ask(16, GenParams(temperature=0.0))
+    async with chat_app(worker, tmp_path / "h.sqlite3", ask, size=(120, 40), wait=120) as (app, pilot):
         await send(pilot, "hello world")
         await wait_for(pilot, lambda: not app.session.replying and app.session.turns, 120)
         await pilot.pause()
@@ -61,11 +59,9 @@ async def test_escape_cancels_a_real_reply_and_keeps_its_prefix(zoo, tmp_path):
     full = one_shot_text(s, "tell me more", 200)
     worker = HeldWorker(s)
     db = tmp_path / "h.sqlite3"
-    app = SfchatApp(worker, db, Ask(200, GenParams(temperature=0.0)))
-    async with app.run_test(size=(120, 40)) as pilot:
-        await wait_for(pilot, lambda: app.ready is not None, 120)
-        await send(pilot, "tell me more")
-        await wait_for(pilot, lambda: app.state == "streaming", 60)
+    ask = Ask(200, GenParams(temperature=0.0))
+    async with chat_app(worker, db, ask, size=(120, 40), wait=120) as (app, pilot):
+        await streaming(pilot, "tell me more", 60)
         await pilot.press("escape")
         worker.release.set()
         await wait_for(pilot, lambda: not app.session.replying, 60)
@@ -74,10 +70,7 @@ async def test_escape_cancels_a_real_reply_and_keeps_its_prefix(zoo, tmp_path):
     finished = [e for e in worker.events if isinstance(e, ReplyFinished)][-1]
     assert finished.finish_reason == "cancelled"
     assert full.startswith(partial) and len(finished.token_ids) < 200
-    history = History(db)
-    stored = history.load_chat(history.list_chats()[0].id)[1]
-    assert stored.status == "cancelled" and stored.content == partial
-    history.close()
+    assert stored(db)[1] == ("assistant", partial, "cancelled")
 
 
 @pilot_test
@@ -85,9 +78,7 @@ async def test_the_loading_panel_names_no_download_for_local_model_directories(z
     """Today's finding: "tail download" (and "head download", "draft download") in local mode with
     local directories, where nothing is downloaded."""
     worker = RecordingWorker(settings_for(zoo))
-    app = SfchatApp(worker, tmp_path / "h.sqlite3")
-    async with app.run_test(size=(120, 40)) as pilot:
-        await wait_for(pilot, lambda: app.ready is not None, 120)
+    async with chat_app(worker, tmp_path / "h.sqlite3", size=(120, 40), wait=120) as (app, pilot):
         stages = [str(label.render()) for label in app.query(".load-stage")]
     assert stages and not [s for s in stages if "download" in s], stages
     assert {"head load", "tail load", "draft load"} <= set(stages), stages

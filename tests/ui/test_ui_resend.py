@@ -4,31 +4,19 @@ keeps afterwards."""
 
 from __future__ import annotations
 
-from sfchat.history import History
-from sfchat.ui import SfchatApp
 from sfchat.ui.chat import Notice, ReplyMessage
 from sfchat.ui.prompt import PromptInput
 
 from pilots import (  # noqa: F401  (fixtures)
-    REPLY, FakeRuntime, db, notices, pilot_test, replied, retype, send, shown, wait_for, warned
+    FakeRuntime, chat_app, db, notices, pilot_test, replied, retype, send, shown, slow_runtime, stored, streaming,
+    warned
 )
-
-
-def stored(db) -> list[tuple[str, str, str]]:
-    history = History(db)
-    try:
-        (chat,) = history.list_chats()
-        return [(m.role, m.content, m.status) for m in history.load_chat(chat.id)]
-    finally:
-        history.close()
 
 
 @pilot_test
 async def test_ctrl_g_makes_the_last_reply_again_in_place_of_the_old_one(db):
     runtime = FakeRuntime(reply="First answer.")
-    app = SfchatApp(runtime, db)
-    async with app.run_test(size=(80, 24)) as pilot:
-        await wait_for(pilot, lambda: app.ready is not None)
+    async with chat_app(runtime, db, size=(80, 24)) as (app, pilot):
         await pilot.press("ctrl+g")
         await pilot.pause()
         assert warned(app, "No reply to make again yet") and not runtime.submitted
@@ -45,12 +33,9 @@ async def test_ctrl_g_makes_the_last_reply_again_in_place_of_the_old_one(db):
 
 @pilot_test
 async def test_regenerate_is_refused_while_a_reply_runs_and_redoes_a_cancelled_one(db):
-    runtime = FakeRuntime(reply=" ".join(f"w{i}" for i in range(400)), round_s=0.02)
-    app = SfchatApp(runtime, db)
-    async with app.run_test(size=(80, 24)) as pilot:
-        await wait_for(pilot, lambda: app.ready is not None)
-        await send(pilot, "long one")
-        await wait_for(pilot, lambda: app.state == "streaming")
+    runtime = slow_runtime()
+    async with chat_app(runtime, db, size=(80, 24)) as (app, pilot):
+        await streaming(pilot, "long one")
         await pilot.press("ctrl+g")
         await pilot.pause()
         assert len(runtime.submitted) == 1 and app.session.replying  # greyed out: nothing happened
@@ -67,9 +52,7 @@ async def test_regenerate_is_refused_while_a_reply_runs_and_redoes_a_cancelled_o
 @pilot_test
 async def test_f4_edits_the_last_message_and_the_reply_is_made_again(db):
     runtime = FakeRuntime(reply="R1")
-    app = SfchatApp(runtime, db)
-    async with app.run_test(size=(80, 24)) as pilot:
-        await wait_for(pilot, lambda: app.ready is not None)
+    async with chat_app(runtime, db, size=(80, 24)) as (app, pilot):
         await send(pilot, "first")
         await replied(pilot, app, 2)
         runtime.reply = "R2"
@@ -95,9 +78,7 @@ async def test_f4_edits_the_last_message_and_the_reply_is_made_again(db):
 @pilot_test
 async def test_f4_twice_edits_the_message_before_and_esc_leaves_everything_as_it_was(db):
     runtime = FakeRuntime(reply="R")
-    app = SfchatApp(runtime, db)
-    async with app.run_test(size=(80, 24)) as pilot:
-        await wait_for(pilot, lambda: app.ready is not None)
+    async with chat_app(runtime, db, size=(80, 24)) as (app, pilot):
         await pilot.press("f4")
         await pilot.pause()
         assert warned(app, "No message to edit yet")

@@ -11,11 +11,11 @@ from textual.content import Content
 from sfchat.events import LinkState, ReplyStarted, RoundStats, RuntimeFailed, TokensCommitted
 from sfchat.history import History
 from sfchat.plaintext import plain
-from sfchat.ui import SfchatApp
 from sfchat.ui.chat import ReplyMessage
 
 from pilots import (  # noqa: F401  (fixtures)
-    READY, FakeRuntime, db, notices, open_history, pilot_test, screen_lines, send, static_text, wait_for
+    READY, FakeRuntime, chat_app, db, notices, open_history, pilot_test, screen_lines, send, slow_runtime,
+    static_text, streaming, wait_for
 )
 
 HOSTILE_CLOSE = "[/]"
@@ -54,9 +54,7 @@ def test_plain_strips_escapes_and_controls_and_keeps_text():
 
 @pilot_test
 async def test_markup_from_the_network_is_shown_literally_and_kills_nothing(db):
-    app = SfchatApp(HostileRuntime(), db)
-    async with app.run_test(size=(120, 40)) as pilot:
-        await wait_for(pilot, lambda: app.ready is not None)
+    async with chat_app(HostileRuntime(), db, size=(120, 40)) as (app, pilot):
         await send(pilot, "hi")
         await wait_for(pilot, lambda: not app.session.replying)
         await pilot.pause(0.3)
@@ -95,8 +93,7 @@ class SlowTailRuntime(FakeRuntime):
 @pilot_test
 async def test_the_waiting_notice_goes_when_the_tail_comes(db):
     runtime = SlowTailRuntime()
-    app = SfchatApp(runtime, db)
-    async with app.run_test(size=(100, 30)) as pilot:
+    async with chat_app(runtime, db, ready=False) as (app, pilot):
         await wait_for(pilot, lambda: "waiting for a tail" in notices(app))
         runtime.tail_arrives.set()
         await wait_for(pilot, lambda: app.ready is not None)
@@ -107,9 +104,7 @@ async def test_the_waiting_notice_goes_when_the_tail_comes(db):
 @pilot_test
 async def test_a_new_chat_shows_no_figures_of_the_last_reply(db):
     runtime = FakeRuntime()
-    app = SfchatApp(runtime, db)
-    async with app.run_test(size=(120, 40)) as pilot:
-        await wait_for(pilot, lambda: app.ready is not None)
+    async with chat_app(runtime, db, size=(120, 40)) as (app, pilot):
         await send(pilot, "hello there")
         await wait_for(pilot, lambda: not app.session.replying and app.session.turns)
         await pilot.pause()
@@ -125,12 +120,8 @@ async def test_a_new_chat_shows_no_figures_of_the_last_reply(db):
 
 @pilot_test
 async def test_at_80x24_the_footer_status_and_every_panel_row_fit(db):
-    runtime = FakeRuntime(reply=" ".join(f"w{i}" for i in range(300)), round_s=0.02)
-    app = SfchatApp(runtime, db)
-    async with app.run_test(size=(80, 24)) as pilot:
-        await wait_for(pilot, lambda: app.ready is not None)
-        await send(pilot, "hello there")
-        await wait_for(pilot, lambda: app.state == "streaming")
+    async with chat_app(slow_runtime(300), db, size=(80, 24)) as (app, pilot):
+        await streaming(pilot, "hello there")
         await pilot.pause(0.2)
         footer = screen_lines(app)[-1]
         assert "esc Cancel" in footer and "^q Quit" in footer and "^p" in footer, footer
@@ -199,9 +190,7 @@ async def test_typing_in_the_history_filters_the_chats_by_their_text(db):
         history.add_message(chat, "assistant", reply)
     history.set_system(history.new_chat("poems"), "Answer in verse.")
     history.close()
-    app = SfchatApp(FakeRuntime(), db)
-    async with app.run_test(size=(80, 24)) as pilot:
-        await wait_for(pilot, lambda: app.ready is not None)
+    async with chat_app(FakeRuntime(), db, size=(80, 24)) as (app, pilot):
         await open_history(pilot)
         screen = app.screen
 

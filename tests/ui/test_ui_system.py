@@ -4,11 +4,11 @@ that chat's replies; left empty, the default (``--system``) applies."""
 from __future__ import annotations
 
 from sfchat.history import History
-from sfchat.ui import SfchatApp
 from sfchat.ui.screens import SystemScreen
 
 from pilots import (  # noqa: F401  (fixtures)
-    FakeRuntime, db, open_history, pilot_test, replied, send, set_system, static_text, wait_for
+    FakeRuntime, chat_app, db, open_history, pilot_test, replied, send, set_system, slow_runtime, static_text,
+    streaming, wait_for
 )
 
 
@@ -20,9 +20,7 @@ def system_line(app) -> str:
 @pilot_test
 async def test_f5_sets_this_chats_system_prompt_kept_in_the_history_and_sent_with_its_replies(db):
     runtime = FakeRuntime(reply="Fine.")
-    app = SfchatApp(runtime, db, system="You are the default.")
-    async with app.run_test(size=(80, 24)) as pilot:
-        await wait_for(pilot, lambda: app.ready is not None)
+    async with chat_app(runtime, db, system="You are the default.", size=(80, 24)) as (app, pilot):
         await pilot.press("f5")
         await wait_for(pilot, lambda: isinstance(app.screen, SystemScreen))
         assert "the default: You are the default." in static_text(app.screen.query_one("#system-default"))
@@ -45,9 +43,7 @@ async def test_f5_sets_this_chats_system_prompt_kept_in_the_history_and_sent_wit
     history.close()
 
     runtime = FakeRuntime(reply="Again.")
-    app = SfchatApp(runtime, db)  # no default this time
-    async with app.run_test(size=(80, 24)) as pilot:
-        await wait_for(pilot, lambda: app.ready is not None)
+    async with chat_app(runtime, db, size=(80, 24)) as (app, pilot):  # no default this time
         await open_history(pilot)
         await pilot.press("down", "enter")  # "hi", the older chat
         await wait_for(pilot, lambda: app.session.title == "hi")
@@ -70,12 +66,8 @@ async def test_f5_sets_this_chats_system_prompt_kept_in_the_history_and_sent_wit
 
 @pilot_test
 async def test_the_system_prompt_cannot_change_while_a_reply_runs(db):
-    runtime = FakeRuntime(reply=" ".join(f"w{i}" for i in range(400)), round_s=0.02)
-    app = SfchatApp(runtime, db)
-    async with app.run_test(size=(80, 24)) as pilot:
-        await wait_for(pilot, lambda: app.ready is not None)
-        await send(pilot, "long one")
-        await wait_for(pilot, lambda: app.state == "streaming")
+    async with chat_app(slow_runtime(), db, size=(80, 24)) as (app, pilot):
+        await streaming(pilot, "long one")
         await pilot.press("f5")
         await pilot.pause(0.2)
         assert not isinstance(app.screen, SystemScreen)
