@@ -39,7 +39,7 @@ sys.path[:0] = [str(TESTS), str(TESTS / "relay")]
 
 from relay_process import REPO, start_relay, status_kib  # noqa: E402
 from test_relay_flood import honest, idle_tcp  # noqa: E402
-from test_relay_memory import SLACK_MIB, dial, half_frames, slow_readers  # noqa: E402
+from test_relay_memory import SLACK_MIB, dial, end_wave, half_frames, slow_readers  # noqa: E402
 
 MiB = 1 << 20
 
@@ -92,12 +92,7 @@ async def partial_round(port: int, holders: int, frame_mb: int) -> tuple[int, in
     chatting = asyncio.create_task(chat())
     held = await half_frames(port, holders, frame_mb * MiB, 0)
     await asyncio.sleep(2.0)
-    cut = sum(ws.transport.is_closing() for ws in held)
-    stop.set()
-    await chatting
-    for ws in held:
-        if not ws.transport.is_closing():
-            ws.transport.abort()
+    cut = await end_wave(held, stop, chatting)
     await head.close()
     await tail.close()
     return rounds, failures, cut

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from transformers import Qwen2Config
@@ -12,24 +14,19 @@ from sfchat.model.footprint import GIB
 T4_FREE = int(14.5 * GIB)  # what a 15 GB T4 has free once CUDA is up
 
 
-def qwen7b():
-    return Qwen2Config(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
-                       num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False)
+def qwen2(hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int, vocab: int = 152064,
+          tied: bool = False) -> Qwen2Config:
+    """A Qwen2 config of that shape (no weights: all the estimate reads)."""
+    return Qwen2Config(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+                       num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=vocab,
+                       tie_word_embeddings=tied)
 
 
-def qwen32b():
-    return Qwen2Config(hidden_size=5120, intermediate_size=27648, num_hidden_layers=64, num_attention_heads=40,
-                       num_key_value_heads=8, vocab_size=152064, tie_word_embeddings=False)
-
-
-def qwen72b():
-    return Qwen2Config(hidden_size=8192, intermediate_size=29568, num_hidden_layers=80, num_attention_heads=64,
-                       num_key_value_heads=8, vocab_size=152064, tie_word_embeddings=False)
-
-
-def qwen05b():
-    return Qwen2Config(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                       num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True)
+# Qwen2.5's shapes
+qwen05b = functools.partial(qwen2, 896, 4864, 24, 14, 2, vocab=151936, tied=True)
+qwen7b = functools.partial(qwen2, 3584, 18944, 28, 28, 4)
+qwen32b = functools.partial(qwen2, 5120, 27648, 64, 40, 8)
+qwen72b = functools.partial(qwen2, 8192, 29568, 80, 64, 8)
 
 
 @pytest.fixture

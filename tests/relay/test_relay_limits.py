@@ -17,7 +17,7 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from relay.server import RelayConfig, serve
-from relay_process import settled
+from relay_process import settled, status_kib
 from threaded_relay import TOKEN
 from machines import ENV
 
@@ -96,14 +96,6 @@ def test_the_connection_limit_refuses_with_503():
             for ws in held:
                 await ws.close()
     run(scenario())
-
-
-def vm_kib(pid: int, field: str) -> int:
-    with open(f"/proc/{pid}/status") as status:
-        for line in status:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise AssertionError(field)
 
 
 SESSIONS, ROUNDS, FORWARD_BYTES, PREFILL = 50, 60, 9 * 3584 * 2, (4, 256 << 10)
@@ -235,7 +227,7 @@ def test_fifty_sessions_complete_while_hostile_clients_attack_and_memory_stays_b
     try:
         port = int(re.search(r"listening on ws://[^:]+:(\d+)", relay.stdout.readline())[1])
         time.sleep(0.5)
-        before = vm_kib(relay.pid, "VmRSS")
+        before = status_kib(relay.pid, "VmRSS")
         peak = [before]
 
         async def scenario():
@@ -244,7 +236,7 @@ def test_fifty_sessions_complete_while_hostile_clients_attack_and_memory_stays_b
 
             async def sample():
                 while not stop.is_set():
-                    peak.append(vm_kib(relay.pid, "VmRSS"))
+                    peak.append(status_kib(relay.pid, "VmRSS"))
                     await asyncio.sleep(0.1)
 
             sampler = asyncio.create_task(sample())
@@ -258,7 +250,7 @@ def test_fifty_sessions_complete_while_hostile_clients_attack_and_memory_stays_b
             return done, honest_s, outcomes
 
         done, honest_s, outcomes = run(scenario(), timeout=90)
-        after, hwm = vm_kib(relay.pid, "VmRSS"), vm_kib(relay.pid, "VmHWM")
+        after, hwm = status_kib(relay.pid, "VmRSS"), status_kib(relay.pid, "VmHWM")
     finally:
         relay.terminate()
         relay.wait(10)

@@ -80,6 +80,18 @@ async def half_frames(port: int, n: int, frame_bytes: int, wave: int) -> list:
     return holders
 
 
+async def end_wave(holders: list, stop: asyncio.Event, chatting: asyncio.Task) -> int:
+    """How many of ``holders`` the relay has cut; then the honest pair's chat stopped (``stop``, and
+    ``chatting`` awaited) and the holders still open dropped."""
+    cut = sum(ws.transport.is_closing() for ws in holders)
+    stop.set()
+    await chatting
+    for ws in holders:
+        if not ws.transport.is_closing():
+            ws.transport.abort()
+    return cut
+
+
 def test_frames_still_arriving_count_against_the_buffer_and_memory_comes_back(tmp_path):
     budget_mb, n, waves = 48, 24, 2  # 24 x 6 MiB = 144 MiB of half frames per wave
     with open(tmp_path / "relay.log", "w") as log:
@@ -112,12 +124,7 @@ def test_frames_still_arriving_count_against_the_buffer_and_memory_comes_back(tm
                 holders = await half_frames(port, n, 12 * MiB, wave)
                 await asyncio.sleep(1.0)
                 peaks.append(status_kib(relay.pid, "VmHWM"))
-                cut = sum(ws.transport.is_closing() for ws in holders)
-                stop.set()
-                await chatting
-                for ws in holders:
-                    if not ws.transport.is_closing():
-                        ws.transport.abort()
+                cut = await end_wave(holders, stop, chatting)
                 await asyncio.sleep(1.5)
                 afters.append(status_kib(relay.pid, "VmRSS"))
                 assert cut >= n - budget_mb // 6  # the relay cut the holders that did not fit

@@ -55,11 +55,17 @@ def wait_until(predicate, what: str, timeout: float = 30.0):
     raise AssertionError(f"timed out waiting for {what}")
 
 
-@pytest.fixture(scope="module")
-def server(zoo):
-    srv = Server(settings_for(zoo), ServeOptions(port=0)).start()
+def serving(zoo, **options):
+    """For a fixture to ``yield from``: a server of the tiny models on a free port, with these
+    ``ServeOptions``, closed afterwards."""
+    srv = Server(settings_for(zoo), ServeOptions(port=0, **options)).start()
     yield srv
     srv.close()
+
+
+@pytest.fixture(scope="module")
+def server(zoo):
+    yield from serving(zoo)
 
 
 class Gate:

@@ -17,7 +17,7 @@ import time
 import httpx
 import openai
 import pytest
-from serve_clients import KEY, Gate, ask, client, metrics, settings_for, wait_until
+from serve_clients import KEY, Gate, ask, client, metrics, serving, settings_for, wait_until
 
 from sfchat.serve.app import ServeOptions
 from sfchat.serve.main import Server
@@ -73,9 +73,7 @@ def held_request(srv: Server, source: str, path: str = "/v1/chat/completions") -
 # -- the attack of the issue: idle half-requests, then clients with and without the key --------------
 @pytest.fixture(scope="module")
 def keyed(zoo):
-    srv = Server(settings_for(zoo), ServeOptions(port=0, api_key=KEY, max_queue=4, header_timeout=60)).start()
-    yield srv
-    srv.close()
+    yield from serving(zoo, api_key=KEY, max_queue=4, header_timeout=60)
 
 
 def test_half_requests_do_not_crowd_out_a_client_with_the_key(keyed):
@@ -103,9 +101,7 @@ def test_half_requests_do_not_crowd_out_a_client_with_the_key(keyed):
 # -- deadlines that a peer cannot extend --------------------------------------------------------------
 @pytest.fixture(scope="module")
 def timed(zoo):
-    srv = Server(settings_for(zoo), ServeOptions(port=0, api_key=KEY, header_timeout=1.5, body_timeout=1.5)).start()
-    yield srv
-    srv.close()
+    yield from serving(zoo, api_key=KEY, header_timeout=1.5, body_timeout=1.5)
 
 
 def trickle(sock: socket.socket, data: bytes) -> threading.Thread:
@@ -165,10 +161,7 @@ def test_a_request_body_arrives_under_a_deadline(timed):
 # -- limits that count requests, per client and in total ----------------------------------------------
 @pytest.fixture(scope="module")
 def limited(zoo):
-    srv = Server(settings_for(zoo), ServeOptions(port=0, api_key=KEY, max_requests=4, max_requests_per_client=2,
-                                                 max_waiting_per_client=3)).start()
-    yield srv
-    srv.close()
+    yield from serving(zoo, api_key=KEY, max_requests=4, max_requests_per_client=2, max_waiting_per_client=3)
 
 
 def local_client(srv: Server, source: str) -> httpx.Client:
@@ -223,10 +216,7 @@ def test_requests_in_progress_are_limited_per_client_and_in_total(busy):
 
 @pytest.fixture(scope="module")
 def bodies(zoo):
-    srv = Server(settings_for(zoo), ServeOptions(port=0, api_key=KEY, max_requests=4, max_requests_per_client=2,
-                                                 max_bodies_per_client=3)).start()
-    yield srv
-    srv.close()
+    yield from serving(zoo, api_key=KEY, max_requests=4, max_requests_per_client=2, max_bodies_per_client=3)
 
 
 def test_half_sent_bodies_hold_no_request_slot_and_are_bounded_per_client(bodies):
