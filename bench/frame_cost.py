@@ -29,7 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from verify_breakdown import SHAPES, TINY, gemm_ms, random_slice, timed  # noqa: E402
+from verify_breakdown import SHAPES, TINY, gemm_ms, profiled, random_slice, timed  # noqa: E402
 from sfchat.engine.draft import Drafter  # noqa: E402
 from sfchat.engine.scratch import Scratch  # noqa: E402
 from sfchat.engine.speculator import hidden_bytes  # noqa: E402
@@ -137,24 +137,14 @@ def main() -> None:
             rows_out.append(("host: hidden states to bytes (device to host)", to_bytes, f"{len(raw) / 1e3:.0f} kB"))
             rows_out.append(("host: wire encoding of the FORWARD", enc, ""))
 
-    from torch.profiler import ProfilerActivity, profile
-
     scratch.reset(base)
     rows = tree_rows(65, base)
     slots, mask = scratch.tree_inputs(rows, 65, device)
     x = torch.randint(0, 300, (65,), device=device)
     head.forward(x, slots, window=head.window_for(scratch.end), tree=mask)
-    with profile(activities=[ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]) as prof:
-        head.forward(x, slots, window=head.window_for(scratch.end), tree=mask)
-        if cuda:
-            torch.cuda.synchronize()
-    kernels = []
-    for e in prof.key_averages():
-        us = e.device_time_total if cuda else e.cpu_time_total
-        if us > 0 and (cuda or e.key.startswith("aten::")):
-            kernels.append((e.key[:70], us, e.count))
+    kernels = profiled(lambda: head.forward(x, slots, window=head.window_for(scratch.end), tree=mask), cuda, 70)
     print("\nkernels of one eager 65-row tree forward, most time first:\n\n| kernel | µs | calls |\n| --- | --- | --- |")
-    for name, us, calls in sorted(kernels, key=lambda k: -k[1])[:12]:
+    for name, us, calls in kernels[:12]:
         print(f"| {name} | {us:.0f} | {calls} |")
 
 

@@ -116,26 +116,31 @@ def gemm_ms(sl: ModelSlice, n_tok: int, n: int, cuda: bool) -> tuple[float, floa
     return timed(fn, n, cuda), gb
 
 
-def top_kernels(sl: ModelSlice, n_tok: int, cuda: bool, top: int = 8) -> list[tuple[str, float, int]]:
-    """(kernel name, total µs, calls) of one eager forward, most expensive first."""
+def profiled(forward, cuda: bool, width: int = 60) -> list[tuple[str, float, int]]:
+    """(kernel name cut to ``width`` characters, total µs, calls) of one call of ``forward`` under
+    torch's profiler, most expensive first: the GPU's kernels on CUDA, the aten ops on the CPU."""
     from torch.profiler import ProfilerActivity, profile
 
-    x = inputs(sl, n_tok)
-    P = min(100, sl.max_len - n_tok)  # noqa: N806
-    pos = torch.arange(P, P + n_tok, device=sl.device)
-    n_logits = 1 if sl.lm_head is not None else 0
-    sl.forward(x, pos, n_logits, sl.window_for(P + n_tok))
-    acts = [ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
-    with profile(activities=acts) as prof:
-        sl.forward(x, pos, n_logits, sl.window_for(P + n_tok))
+    with profile(activities=[ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]) as prof:
+        forward()
         if cuda:
             torch.cuda.synchronize()
     rows = []
     for e in prof.key_averages():
         us = e.device_time_total if cuda else e.cpu_time_total
         if us > 0 and (cuda or e.key.startswith("aten::")):
-            rows.append((e.key[:60], us, e.count))
-    return sorted(rows, key=lambda r: -r[1])[:top]
+            rows.append((e.key[:width], us, e.count))
+    return sorted(rows, key=lambda r: -r[1])
+
+
+def top_kernels(sl: ModelSlice, n_tok: int, cuda: bool, top: int = 8) -> list[tuple[str, float, int]]:
+    """(kernel name, total µs, calls) of one eager forward, most expensive first."""
+    x = inputs(sl, n_tok)
+    P = min(100, sl.max_len - n_tok)  # noqa: N806
+    pos = torch.arange(P, P + n_tok, device=sl.device)
+    n_logits = 1 if sl.lm_head is not None else 0
+    sl.forward(x, pos, n_logits, sl.window_for(P + n_tok))
+    return profiled(lambda: sl.forward(x, pos, n_logits, sl.window_for(P + n_tok)), cuda)[:top]
 
 
 def main() -> None:
