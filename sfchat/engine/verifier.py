@@ -7,7 +7,8 @@ reply (sans-I/O: the same object serves the in-memory link of local mode and the
 ``sfchat --tail``). The tail needs no model flags: a HELLO names the model, revision, split,
 dtype and context size; the tail loads its slice through the loader it was given (reporting
 PROGRESS), checks that what it loaded agrees with the hello, has the loader ready it for the
-hello's frame shapes (its CUDA graphs, where memory allows), and answers READY (naming the dtype
+hello's frame shapes (its CUDA graphs on a GPU; shapes memory cannot hold are refused with an
+ERROR), and answers READY (naming the dtype
 it computes in: float16 instead of the head's bfloat16 on a GPU without bf16, such as a T4; the
 head's hidden states are then converted on arrival).
 

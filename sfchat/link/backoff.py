@@ -10,8 +10,10 @@ calls ``attempt(left)`` until it returns, ``left`` being what is left of ``deadl
 ``on_retry(exc, delay)`` (which may raise, to stop), then ``pause(delay)`` waits (it may raise
 too: a closed owner) and the next try comes. A try that would start past ``deadline`` is not
 made: ``GaveUp`` is raised, carrying the last failure. Everything else passes through. The
-dialer (``link.dialer``), the listener (``link.listener``) and the head's round driver redial
-through it; nothing else in sfchat waits and tries again. ``clock`` and ``pause`` are for tests.
+listener (``link.listener``) and the dialer's two callers, the head's round driver
+(``node.driver``) and the chat screen's runtime (``remote.client``), redial through it; no other
+backoff is written in sfchat (a dial that finds the head slot taken tries again within that
+dial: ``relay.join_while_taken``). ``clock`` and ``pause`` are for tests.
 Standard library only.
 """
 

@@ -2,4 +2,4 @@
 handshake (``handshake``) and PROGRESS/ERROR messages (``messages``) of head and tail, the chat
 protocol of a chat screen and the head it drives (``chat``, its events in ``chat_events``), and the
 field checks they share (``fields``). Torch-free; imports nothing of sfchat outside this package but the
-events and ``plaintext``."""
+events, ``params`` and ``plaintext``."""
