@@ -39,17 +39,22 @@ def load(path, lo, hi, quant, **kw):
                            quant=quant, **kw)
 
 
-@pytest.mark.parametrize("target", ["qwen2-untied", "llama-tied", "qwen3-untied"])
-def test_nf4_slices_match_the_nf4_reference_and_differ_from_dense(zoo, target):
+@pytest.mark.parametrize("quant, target", [("nf4", "qwen2-untied"), ("nf4", "llama-tied"), ("nf4", "qwen3-untied"),
+                                           ("int8", "qwen2-untied"), ("int8", "llama-tied")])
+def test_quantised_slices_match_the_quantised_reference_and_differ_from_dense(zoo, quant, target):
     path = zoo[target]
-    head = load(path, 0, 2, "nf4", embed=True, head=False)
-    tail = load(path, 2, 4, "nf4", embed=False, head=True)
+    head = load(path, 0, 2, quant, embed=True, head=False)
+    tail = load(path, 2, 4, quant, embed=False, head=True)
     dense_tail = load(path, 2, 4, "none", embed=False, head=True)
     for layer in list(head.layers) + list(tail.layers):
         kinds = {type(m).__name__ for m in layer.modules()}
-        assert "Linear4bit" in kinds and "Linear" not in kinds
+        assert {"nf4": "Linear4bit", "int8": "Linear8bitLt"}[quant] in kinds and "Linear" not in kinds
+        if quant == "int8":
+            assert layer.mlp.up_proj.weight.dtype == torch.int8 and layer.mlp.up_proj.state.threshold == 0.0
     assert type(tail.lm_head) is torch.nn.Linear and type(head.embed_tokens) is torch.nn.Embedding
-    assert head.layers[0].mlp.up_proj.weight.quant_state.nested  # double quantisation
+    assert is_quantized(head)
+    if quant == "nf4":
+        assert head.layers[0].mlp.up_proj.weight.quant_state.nested  # double quantisation
     if target.startswith("qwen2"):  # q/k/v biases stay dense
         assert head.layers[0].self_attn.q_proj.bias.dtype == torch.float32
 
@@ -57,10 +62,11 @@ def test_nf4_slices_match_the_nf4_reference_and_differ_from_dense(zoo, target):
     hidden = head(torch.tensor(IDS), torch.arange(n))
     logits = tail(hidden, torch.arange(n), n_logits=n)
     with torch.no_grad():
-        expected = nf4_reference(path)(torch.tensor([IDS])).logits[0]
+        expected = nf4_reference(path, quant)(torch.tensor([IDS])).logits[0]
     assert torch.isfinite(logits).all()
     torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
-    assert not torch.allclose(logits, dense_tail(hidden, torch.arange(n), n_logits=n), atol=1e-3)
+    apart = {"nf4": 1e-3, "int8": 1e-4}[quant]  # how far from the dense slice's logits at least
+    assert not torch.allclose(logits, dense_tail(hidden, torch.arange(n), n_logits=n), atol=apart)
 
 
 def test_nf4_weights_take_about_a_quarter_of_fp16(zoo):
@@ -185,27 +191,6 @@ def test_graphed_engine_with_a_quantised_target_keeps_greedy_parity(zoo, quant, 
         assert engine.drafter.graphs
     print(f"\n{quant} on CUDA: head graphs {engine.head.graphs.keys()}, draft graphs {engine.drafter.graphs.keys()}, "
           f"tail graphs {engine.link.verifier.model.graphs.keys()}")
-
-
-@pytest.mark.parametrize("target", ["qwen2-untied", "llama-tied"])
-def test_int8_slices_match_the_int8_reference_and_differ_from_dense(zoo, target):
-    path = zoo[target]
-    head = load(path, 0, 2, "int8", embed=True, head=False)
-    tail = load(path, 2, 4, "int8", embed=False, head=True)
-    dense_tail = load(path, 2, 4, "none", embed=False, head=True)
-    for layer in list(head.layers) + list(tail.layers):
-        kinds = {type(m).__name__ for m in layer.modules()}
-        assert "Linear8bitLt" in kinds and "Linear" not in kinds
-        assert layer.mlp.up_proj.weight.dtype == torch.int8 and layer.mlp.up_proj.state.threshold == 0.0
-    assert type(tail.lm_head) is torch.nn.Linear and is_quantized(head)
-    n = len(IDS)
-    hidden = head(torch.tensor(IDS), torch.arange(n))
-    logits = tail(hidden, torch.arange(n), n_logits=n)
-    with torch.no_grad():
-        expected = nf4_reference(path, "int8")(torch.tensor([IDS])).logits[0]
-    assert torch.isfinite(logits).all()
-    torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
-    assert not torch.allclose(logits, dense_tail(hidden, torch.arange(n), n_logits=n), atol=1e-4)
 
 
 def test_int8_weights_take_about_half_of_fp16_as_the_estimate_counts(zoo):
