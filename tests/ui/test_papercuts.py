@@ -9,11 +9,10 @@ import pytest
 
 from sfchat.config import Settings
 from sfchat.history import History
-from sfchat.ui import SfchatApp
 from sfchat.ui.chat import reply_summary
 from sfchat.ui.widgets import HeaderBar
 
-from pilots import READY, FakeRuntime, open_history, pilot_test, static_text, wait_for
+from pilots import READY, FakeRuntime, chat_app, open_history, pilot_test, static_text
 
 LOCAL_NO_DRAFT = replace(READY, draft="none", k=0, mode="local", split=15, n_layers=30, dtype="float32")
 
@@ -68,8 +67,7 @@ def test_a_reply_without_a_draft_says_no_tokens_per_round():
 @pilot_test
 async def test_local_mode_without_a_draft_shows_no_split_and_no_k(tmp_path):
     runtime = FakeRuntime(ready=False)
-    app = SfchatApp(runtime, tmp_path / "h.sqlite3")
-    async with app.run_test(size=(120, 40)) as pilot:
+    async with chat_app(runtime, tmp_path / "h.sqlite3", size=(120, 40), ready=False) as (app, pilot):
         app._runtime_ready(LOCAL_NO_DRAFT)
         await pilot.pause()
         header = static_text(app.query_one("#header-info"))
@@ -85,9 +83,7 @@ async def test_the_history_lists_a_model_by_its_name_not_its_path(tmp_path):
     history.add_message(history.new_chat("about paris", "/home/me/.cache/sfchat/models/SmolLM2-135M-Instruct"),
                         "user", "hi")
     history.close()
-    app = SfchatApp(FakeRuntime(), db)
-    async with app.run_test(size=(120, 40)) as pilot:
-        await wait_for(pilot, lambda: app.ready is not None)
+    async with chat_app(FakeRuntime(), db, size=(120, 40)) as (app, pilot):
         await open_history(pilot)
         await pilot.pause()
         shown = "\n".join(strip.text for strip in app.screen._compositor.render_strips())

@@ -29,7 +29,7 @@ from sfchat.ui.metrics import MetricsPanel
 from sfchat.ui.screens import ConfirmScreen
 
 from remote_pair import WAIT, ScriptedHead, make_pair, until
-from pilots import READY, FakeRuntime, pilot_test, screen_lines, send, wait_for
+from pilots import READY, FakeRuntime, chat_app, pilot_test, screen_lines, send, wait_for
 
 
 def next_event(events: queue.Queue, kind: type):
@@ -177,9 +177,7 @@ async def test_the_header_shows_the_heads_one_line_texts_without_bidirectional_o
     """Round five: U+202E and friends survived in the model name and link detail of the header."""
     head = MirroredHead()
     host, _, client, _, _ = make_pair(relay_url, head)
-    app = SfchatApp(client, tmp_path / "home.sqlite3")
-    async with app.run_test(size=(160, 30)) as pilot:
-        await wait_for(pilot, lambda: app.ready is not None, WAIT)
+    async with chat_app(client, tmp_path / "home.sqlite3", size=(160, 30), wait=WAIT) as (app, pilot):
         await pilot.pause()
         header = screen_lines(app)[0]
         link = app.query_one(MetricsPanel)._link.plain

@@ -10,10 +10,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from sfchat.events import ReplyFinished, RuntimeFailed
 from sfchat.node.prompts import encode
 from sfchat.params import Ask, GenParams
-from sfchat.ui import SfchatApp
 from sfchat.ui.chat import ChatView, Notice, ReplyMessage
 
-from pilots import notices, pilot_test, send, wait_for
+from pilots import chat_app, notices, pilot_test, send, wait_for
 from real_worker import RecordingWorker, settings_for
 
 SYSTEM = "be brief"
@@ -60,9 +59,8 @@ def common(a: list[int], b: list[int]) -> int:
 async def test_a_chat_past_the_context_leaves_out_its_oldest_turns(zoo, tmp_path):
     s = settings_for(zoo, system=SYSTEM, max_context=128)
     worker = PromptRecorder(s)
-    app = SfchatApp(worker, tmp_path / "h.sqlite3", Ask(N_NEW, GenParams(temperature=0.0)))
-    async with app.run_test(size=(120, 60)) as pilot:
-        await wait_for(pilot, lambda: app.ready is not None, 120)
+    ask = Ask(N_NEW, GenParams(temperature=0.0))
+    async with chat_app(worker, tmp_path / "h.sqlite3", ask, size=(120, 60), wait=120) as (app, pilot):
         for i, prompt in enumerate(PROMPTS):
             await send(pilot, prompt)
             await wait_for(pilot, lambda: len(worker.ended()) == i + 1 and not app.session.replying, 120)

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import os
 
-from sfchat.ui import SfchatApp
 from sfchat.ui.export import ExportScreen, chat_markdown
 from sfchat.ui.screens import ConfirmScreen
 
-from pilots import FakeRuntime, db, pilot_test, replied, send, set_system, wait_for, warned  # noqa: F401  (fixtures)
+from pilots import (  # noqa: F401  (fixtures)
+    FakeRuntime, chat_app, db, pilot_test, replied, send, set_system, wait_for, warned
+)
 
 HOSTILE = "Red \x1b[31mtext\x1b[0m and a title \x1b]0;owned\x07 bell\x07."
 
@@ -37,9 +38,7 @@ async def test_ctrl_s_writes_the_chat_as_markdown_in_the_working_directory(db, t
     work.mkdir()
     monkeypatch.chdir(work)
     runtime = FakeRuntime(reply=HOSTILE)
-    app = SfchatApp(runtime, db)
-    async with app.run_test(size=(80, 24)) as pilot:
-        await wait_for(pilot, lambda: app.ready is not None)
+    async with chat_app(runtime, db, size=(80, 24)) as (app, pilot):
         await pilot.press("ctrl+s")
         await pilot.pause()
         assert warned(app, "Nothing to export yet") and not isinstance(app.screen, ExportScreen)
@@ -60,13 +59,11 @@ async def test_ctrl_s_writes_the_chat_as_markdown_in_the_working_directory(db, t
 @pilot_test
 async def test_an_existing_file_is_replaced_only_after_a_yes_and_a_link_is_never_followed(db, tmp_path):
     runtime = FakeRuntime(reply="The answer.")
-    app = SfchatApp(runtime, db)
     target, elsewhere, link = tmp_path / "chat.md", tmp_path / "precious.txt", tmp_path / "link.md"
     target.write_text("old notes")
     elsewhere.write_text("keep me")
     link.symlink_to(elsewhere)
-    async with app.run_test(size=(80, 24)) as pilot:
-        await wait_for(pilot, lambda: app.ready is not None)
+    async with chat_app(runtime, db, size=(80, 24)) as (app, pilot):
         await send(pilot, "q")
         await replied(pilot, app, 2)
         await export_to(pilot, str(target))

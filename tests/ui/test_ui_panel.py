@@ -8,9 +8,8 @@ from dataclasses import replace
 
 from sfchat.events import LinkState, ReplyFinished, ReplyStarted, RoundStats, TokensCommitted
 from sfchat.tally import Tally
-from sfchat.ui import SfchatApp
 
-from pilots import READY, FakeRuntime, db, pilot_test, send, static_text, wait_for  # noqa: F401
+from pilots import READY, FakeRuntime, chat_app, db, pilot_test, send, static_text, wait_for  # noqa: F401
 
 K = 4
 LOCAL = replace(READY, draft="none", k=0, mode="local", model="HuggingFaceTB/SmolLM2-135M-Instruct")
@@ -93,8 +92,8 @@ async def reply_shown(pilot, app) -> None:
 
 @pilot_test
 async def test_local_mode_without_a_draft_shows_no_network_or_draft_rows(db):
-    app = SfchatApp(RoundsRuntime(LOCAL, LOCAL_ROUND, link="local"), db)
-    async with app.run_test(size=(120, 40)) as pilot:
+    runtime = RoundsRuntime(LOCAL, LOCAL_ROUND, link="local")
+    async with chat_app(runtime, db, size=(120, 40), ready=False) as (app, pilot):
         await reply_shown(pilot, app)
         shown = "\n".join(panel_lines(app))
         for noise in ("RTT", "sent/round", "frame", "in flight", "wait/overlap", "accepted", "drafts",
@@ -110,8 +109,8 @@ async def test_local_mode_without_a_draft_shows_no_network_or_draft_rows(db):
 
 @pilot_test
 async def test_at_80x24_every_panel_row_fits_whole(db):
-    app = SfchatApp(RoundsRuntime(WIDE, SLOW, prompt=(32768, 32000)), db)
-    async with app.run_test(size=(80, 24)) as pilot:
+    runtime = RoundsRuntime(WIDE, SLOW, prompt=(32768, 32000))
+    async with chat_app(runtime, db, size=(80, 24), ready=False) as (app, pilot):
         await reply_shown(pilot, app)
         await pilot.press("f3")
         await pilot.pause(0.2)
@@ -132,8 +131,7 @@ async def test_at_80x24_every_panel_row_fits_whole(db):
 
 @pilot_test
 async def test_the_help_explains_every_row_the_panel_shows(db):
-    app = SfchatApp(RoundsRuntime(WIDE, SLOW), db)
-    async with app.run_test(size=(120, 40)) as pilot:
+    async with chat_app(RoundsRuntime(WIDE, SLOW), db, size=(120, 40), ready=False) as (app, pilot):
         await reply_shown(pilot, app)
         labels = row_labels(app)
         assert "RTT p50/p95" in labels and "tok/s per round" in labels and "link" in labels, labels
