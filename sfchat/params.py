@@ -20,7 +20,7 @@ an integer and holds it as a float, a bool is no number, NaN and infinities are 
 reply's token limit (``DEFAULT_MAX_NEW_TOKENS``, the setting's default, unless given) and its
 ``GenParams``.
 
-Torch-free; imports nothing.
+Torch-free; imports nothing of sfchat.
 """
 
 from __future__ import annotations
