@@ -12,7 +12,9 @@ import threading
 import pytest
 from relay_process import TOKEN
 
-from sfchat.events import LinkState, ReplyFinished, RoundStats, RuntimeFailed, RuntimeReady, TokensCommitted
+from sfchat.events import (
+    LinkState, ReplyFinished, ReplyStarted, RoundStats, RuntimeFailed, RuntimeReady, TokensCommitted,
+)
 from sfchat.history import History
 from sfchat.link.relay import RelayLink
 from sfchat.params import Ask, GenParams
@@ -198,6 +200,9 @@ def test_a_client_cannot_queue_replies_without_bound_and_unseen_rounds_fold():
     assert len(head.submitted) == 2
     refused = [u for u in host.updates._items if isinstance(u.event, RuntimeFailed)]
     assert len(refused) == 8
+    # the scripted replies start on threads of their own: wait for both starts, so that none lands
+    # between the rounds below (a start is not a round, and would split them)
+    assert until(lambda: sum(isinstance(u.event, ReplyStarted) for u in list(host.updates._items)) == 2)
     host.updates.detach()  # nobody attached: what comes now is seen by no one yet
     before = len(host.updates)
     for i in range(100):
