@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import queue
+import re
 import threading
 import time
 from http import HTTPStatus
@@ -56,19 +57,20 @@ OPEN_WAIT_S = 10.0  # the opening handshake, on either end
 TRUST_POLL_S = 0.5
 
 
+_HOST = r"(\[[0-9A-Fa-f:.]+\]|[^\s:\[\]/@]+)"
+_PORT = r"([1-9]\d{0,3}|[1-5]\d{4}|6[0-4]\d{3}|65[0-4]\d{2}|655[0-2]\d|6553[0-5])"
+DIRECT_ADDRESS = re.compile(f"{_HOST}:{_PORT}")  # what --direct takes (config.RULES checks it)
+LISTEN_ADDRESS = re.compile(f"{_HOST}:(0|{_PORT[1:-1]})")  # --listen: port 0 picks a free one
+ADDRESS_SHAPE = "HOST:PORT (such as 203.0.113.7:7860, box.example.org:7860 or [::1]:7860)"
+
+
 def address(text: str, flag: str = "--direct", listen: bool = False) -> tuple[str, int]:
     """``(host, port)`` of ``HOST:PORT`` (see the module docstring)."""
     text = (text or "").strip()
-    host, sep, port = text.rpartition(":")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    elif ":" in host:
-        host = ""  # an IPv6 address must be bracketed
-    lowest = 0 if listen else 1
-    if not sep or not host or not port.isdigit() or not lowest <= int(port) <= 65535 or any(c.isspace() for c in host):
-        example = "0.0.0.0:7860" if listen else "203.0.113.7:7860"
-        raise UserError(f"{flag} takes HOST:PORT (such as {example}, or [::1]:7860), not {plain(text)[:80]!r}")
-    return host, int(port)
+    m = (LISTEN_ADDRESS if listen else DIRECT_ADDRESS).fullmatch(text)
+    if m is None:
+        raise UserError(f"{flag} takes {ADDRESS_SHAPE}, not {plain(text)[:80]!r}")
+    return m[1].strip("[]"), int(m[2])
 
 
 class Unreachable(UserError):

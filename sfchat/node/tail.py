@@ -1,8 +1,13 @@
-"""The ``sfchat --tail`` process: a Verifier behind a relay link, serving one head after another.
+"""The ``sfchat --tail`` process: a Verifier behind a relay link or a listening port, serving one head after another.
 
-Contract: ``serve(settings)`` holds the session's tail slot through a ``link.listener.Listener``
-with the ``Verifier`` behind it (``VerifierHandler``): every frame of the paired head goes to the
-verifier and its replies back. A head that leaves (or breaks the protocol) ends only that
+Contract: ``serve(settings)`` holds the session's tail slot (``--relay``) or listens on
+``settings.listen`` for heads that dial it directly (``--listen``: a ``link.direct.DirectServer``,
+which takes one head at a time and logs the address it listens on) through a
+``link.listener.Listener`` with the ``Verifier`` behind it (``VerifierHandler``): every frame of
+the paired head goes to the verifier and its replies back. Pairing and resumption are the same on
+either: the direct port has no token, so a connection that does not pair within
+``direct.PAIR_WAIT_S`` is closed. ``--listen`` and ``--relay`` together are refused for now: a
+tail serves one of them. A head that leaves (or breaks the protocol) ends only that
 conversation: the tail keeps its loaded model (a next head with the same hello reuses it) and
 waits for the next head. A stats line is logged now and then. A lost relay connection is
 re-dialled by the listener with the one backoff, for as long as the relay cannot be reached;
@@ -41,6 +46,7 @@ from sfchat.config import Settings
 from sfchat.link.pairing import Passcode, require_secret
 from sfchat.link import LinkClosed
 from sfchat.link.listener import TOKEN_REFUSALS, Listener, sealed  # noqa: F401  (TOKEN_REFUSALS: the tail's)
+from sfchat.link.direct import DirectServer, address
 from sfchat.link.relay import RelayLink
 from sfchat.link.resume import ResumeFile
 from sfchat.model.devices import resolve_devices
@@ -69,9 +75,11 @@ def models_dirs(s: Settings) -> list[Path]:
 
 
 def serve(s: Settings, once: bool = False) -> int:
-    if not s.relay:
-        raise UserError("--tail needs --relay URL (and --token, --session)")
-    if not s.token:
+    if not s.relay and not s.listen:
+        raise UserError("--tail needs --relay URL (and --token, --session), or --listen HOST:PORT")
+    if s.relay and s.listen:
+        raise UserError("a tail serves either --relay or --listen, not both yet: start one tail for each")
+    if s.relay and not s.token:
         raise UserError("--tail needs the relay token: SFCHAT_TOKEN (or --token T)")
     require_secret(s.secret, s.insecure, role="tail")
     devices = resolve_devices(s.device)
@@ -84,12 +92,25 @@ def serve(s: Settings, once: bool = False) -> int:
         if resumption.secret is not None:
             log(f"the head this tail paired with last resumes without a code (its secret: {resumption.path})")
 
-    def join() -> RelayLink:
-        return RelayLink(s.relay, s.token, s.session, "tail")
-
+    if s.listen:
+        host, port = address(s.listen, "--listen", listen=True)
+        server = DirectServer(host, port, trusted=lambda: True)
+        where = f"{'[' + host + ']' if ':' in host else host}:{server.port}"
+        log(f"listening on {where} for a head's direct link (sfchat --direct HOST:{server.port})")
+        join, greeting = lambda: server, f"listening on {where}; waiting for a head"
+    else:
+        join = lambda: RelayLink(s.relay, s.token, s.session, "tail")  # noqa: E731
+        greeting = f"connected to {s.relay} as the tail of session {s.session!r}; waiting for a head"
     dial = join if passcode is None else sealed(join, passcode, s.session, resumption, log)
+    if s.listen and passcode is not None:
+        sealed_dial = dial
+
+        def dial():
+            link = sealed_dial()
+            server.trusted = lambda: link.keyed  # a connection that does not pair is closed in time
+            return link
     listener = Listener(dial, VerifierHandler(verifier), log=log, poll=lambda: STATS_EVERY_S, once=once,
-                        greeting=f"connected to {s.relay} as the tail of session {s.session!r}; waiting for a head")
+                        greeting=greeting)
     return listener.serve()
 
 

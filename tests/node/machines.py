@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -84,3 +85,20 @@ def noisy_copy(model: Path, out: Path, scale: float, seed: int = 3) -> Path:
     m.save_pretrained(out)
     AutoTokenizer.from_pretrained(model).save_pretrained(out)
     return out
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_for_line(stream, needle: str, timeout: float = 120) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = stream.readline()
+        if needle in line:
+            return line
+        if not line:
+            time.sleep(0.05)
+    raise AssertionError(f"no line containing {needle!r}")

@@ -13,7 +13,6 @@ import os
 import queue
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,16 +20,10 @@ import time
 import pytest
 
 import relay_process
-from machines import ENV, PROMPT, SECRET, TOKEN, local_tokens, start_relay
+from machines import ENV, PROMPT, SECRET, TOKEN, free_port, local_tokens, start_relay, wait_for_line
 
 N_NEW = 40
 CODE = re.compile(r"pairing code: (\S+)")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def tail_proc(url: str, session: str, models_dir, token: str = TOKEN, code: tuple = ("--secret", SECRET),
@@ -51,17 +44,6 @@ def head_proc(url: str, session: str, model, draft, *extra, token: str = TOKEN, 
                              "--max-new-tokens", str(N_NEW), "--device", "cpu", "--json",
                              "--reconnect-timeout", "90", *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-
-
-def wait_for_line(stream, needle: str, timeout: float = 120) -> str:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        line = stream.readline()
-        if needle in line:
-            return line
-        if not line:
-            time.sleep(0.05)
-    raise AssertionError(f"no line containing {needle!r}")
 
 
 def finish(head, budget: int = 0) -> tuple[dict, str]:
