@@ -186,3 +186,18 @@ def test_sealed_and_paired_over_a_direct_link_as_over_the_relay(server):
         server.close()
         thread.join(WAIT)
     assert taken == [b"code", b"resume"]
+
+
+def test_a_dialer_without_a_relay_says_that_the_tail_cannot_be_reached():
+    from sfchat.link.dialer import Dialer
+
+    closed = DirectServer("127.0.0.1", 0)
+    number = closed.port
+    closed.close()
+    events: list = []
+    dialer = Dialer(None, "direct", CODE, on_event=events.append,
+                    direct=lambda timeout: DirectLink("127.0.0.1", number, connect_timeout=timeout),
+                    direct_where=f"127.0.0.1:{number}")
+    with pytest.raises(Unreachable, match="cannot reach the tail"):
+        dialer(WAIT)
+    assert dialer.via == "direct" and not events

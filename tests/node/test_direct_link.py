@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import subprocess
 import sys
 
 import pytest
-from machines import ENV, PROMPT, SECRET, generate_reference, noisy_copy, wait_for_line
+from machines import (ENV, PROMPT, SECRET, TOKEN, free_port, generate_reference, local_tokens, noisy_copy, start_relay,
+                      start_tail, wait_for_line)
 
 LISTENING = re.compile(r"listening on 127\.0\.0\.1:(\d+) for a head's direct link")
 
@@ -59,3 +61,60 @@ def test_a_direct_link_equals_generate_and_serves_heads_in_turn(zoo, procs, tmp_
         assert out["via"] == "direct" and out["mode"] == "relay"  # two machines, as through a relay
         assert out["prompt_tokens"] == prompt_len and out["token_ids"] == ref
         assert out["rounds"] >= 6
+
+
+def test_a_closed_direct_port_falls_back_to_the_relay(zoo, procs):
+    """The head is given both: the tail's port is closed (the tail serves the relay only), so the
+    direct dial fails at once and the same code pairs through the relay instead."""
+    relay, url = start_relay()
+    procs.append(relay)
+    procs.append(start_tail(url, "fallback", zoo["qwen2-untied"].parent))
+    target = zoo["qwen2-tied"]
+    out, err = one_shot(target, "none", 0, 12, "--direct", f"127.0.0.1:{free_port()}", "--relay", url,
+                        "--token", TOKEN, "--session", "fallback")
+    assert out["via"] == "relay" and out["token_ids"] == generate_reference(target, 12)[1]
+    assert "cannot reach the tail at 127.0.0.1:" in err and "through the relay instead" in err
+
+
+N_KILL = 40
+
+
+def test_a_tail_killed_mid_reply_over_a_direct_link_loses_nothing(zoo, procs, tmp_path):
+    """The head in this process, a reply pulled token by token: after the first tokens the tail is
+    killed (the head's next frames may be in flight) and started again on the same port with its state; the head
+    reconnects, resumes the pairing with no code and the reply equals an undisturbed one."""
+    from sfchat.config import Settings
+    from sfchat.events import LinkState, ReplyFinished, TokensCommitted
+    from sfchat.node.connect import HeadDialer
+    from sfchat.node.head import Head
+    from sfchat.protocol.wire import Sampling
+
+    models_dir, target = zoo["qwen3-untied"].parent, zoo["qwen3-untied"]
+    undisturbed = list(local_tokens(target, "none", 0, N_KILL).token_ids)
+    env = dict(ENV, SFCHAT_STATE_DIR=str(tmp_path / "state"))
+    first, port = listening_tail(models_dir, env=env)
+    procs.append(first)
+    s = Settings(direct=f"127.0.0.1:{port}", secret=SECRET, model=str(target), draft=str(zoo["draft"]), k=3,
+                 device="cpu", reconnect_timeout=90.0)
+    events: list = []
+    dial = HeadDialer(s, events.append)
+    head = Head.open(s, events.append, dial(60), redial=dial)
+    try:
+        done, killed = None, False
+        for event in head.reply(head.encode([{"role": "user", "content": PROMPT}]), N_KILL, Sampling()):
+            if isinstance(event, TokensCommitted) and not killed:
+                assert len(event.token_ids) < N_KILL  # mid-reply: the head waits for this loop to go on
+                first.send_signal(signal.SIGKILL)
+                first.wait(30)
+                again, _ = listening_tail(models_dir, port, env=env)
+                procs.append(again)
+                killed = True
+            elif isinstance(event, ReplyFinished):
+                done = event
+    finally:
+        head.close()
+    assert killed and done is not None and done.finish_reason == "length"
+    assert list(done.token_ids) == undisturbed
+    states = [e.state for e in events if isinstance(e, LinkState)]
+    assert "reconnecting" in states and states[-1] == "connected" and dial.via == "direct"
+    assert dial.resumption.secret is not None and dial.code is None  # resumed: the code was spent once
