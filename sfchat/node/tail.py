@@ -6,8 +6,9 @@ which takes one head at a time and logs the address it listens on) through a
 ``link.listener.Listener`` with the ``Verifier`` behind it (``VerifierHandler``): every frame of
 the paired head goes to the verifier and its replies back. Pairing and resumption are the same on
 either: the direct port has no token, so a connection that does not pair within
-``direct.PAIR_WAIT_S`` is closed. ``--listen`` and ``--relay`` together are refused for now: a
-tail serves one of them. A head that leaves (or breaks the protocol) ends only that
+``direct.PAIR_WAIT_S`` is closed. With ``--listen`` and ``--relay`` both, the listener serves
+both places as one (``listener.Places``): one head at a time, from whichever place it came; a head
+at the other place meanwhile is told that the tail is busy. A head that leaves (or breaks the protocol) ends only that
 conversation: the tail keeps its loaded model (a next head with the same hello reuses it) and
 waits for the next head. A stats line is logged now and then. A lost relay connection is
 re-dialled by the listener with the one backoff, for as long as the relay cannot be reached;
@@ -77,8 +78,6 @@ def models_dirs(s: Settings) -> list[Path]:
 def serve(s: Settings, once: bool = False) -> int:
     if not s.relay and not s.listen:
         raise UserError("--tail needs --relay URL (and --token, --session), or --listen HOST:PORT")
-    if s.relay and s.listen:
-        raise UserError("a tail serves either --relay or --listen, not both yet: start one tail for each")
     if s.relay and not s.token:
         raise UserError("--tail needs the relay token: SFCHAT_TOKEN (or --token T)")
     require_secret(s.secret, s.insecure, role="tail")
@@ -92,25 +91,29 @@ def serve(s: Settings, once: bool = False) -> int:
         if resumption.secret is not None:
             log(f"the head this tail paired with last resumes without a code (its secret: {resumption.path})")
 
+    dials, greetings = [], []
+    if s.relay:
+        dials.append(lambda: RelayLink(s.relay, s.token, s.session, "tail"))
+        greetings.append(f"connected to {s.relay} as the tail of session {s.session!r}")
     if s.listen:
         host, port = address(s.listen, "--listen", listen=True)
         server = DirectServer(host, port, trusted=lambda: True)
         where = f"{'[' + host + ']' if ':' in host else host}:{server.port}"
         log(f"listening on {where} for a head's direct link (sfchat --direct HOST:{server.port})")
-        join, greeting = lambda: server, f"listening on {where}; waiting for a head"
-    else:
-        join = lambda: RelayLink(s.relay, s.token, s.session, "tail")  # noqa: E731
-        greeting = f"connected to {s.relay} as the tail of session {s.session!r}; waiting for a head"
-    dial = join if passcode is None else sealed(join, passcode, s.session, resumption, log)
-    if s.listen and passcode is not None:
-        sealed_dial = dial
+        dials.append(lambda: server)
+        greetings.append(f"listening on {where}")
+    if passcode is not None:
+        dials = [sealed(join, passcode, s.session, resumption, log) for join in dials]
+        if s.listen:
+            direct = dials[-1]
 
-        def dial():
-            link = sealed_dial()
-            server.trusted = lambda: link.keyed  # a connection that does not pair is closed in time
-            return link
-    listener = Listener(dial, VerifierHandler(verifier), log=log, poll=lambda: STATS_EVERY_S, once=once,
-                        greeting=greeting)
+            def paired_in_time():
+                link = direct()
+                server.trusted = lambda: link.keyed  # a connection that does not pair is closed in time
+                return link
+            dials[-1] = paired_in_time
+    listener = Listener(dials if len(dials) > 1 else dials[0], VerifierHandler(verifier), log=log,
+                        poll=lambda: STATS_EVERY_S, once=once, greeting="; ".join(greetings) + "; waiting for a head")
     return listener.serve()
 
 

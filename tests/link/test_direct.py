@@ -201,3 +201,55 @@ def test_a_dialer_without_a_relay_says_that_the_tail_cannot_be_reached():
     with pytest.raises(Unreachable, match="cannot reach the tail"):
         dialer(WAIT)
     assert dialer.via == "direct" and not events
+
+
+def test_a_tail_at_two_places_serves_one_head_at_a_time_from_either(relay_url):
+    """The relay slot and the listening port behind one listener, sealed with one code: a head
+    served directly holds the tail; a head paired through the relay meanwhile is told it is busy;
+    once the first leaves, the relay's head is served."""
+    from relay_process import TOKEN
+    from recorder import Recorder
+
+    from sfchat.link.dialer import Dialer
+    from sfchat.link.listener import Listener, sealed
+    from sfchat.link.relay import RelayLink
+
+    passcode, resumption, lines, handler = Passcode(CODE), Resumption(), [], Recorder()
+    server = DirectServer("127.0.0.1", 0)
+    relay_dial = sealed(lambda: RelayLink(relay_url, TOKEN, "two-places", "tail"), passcode, "two-places", resumption,
+                        lines.append)
+    direct_sealed = sealed(lambda: server, passcode, "two-places", resumption, lines.append)
+
+    def direct_dial():
+        link = direct_sealed()
+        server.trusted = lambda: link.keyed
+        return link
+
+    listener = Listener([relay_dial, direct_dial], handler, log=lines.append, poll=lambda: 0.2)
+    thread = threading.Thread(target=listener.serve, daemon=True)
+    thread.start()
+
+    def through_relay():
+        return Dialer(lambda timeout: RelayLink(relay_url, TOKEN, "two-places", "head", connect_timeout=timeout),
+                      "two-places", CODE)(WAIT)
+
+    try:
+        first = secure(DirectLink("127.0.0.1", server.port), CODE, "two-places", "head", timeout=WAIT)
+        first.send(b"one")
+        assert first.recv(WAIT) == b"echo one"
+        second = through_relay()
+        second.send(b"two")
+        assert until(lambda: any("serves another head" in said for said in handler.said)), handler.said
+        first.send(b"three")
+        assert first.recv(WAIT) == b"echo three"  # the served head went on
+        first.close()
+        second.close()
+        assert until(lambda: "gone" in handler.said)
+        third = through_relay()
+        third.send(b"four")
+        assert third.recv(WAIT) == b"echo four"
+        third.close()
+    finally:
+        listener.close()
+        thread.join(WAIT)
+    assert handler.taken == [b"one", b"three", b"four"]

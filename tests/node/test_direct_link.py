@@ -13,14 +13,14 @@ import sys
 
 import pytest
 from machines import (ENV, PROMPT, SECRET, TOKEN, free_port, generate_reference, local_tokens, noisy_copy, start_relay,
-                      start_tail, wait_for_line)
+                      wait_for_line)
 
 LISTENING = re.compile(r"listening on 127\.0\.0\.1:(\d+) for a head's direct link")
 
 
-def listening_tail(models_dir, port: int = 0, env: dict = ENV) -> tuple[subprocess.Popen, int]:
-    """``sfchat --tail --listen 127.0.0.1:PORT`` (no relay): (process, the port it listens on)."""
-    tail = subprocess.Popen([sys.executable, "-m", "sfchat.cli", "--tail", "--listen", f"127.0.0.1:{port}",
+def listening_tail(models_dir, port: int = 0, *extra: str, env: dict = ENV) -> tuple[subprocess.Popen, int]:
+    """``sfchat --tail --listen 127.0.0.1:PORT`` (and ``extra`` flags): (process, the port it listens on)."""
+    tail = subprocess.Popen([sys.executable, "-m", "sfchat.cli", "--tail", "--listen", f"127.0.0.1:{port}", *extra,
                              "--secret", SECRET, "--device", "cpu", "--models-dir", str(models_dir)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
     line = wait_for_line(tail.stderr, "for a head's direct link", 120)
@@ -63,16 +63,20 @@ def test_a_direct_link_equals_generate_and_serves_heads_in_turn(zoo, procs, tmp_
         assert out["rounds"] >= 6
 
 
-def test_a_closed_direct_port_falls_back_to_the_relay(zoo, procs):
-    """The head is given both: the tail's port is closed (the tail serves the relay only), so the
-    direct dial fails at once and the same code pairs through the relay instead."""
+def test_a_tail_at_both_places_and_a_closed_direct_port_that_falls_back_to_the_relay(zoo, procs):
+    """One tail on the relay and on a port: a head given both dials the port; a head whose direct
+    address is closed fails at once and pairs through the relay with the same code instead."""
     relay, url = start_relay()
     procs.append(relay)
-    procs.append(start_tail(url, "fallback", zoo["qwen2-untied"].parent))
+    tail, port = listening_tail(zoo["qwen2-untied"].parent, 0, "--relay", url, "--token", TOKEN, "--session", "both")
+    procs.append(tail)
     target = zoo["qwen2-tied"]
-    out, err = one_shot(target, "none", 0, 12, "--direct", f"127.0.0.1:{free_port()}", "--relay", url,
-                        "--token", TOKEN, "--session", "fallback")
-    assert out["via"] == "relay" and out["token_ids"] == generate_reference(target, 12)[1]
+    ref = generate_reference(target, 12)[1]
+    relay_flags = ("--relay", url, "--token", TOKEN, "--session", "both")
+    out, err = one_shot(target, "none", 0, 12, "--direct", f"127.0.0.1:{port}", *relay_flags)
+    assert out["via"] == "direct" and out["token_ids"] == ref and "through the relay" not in err
+    out, err = one_shot(target, "none", 0, 12, "--direct", f"127.0.0.1:{free_port()}", *relay_flags)
+    assert out["via"] == "relay" and out["token_ids"] == ref
     assert "cannot reach the tail at 127.0.0.1:" in err and "through the relay instead" in err
 
 
