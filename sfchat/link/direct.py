@@ -15,7 +15,8 @@ the frames it sent; the server keeps listening), ``closed_reason``, ``last_arriv
 politely, at the handshake (HTTP 409, ``BUSY``) or, where two raced, with close code
 ``CLOSE_BUSY``. The port has no token: whoever reaches it may connect, so a connection must be
 ``trusted()`` (the tail passes its ``SecureLink.keyed``: paired) within ``PAIR_WAIT_S`` of its
-opening and stay so, or it is closed (4408): a stranger cannot hold the one place for long.
+opening and stay so, or it is closed (4408): a stranger cannot hold the one place for long
+(``trusted`` is called off the loop: it may wait for a lock held by a sender).
 
 ``DirectLink(host, port, connect_timeout)`` is the head's end (``--direct``): it returns once the
 tail has accepted the connection, with the same surface (``peer_present`` is True while the
@@ -249,7 +250,8 @@ class DirectServer(_Pipe):
         deadline = time.monotonic() + PAIR_WAIT_S
         while not reader.done():
             await asyncio.wait([reader], timeout=TRUST_POLL_S)
-            if self.trusted():
+            # in a worker thread: ``trusted`` may wait for a lock held by a sender that waits for this loop
+            if await asyncio.to_thread(self.trusted):
                 deadline = time.monotonic() + PAIR_WAIT_S
             elif time.monotonic() > deadline and not reader.done():
                 await ws.close(CLOSE_UNPAIRED, "not paired in time")

@@ -1,11 +1,11 @@
-"""The tail role's side of a relay session: hold the slot, serve one paired peer after another.
+"""The tail role's side of a session: hold the relay slot (or the listening port), serve one paired peer after another.
 
 Contract
 --------
 ``Listener(dial, handler, log=, poll=, greeting=, ending=, once=, pause=)`` is how a node in the relay's
 tail role keeps its session: the model's tail (``node.tail``, the ``Verifier`` behind it) and the
 chat host (``remote.host``) are ``Handler``s behind it. ``dial()`` opens the relay connection in
-the tail's role, sealed (a ``SecureLink`` with the node's ``Passcode`` and ``ResumeFile``, which
+the tail's role (or hands over the ``link.direct.DirectServer`` it listens on), sealed (a ``SecureLink`` with the node's ``Passcode`` and ``ResumeFile``, which
 pairs one peer after another on it) or plain (``--insecure``). ``serve()`` dials once (a failure
 is the caller's to fix, and raises), then takes frames with ``link.recv(poll())`` until
 ``close()`` (from any thread); between frames, at least every ``poll()`` seconds, it calls
@@ -282,13 +282,15 @@ class Places:
             if link is self.active:
                 return item
             self.failed = link  # a head at the other place while one is served: told so, then re-paired
+            self.log("a head at another place was told that this node serves another head now")
             self.busy(self)
             self.restart()
 
     def restart(self) -> None:
         link, self.failed = self.failed, None
         if link is not None:
-            link.restart()
+            if hasattr(link, "restart"):  # a sealed link; a plain one (--insecure) has no pairing
+                link.restart()
             if link in self.links:
                 self._go[self.links.index(link)].set()
 
@@ -297,7 +299,7 @@ class Places:
 
     @property
     def keyed(self) -> bool:
-        return self._now().keyed
+        return getattr(self._now(), "keyed", True)  # a plain link (--insecure) carries data from the start
 
     @property
     def inner(self):
