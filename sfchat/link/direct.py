@@ -13,7 +13,7 @@ as the relay drops it, when none is), ``recv`` (a head that disconnects is a ``P
 the frames it sent; the server keeps listening), ``closed_reason``, ``last_arrival``, ``close()``
 (the only way it closes: ``LinkClosed`` then). A second head while one is connected is refused
 politely, at the handshake (HTTP 409, ``BUSY``) or, where two raced, with close code
-``CLOSE_BUSY``. The port has no token: whoever reaches it may connect, so a connection must be
+``CLOSE_BUSY``; one that comes while the head before is closing waits for its ``PeerGone``. The port has no token: whoever reaches it may connect, so a connection must be
 ``trusted()`` (the tail passes its ``SecureLink.keyed``: paired) within ``PAIR_WAIT_S`` of its
 opening and stay so, or it is closed (4408): a stranger cannot hold the one place for long
 (``trusted`` is called off the loop: it may wait for a lock held by a sender).
@@ -24,7 +24,7 @@ connection is up; a lost connection is ``LinkClosed``, and the dialer dials agai
 cannot be reached, does not answer within ``connect_timeout`` or is busy raises a ``UserError``
 (``Unreachable``) that says which; the dialer then tries the relay, when it has one.
 
-Bounds, as ``link.relay``'s: a message over ``MAX_FRAME_BYTES`` closes the connection (1009),
+Both are ``relay.FramePipe``s, as ``RelayLink`` is, with its bounds: a message over ``MAX_FRAME_BYTES`` closes the connection (1009),
 websockets queues at most ``MAX_QUEUE`` frames, and neither end reads from the socket while its
 inbox holds ``INBOX_BYTES`` or more; pings every ``PING_INTERVAL`` s, ``PING_TIMEOUT`` s to answer;
 the opening handshake within ``OPEN_WAIT_S``. Each end runs one asyncio loop in a daemon thread;
@@ -34,20 +34,19 @@ callers never see it. Knows nothing of frame contents; torch-free.
 from __future__ import annotations
 
 import asyncio
-import queue
 import re
-import threading
 import time
 from http import HTTPStatus
 from typing import Callable
 
 from websockets.asyncio.client import connect
 from websockets.asyncio.server import serve
-from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
+from websockets.exceptions import InvalidHandshake, InvalidStatus
+from websockets.protocol import State
 
 from sfchat import UserError
 from sfchat.link import LinkClosed, PeerGone
-from sfchat.link.relay import CLOSE_TIMEOUT, INBOX_BYTES, MAX_FRAME_BYTES, MAX_QUEUE, PING_INTERVAL, PING_TIMEOUT
+from sfchat.link.relay import CLOSE_TIMEOUT, MAX_FRAME_BYTES, MAX_QUEUE, PING_INTERVAL, PING_TIMEOUT, FramePipe
 from sfchat.plaintext import plain
 
 CLOSE_BUSY = 4409  # a second head, where two raced for the one place
@@ -78,120 +77,13 @@ class Unreachable(UserError):
     """The tail could not be dialled directly (refused, silent or busy)."""
 
 
-class _Pipe:
-    """The inbox both ends share: frames read while it has room, handed out in order by ``recv``."""
-
-    overlaps = True
-
-    def __init__(self, name: str):
-        self._inbox: queue.Queue = queue.Queue()
-        self._state = threading.Condition()
-        self._closed: str | None = None
-        self._closing = False
-        self.last_arrival: float | None = None
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name=name, daemon=True)
-        self._thread.start()
-        self._bytes = 0  # inbox bytes, touched on the loop thread only
-        self._room = asyncio.Event()
-
-    def _run(self, coro, timeout: float | None = None):
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
-
-    async def _read(self, ws) -> None:
-        """Frames of ``ws`` into the inbox until it closes (which the caller reports)."""
-        while True:
-            while self._bytes >= INBOX_BYTES:
-                self._room.clear()
-                await self._room.wait()
-            message = await ws.recv()
-            if isinstance(message, bytes):
-                self._bytes += len(message)
-                self._inbox.put((time.perf_counter(), message))
-
-    def _taken(self, size: int) -> None:
-        self._bytes -= size
-        if self._bytes < INBOX_BYTES:
-            self._room.set()
-
-    def _mark_closed(self, reason: str) -> None:
-        with self._state:
-            if self._closed is None:
-                self._closed = reason
-                self._inbox.put(LinkClosed(reason))
-            self._state.notify_all()
-
-    @property
-    def closed_reason(self) -> str | None:
-        with self._state:
-            return self._closed
-
-    def _send(self, ws, frame) -> None:
-        if not isinstance(frame, (bytes, bytearray, memoryview)):
-            raise TypeError(f"frames are bytes, not {type(frame).__name__}")
-        if len(frame) > MAX_FRAME_BYTES:
-            raise ValueError(f"frame of {len(frame)} bytes exceeds the link limit of {MAX_FRAME_BYTES}")
-        with self._state:
-            if self._closed:
-                raise LinkClosed(self._closed)
-        try:
-            self._run(ws.send(frame))
-        except ConnectionClosed:
-            raise LinkClosed(self._gone_reason(ws)) from None
-
-    def _gone_reason(self, ws) -> str:
-        return "the direct connection was lost"
-
-    def recv(self, timeout: float | None = None) -> bytes:
-        if self._closing:
-            raise LinkClosed(self._closed)
-        try:
-            item = self._inbox.get(timeout=timeout)
-        except queue.Empty:
-            raise TimeoutError(f"no frame on the direct link within {timeout:g} s") from None
-        if isinstance(item, LinkClosed):
-            self._inbox.put(item)  # stays closed for every later call
-            raise LinkClosed(*item.args)
-        if isinstance(item, PeerGone):
-            raise item
-        self.last_arrival, item = item
-        try:
-            self._loop.call_soon_threadsafe(self._taken, len(item))
-        except RuntimeError:
-            pass  # closed: nothing is read any more
-        return item
-
-    def close(self) -> None:
-        with self._state:
-            if self._closing:
-                return
-            self._closing = True
-        self._mark_closed("the link was closed by this side")
-        try:
-            self._run(self._shutdown(), CLOSE_TIMEOUT + 1)
-        except TimeoutError:
-            pass
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join()
-        self._loop.close()
-
-    async def _shutdown(self) -> None:
-        raise NotImplementedError
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self.close()
-
-
-class DirectServer(_Pipe):
+class DirectServer(FramePipe):
     """The tail's listening port: one head at a time (see the module docstring)."""
 
     def __init__(self, host: str, port: int, trusted: Callable[[], bool] = lambda: False):
         super().__init__(f"direct-server-{port}")
-        self.host, self.trusted = host, trusted
-        self._ws = None  # the connected head's connection
+        self.host, self.trusted = host, trusted  # self._ws: the connected head's connection
+        self._free = asyncio.Event()  # no head's connection is being served (set on the loop)
         try:
             self._server = self._run(self._open(host, port), OPEN_WAIT_S + 5)
         except OSError as exc:
@@ -213,22 +105,31 @@ class DirectServer(_Pipe):
                            max_size=MAX_FRAME_BYTES, max_queue=MAX_QUEUE, open_timeout=OPEN_WAIT_S,
                            ping_interval=PING_INTERVAL, ping_timeout=PING_TIMEOUT, close_timeout=CLOSE_TIMEOUT)
 
+    def _busy(self) -> bool:
+        return self._ws is not None and self._ws.state is State.OPEN
+
     def _admit(self, connection, request):
-        if self._ws is not None:
+        if self._busy():
             return connection.respond(HTTPStatus.CONFLICT, BUSY + "\n")
         return None
 
     async def _handle(self, ws) -> None:
+        if self._ws is not None and not self._busy():  # the head before is leaving: its PeerGone comes first
+            try:
+                await asyncio.wait_for(self._free.wait(), CLOSE_TIMEOUT)
+            except TimeoutError:
+                pass
         with self._state:
             if self._ws is not None or self._closed:
                 busy = True
             else:
                 busy, self._ws = False, ws
+                self._free.clear()
                 self._state.notify_all()
         if busy:
             await ws.close(CLOSE_BUSY, BUSY)
             return
-        reader = asyncio.create_task(self._drain(ws))
+        reader = asyncio.create_task(self._read(ws))
         try:
             await self._watch(ws, reader)
         finally:
@@ -238,22 +139,25 @@ class DirectServer(_Pipe):
                 if not self._closed:
                     self._inbox.put(PeerGone("the head left the direct link"))
                 self._state.notify_all()
+            self._free.set()
 
-    async def _drain(self, ws) -> None:
-        try:
-            await self._read(ws)
-        except ConnectionClosed:
-            pass  # the head is gone: ``_handle`` says so
+    def _connection_closed(self, ws) -> None:
+        pass  # the head is gone, not the port: ``_handle`` says so
+
+    def _describe(self, ws) -> str:
+        return "the head's direct connection was lost"
 
     async def _watch(self, ws, reader) -> None:
         """Until the connection ends: it must be trusted within ``PAIR_WAIT_S`` and stay so."""
         deadline = time.monotonic() + PAIR_WAIT_S
-        while not reader.done():
+        while True:
             await asyncio.wait([reader], timeout=TRUST_POLL_S)
+            if reader.done():
+                return
             # in a worker thread: ``trusted`` may wait for a lock held by a sender that waits for this loop
             if await asyncio.to_thread(self.trusted):
                 deadline = time.monotonic() + PAIR_WAIT_S
-            elif time.monotonic() > deadline and not reader.done():
+            elif time.monotonic() > deadline:
                 await ws.close(CLOSE_UNPAIRED, "not paired in time")
                 return
 
@@ -288,13 +192,12 @@ class DirectServer(_Pipe):
         await self._server.wait_closed()
 
 
-class DirectLink(_Pipe):
+class DirectLink(FramePipe):
     """The head's connection to a listening tail (see the module docstring)."""
 
     def __init__(self, host: str, port: int, connect_timeout: float = OPEN_WAIT_S):
         super().__init__(f"direct-link-{port}")
         self.where = f"{host}:{port}" if ":" not in host else f"[{host}]:{port}"
-        self._ws = None
         try:
             self._ws = self._run(self._open(host, port, connect_timeout))
         except BaseException:
@@ -317,16 +220,10 @@ class DirectLink(_Pipe):
             raise Unreachable(f"cannot reach the tail at {where}: {plain(exc.strerror or exc)}") from None
         except InvalidHandshake as exc:
             raise Unreachable(f"{where} does not look like an sfchat tail: {plain(exc)}") from None
-        self._reader = asyncio.create_task(self._follow(ws))
+        self._reader = asyncio.create_task(self._read(ws))
         return ws
 
-    async def _follow(self, ws) -> None:
-        try:
-            await self._read(ws)
-        except ConnectionClosed:
-            self._mark_closed(self._gone_reason(ws))
-
-    def _gone_reason(self, ws) -> str:
+    def _describe(self, ws) -> str:
         code, reason = ws.close_code, ws.close_reason
         if code is None or code == 1006:
             return f"the direct connection to {self.where} was lost"
@@ -342,8 +239,3 @@ class DirectLink(_Pipe):
 
     def send(self, frame) -> None:
         self._send(self._ws, frame)
-
-    async def _shutdown(self) -> None:
-        if self._ws is not None:
-            await self._ws.close()
-            self._reader.cancel()

@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -102,3 +103,14 @@ def wait_for_line(stream, needle: str, timeout: float = 120) -> str:
         if not line:
             time.sleep(0.05)
     raise AssertionError(f"no line containing {needle!r}")
+
+
+@pytest.fixture
+def procs():
+    """Processes a test started (append them): killed, if still running, when it ends."""
+    started = []
+    yield started
+    for p in started:
+        if p.poll() is None:
+            p.kill()
+        p.wait(10)

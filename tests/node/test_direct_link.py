@@ -11,9 +11,8 @@ import signal
 import subprocess
 import sys
 
-import pytest
-from machines import (ENV, PROMPT, SECRET, TOKEN, free_port, generate_reference, local_tokens, noisy_copy, start_relay,
-                      wait_for_line)
+from machines import (  # noqa: F401  (procs: a fixture)
+    ENV, PROMPT, SECRET, TOKEN, free_port, generate_reference, local_tokens, noisy_copy, procs, start_relay, wait_for_line)
 
 LISTENING = re.compile(r"listening on 127\.0\.0\.1:(\d+) for a head's direct link")
 
@@ -33,16 +32,6 @@ def one_shot(model, draft, k: int, n: int, *link_flags: str) -> tuple[dict, str]
                           "--device", "cpu", "--json"], capture_output=True, text=True, env=ENV, timeout=240)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout), out.stderr
-
-
-@pytest.fixture
-def procs():
-    started = []
-    yield started
-    for p in started:
-        if p.poll() is None:
-            p.kill()
-        p.wait(10)
 
 
 N_PARITY = 48

@@ -20,7 +20,8 @@ import time
 import pytest
 
 import relay_process
-from machines import ENV, PROMPT, SECRET, TOKEN, free_port, local_tokens, start_relay, wait_for_line
+from machines import (  # noqa: F401  (procs: a fixture)
+    ENV, PROMPT, SECRET, TOKEN, free_port, local_tokens, procs, start_relay, wait_for_line)
 
 N_NEW = 40
 CODE = re.compile(r"pairing code: (\S+)")
@@ -53,16 +54,6 @@ def finish(head, budget: int = 0) -> tuple[dict, str]:
     # it speculated: a verdict may commit every node of a frame, a chain of K drafts or a tree's budget
     assert reply["k"] == K and len(reply["accepted_histogram"]) == (budget or K) + 1
     return reply, err
-
-
-@pytest.fixture
-def procs():
-    started = []
-    yield started
-    for p in started:
-        if p.poll() is None:
-            p.kill()
-        p.wait(10)
 
 
 @pytest.fixture(scope="module")
