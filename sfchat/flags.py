@@ -5,8 +5,8 @@ Contract: ``build_parser()`` is ``sfchat``'s argparse parser; every flag default
 lines on stderr, a short usage and ``sfchat: error: ...`` (argparse's own usage line lists every
 flag, 18 lines), and exit status 2. ``settings_from(args)`` merges the flags over the TOML file
 and the environment (``config.merged``). ``refuse_ignored(args, settings)`` refuses flags the
-mode would ignore (model flags or ``--direct`` given to a tail, ``--listen`` to a head) and names a stale ``SFCHAT_MODEL`` as coming from
-the environment. Torch-free.
+mode would ignore (model flags or ``--direct`` given to a tail, ``--listen`` to a head) and
+names a stale ``SFCHAT_MODEL`` as coming from the environment. Torch-free.
 """
 
 from __future__ import annotations

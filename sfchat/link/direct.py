@@ -13,8 +13,9 @@ as the relay drops it, when none is), ``recv`` (a head that disconnects is a ``P
 the frames it sent; the server keeps listening), ``closed_reason``, ``last_arrival``, ``close()``
 (the only way it closes: ``LinkClosed`` then). A second head while one is connected is refused
 politely, at the handshake (HTTP 409, ``BUSY``) or, where two raced, with close code
-``CLOSE_BUSY``; one that comes while the head before is closing waits for its ``PeerGone``. The port has no token: whoever reaches it may connect, so a connection must be
-``trusted()`` (the tail passes its ``SecureLink.keyed``: paired) within ``PAIR_WAIT_S`` of its
+``CLOSE_BUSY``; one that comes while the head before is closing waits for its ``PeerGone``.
+The port has no token: whoever reaches it may connect, so a connection must be ``trusted()``
+(the tail passes its ``SecureLink.keyed``: paired) within ``PAIR_WAIT_S`` of its
 opening and stay so, or it is closed (4408): a stranger cannot hold the one place for long
 (``trusted`` is called off the loop: it may wait for a lock held by a sender).
 
@@ -24,11 +25,12 @@ connection is up; a lost connection is ``LinkClosed``, and the dialer dials agai
 cannot be reached, does not answer within ``connect_timeout`` or is busy raises a ``UserError``
 (``Unreachable``) that says which; the dialer then tries the relay, when it has one.
 
-Both are ``relay.FramePipe``s, as ``RelayLink`` is, with its bounds: a message over ``MAX_FRAME_BYTES`` closes the connection (1009),
-websockets queues at most ``MAX_QUEUE`` frames, and neither end reads from the socket while its
-inbox holds ``INBOX_BYTES`` or more; pings every ``PING_INTERVAL`` s, ``PING_TIMEOUT`` s to answer;
-the opening handshake within ``OPEN_WAIT_S``. Each end runs one asyncio loop in a daemon thread;
-callers never see it. Knows nothing of frame contents; torch-free.
+Both are ``relay.FramePipe``s, as ``RelayLink`` is, with its bounds: a message over
+``MAX_FRAME_BYTES`` closes the connection (1009), websockets queues at most ``MAX_QUEUE`` frames,
+and neither end reads from the socket while its inbox holds ``INBOX_BYTES`` or more; pings every
+``PING_INTERVAL`` s, ``PING_TIMEOUT`` s to answer; the opening handshake within ``OPEN_WAIT_S``.
+Each end runs one asyncio loop in a daemon thread; callers never see it. Knows nothing of frame
+contents; torch-free.
 """
 
 from __future__ import annotations

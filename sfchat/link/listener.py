@@ -5,8 +5,9 @@ Contract
 ``Listener(dial, handler, log=, poll=, greeting=, ending=, once=, pause=)`` is how a node in the relay's
 tail role keeps its session: the model's tail (``node.tail``, the ``Verifier`` behind it) and the
 chat host (``remote.host``) are ``Handler``s behind it. ``dial()`` opens the relay connection in
-the tail's role (or hands over the ``link.direct.DirectServer`` it listens on), sealed (a ``SecureLink`` with the node's ``Passcode`` and ``ResumeFile``, which
-pairs one peer after another on it) or plain (``--insecure``). ``serve()`` dials once (a failure
+the tail's role (or hands over the ``link.direct.DirectServer`` it listens on), sealed (a
+``SecureLink`` with the node's ``Passcode`` and ``ResumeFile``, which pairs one peer after
+another on it) or plain (``--insecure``). ``serve()`` dials once (a failure
 is the caller's to fix, and raises), then takes frames with ``link.recv(poll())`` until
 ``close()`` (from any thread); between frames, at least every ``poll()`` seconds, it calls
 ``handler.tick(link)``. It hands each frame to ``handler.take(frame, link)``; a peer that leaves

@@ -46,7 +46,8 @@ and the relay closes it as too slow.
 
 The asyncio event loop lives in one daemon thread owned by the link; callers never see it.
 That loop, the inbox and its bound, ``recv``, ``send`` and ``close`` are ``FramePipe``'s, which
-the direct link's two ends (``link.direct``) share. This module knows nothing of frame contents (see ``sfchat.protocol.wire``) and imports no torch.
+the direct link's two ends (``link.direct``) share. This module knows nothing of frame
+contents (see ``sfchat.protocol.wire``) and imports no torch.
 """
 
 from __future__ import annotations
