@@ -9,6 +9,7 @@ import threading
 
 import pytest
 from polling import WAIT, until
+from threaded_relay import relay  # noqa: F401  (the relay fixture)
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
@@ -253,3 +254,31 @@ def test_a_tail_at_two_places_serves_one_head_at_a_time_from_either(relay_url):
         listener.close()
         thread.join(WAIT)
     assert handler.taken == [b"one", b"three", b"four"]
+
+
+def test_a_tail_at_two_places_keeps_serving_its_direct_head_when_the_relay_goes(relay):
+    """The relay stops while a head is served through the port: that head goes on, and the
+    listener dials the relay again in the background (until it is closed)."""
+    from recorder import Recorder
+    from threaded_relay import TOKEN
+
+    from sfchat.link.listener import Listener
+    from sfchat.link.relay import RelayLink
+
+    server, lines, handler = DirectServer("127.0.0.1", 0, trusted=lambda: True), [], Recorder()
+    listener = Listener([lambda: RelayLink(relay.url, TOKEN, "gone", "tail"), lambda: server], handler,
+                        log=lines.append, poll=lambda: 0.2)
+    thread = threading.Thread(target=listener.serve, daemon=True)
+    thread.start()
+    try:
+        with DirectLink("127.0.0.1", server.port) as head:  # --insecure: plain frames on both places
+            head.send(b"one")
+            assert head.recv(WAIT) == b"echo one"
+            relay.stop()
+            assert until(lambda: any("relay connection lost" in line for line in lines)), lines
+            head.send(b"two")
+            assert head.recv(WAIT) == b"echo two"
+    finally:
+        listener.close()
+        thread.join(WAIT)
+    assert not thread.is_alive() and handler.taken == [b"one", b"two"]
