@@ -49,8 +49,6 @@ class HeadDialer(Dialer):
 
     def waiting_text(self) -> str:
         s = self.s
-        if not s.relay:
-            return f"waiting for the tail at {s.direct}: run sfchat --tail --listen HOST:PORT there"
         if not s.insecure and self.resumption.secret is not None:
             return super().waiting_text()
         then = " and --insecure" if s.insecure else ", and use the code it prints"
