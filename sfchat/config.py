@@ -13,7 +13,7 @@ it loads. Torch-free.
 
 Models: ``model`` and ``draft`` stay None unless the user chose them (flag, env or file);
 ``machine_defaults(settings, cuda)`` then fills them for the machine at hand. With a CUDA GPU, or
-for a relay head (its tail loads the same model id and is the one with the GPU), that is
+for a head of two machines (``relay`` or ``direct``: its tail loads the same model id and is the one with the GPU), that is
 ``GPU_MODEL`` with ``GPU_DRAFT``; in local mode without one it is ``CPU_MODEL``, the small real
 model that ``sfchat-model smollm2`` builds into the user cache dir, with ``CPU_DRAFT``.
 
@@ -37,6 +37,7 @@ from pathlib import Path
 import platformdirs
 
 from sfchat import UserError
+from sfchat.link.direct import ADDRESS_SHAPE, DIRECT_ADDRESS, LISTEN_ADDRESS
 from sfchat.link.probe import SESSION_NAME
 from sfchat.params import BOUNDS, DEFAULT_MAX_NEW_TOKENS, Ask, GenParams
 from sfchat.protocol.handshake import MAX_LAYERS
@@ -94,6 +95,8 @@ class Settings:
     compile_draft: bool = True  # torch.compile the draft before capturing its graph (CUDA only)
     relay: str | None = None
     token: str | None = None
+    direct: str | None = None  # head: HOST:PORT of a tail that listens, dialled before the relay
+    listen: str | None = None  # tail: HOST:PORT to listen on for a head's direct link (port 0: any free one)
     session: str = "default"
     secret: str | None = None  # the pairing code shared by head and tail (never sent to the relay)
     models_dir: str | None = None  # tail: where a head may name local model directories (os.pathsep-separated)
@@ -200,6 +203,8 @@ RULES: dict[str, Rule] = {
     "seed": Rule(int, BOUNDS["seed"].lo, BOUNDS["seed"].hi, shape="a whole number of at most 64 bits"),
     "system": Rule(str, lines=True), "chat_template": FLAG, "cuda_graphs": FLAG, "compile_draft": FLAG,
     "relay": TEXT, "token": TEXT,
+    "direct": Rule(str, pattern=DIRECT_ADDRESS, shape=ADDRESS_SHAPE),
+    "listen": Rule(str, pattern=LISTEN_ADDRESS, shape=ADDRESS_SHAPE.replace("(such as", "(port 0: any free one; such as")),
     "session": Rule(str, pattern=SESSION_NAME, shape="1 to 64 characters of A-Z, a-z, 0-9, '.', '_' and '-'"),
     "secret": TEXT, "models_dir": TEXT, "insecure": FLAG,
     "round_timeout": Rule(float, 0, DAY_S, above=True), "reconnect_timeout": Rule(float, 0, DAY_S),
@@ -286,7 +291,7 @@ def machine_defaults(settings: Settings, cuda: bool) -> Settings:
     if settings.model is not None:
         draft = GPU_DRAFT if settings.draft is None else settings.draft
         return dataclasses.replace(settings, draft=draft)
-    if cuda or settings.relay:
+    if cuda or settings.relay or settings.direct:
         return dataclasses.replace(settings, model=GPU_MODEL,
                                    draft=GPU_DRAFT if settings.draft is None else settings.draft)
     return dataclasses.replace(settings, model=str(cpu_model_dir()),

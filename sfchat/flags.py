@@ -5,8 +5,8 @@ Contract: ``build_parser()`` is ``sfchat``'s argparse parser; every flag default
 lines on stderr, a short usage and ``sfchat: error: ...`` (argparse's own usage line lists every
 flag, 18 lines), and exit status 2. ``settings_from(args)`` merges the flags over the TOML file
 and the environment (``config.merged``). ``refuse_ignored(args, settings)`` refuses flags the
-mode would ignore (model flags given to a tail) and names a stale ``SFCHAT_MODEL`` as coming from
-the environment. Torch-free.
+mode would ignore (model flags or ``--direct`` given to a tail, ``--listen`` to a head) and
+names a stale ``SFCHAT_MODEL`` as coming from the environment. Torch-free.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ FLAG_FIELDS = {  # flag dest -> Settings field
     "token": "token", "session": "session", "history": "history", "round_timeout": "round_timeout",
     "reconnect_timeout": "reconnect_timeout", "secret": "secret",
     "load_in_4bit": "load_in_4bit", "load_in_8bit": "load_in_8bit", "models_dir": "models_dir", "draft_load_in_4bit": "draft_load_in_4bit",
-    "max_in_flight": "max_in_flight", "draft_ahead": "draft_ahead",
+    "max_in_flight": "max_in_flight", "draft_ahead": "draft_ahead", "direct": "direct", "listen": "listen",
 }
 
 
@@ -106,7 +106,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--relay", help="relay URL, ws://HOST:PORT or wss://... (default: local mode)")
     g.add_argument("--token", help="relay token (or SFCHAT_TOKEN)")
     g.add_argument("--session", help="session name shared by head and tail (default 'default')")
-    g.add_argument("--tail", action="store_true", help="run as the tail node (verifier) behind --relay")
+    g.add_argument("--tail", action="store_true", help="run as the tail node (verifier) behind --relay and/or --listen")
+    g.add_argument("--listen", metavar="HOST:PORT",
+                   help="tail: also take a head's direct link on this address (0.0.0.0:7860; port 0: any free one), "
+                        "sealed and paired as through the relay; the port is open to anyone who reaches it")
+    g.add_argument("--direct", metavar="HOST:PORT",
+                   help="head: dial the tail's --listen address directly, before the relay (with --relay: the "
+                        "relay when the direct dial fails within a few seconds)")
     g.add_argument("--secret", help="the pairing code the tail printed (a tail without one makes one); the "
                                     "relay never sees it. Prefer SFCHAT_CODE or the prompt on a terminal: "
                                     "a command line is visible to every user of the machine (ps)")
@@ -170,6 +176,10 @@ def refuse_ignored(args: argparse.Namespace, s: Settings) -> None:
         if ignored:
             raise UserError(f"--tail takes no {', '.join(ignored)}: the head tells its tail which model, revision, "
                             "split, dtype and quantisation to load and how to generate; give them to the head")
+    if "direct" in vars(args) and getattr(args, "tail", False):
+        raise UserError("--direct is the head's (it dials a tail's --listen address); a tail listens with --listen")
+    if "listen" in vars(args) and not getattr(args, "tail", False):
+        raise UserError("--listen is the tail's (sfchat --tail --listen HOST:PORT); a head dials it with --direct")
     model = os.environ.get("SFCHAT_MODEL")
     if model and "model" not in vars(args) and s.model == model and not getattr(args, "tail", False):
         path = Path(model).expanduser()

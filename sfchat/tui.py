@@ -43,7 +43,7 @@ def chat(s: Settings) -> int:
     except OSError as exc:
         raise UserError(f"cannot create the history directory {path.parent}: {exc}") from None
     params = given_params(s)
-    mode = f"relay {s.relay} session {s.session}" if s.relay else "local"
+    mode = f"relay {s.relay} session {s.session}" if s.relay else f"direct {s.direct}" if s.direct else "local"
     worker = RuntimeWorker(s)
     run_tui(worker, path, params, f"sfchat — {short_model(s.model)} ({mode}) — loading…", s.system)
     if not worker.join(SHUTDOWN_S):

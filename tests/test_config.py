@@ -77,6 +77,14 @@ def test_good_values_are_taken_as_the_setting_holds_them(tmp_path):
     ("tree_budget", "lots", "--tree-budget must be auto or a whole number between 0 and 255, not 'lots'"),
     # a frame is the root and its drafts: 256 drafts would be a frame the tail refuses (257 nodes)
     ("tree_budget", 256, "--tree-budget must be auto or a whole number between 0 and 255, not 256"),
+    ("direct", "203.0.113.7", "--direct must be HOST:PORT (such as 203.0.113.7:7860, box.example.org:7860 or "
+                              "[::1]:7860), not '203.0.113.7'"),
+    ("direct", "box:0", "--direct must be HOST:PORT (such as 203.0.113.7:7860, box.example.org:7860 or [::1]:7860), "
+                        "not 'box:0'"),
+    ("direct", "::1:7860", "--direct must be HOST:PORT (such as 203.0.113.7:7860, box.example.org:7860 or "
+                           "[::1]:7860), not '::1:7860'"),
+    ("listen", "0.0.0.0:65536", "--listen must be HOST:PORT (port 0: any free one; such as 203.0.113.7:7860, "
+                                "box.example.org:7860 or [::1]:7860), not '0.0.0.0:65536'"),
 ])
 def test_flags_go_through_the_same_check(flag, value, wanted):
     with pytest.raises(UserError) as caught:
@@ -111,3 +119,20 @@ def test_every_setting_has_a_rule_and_every_default_keeps_it():
         value = getattr(defaults, name)
         if value is not None:  # None: unset, filled later (models, split) or never needed
             assert RULES[name].check(value) == value, name
+
+
+def test_addresses_of_the_direct_link_are_taken_as_given():
+    s = merged({"direct": "[::1]:7860", "listen": "0.0.0.0:0"})
+    assert (s.direct, s.listen) == ("[::1]:7860", "0.0.0.0:0")
+
+
+@pytest.mark.parametrize("argv, wanted", [
+    (["--listen", "0.0.0.0:7860"], "--listen is the tail's"),
+    (["--tail", "--direct", "box:7860"], "--direct is the head's"),
+])
+def test_each_end_of_a_direct_link_takes_only_its_own_flag(argv, wanted):
+    from sfchat.flags import build_parser, refuse_ignored, settings_from
+
+    args = build_parser().parse_args(argv)
+    with pytest.raises(UserError, match=wanted):
+        refuse_ignored(args, settings_from(args))

@@ -17,13 +17,16 @@ A ``Link`` carries whole binary frames in order between the two nodes of one ses
   ``recv``: no), which decides whether rounds in flight can pay.
 * ``close()`` ends it; idempotent.
 
-Implementations: ``link.relay.RelayLink`` (through the relay), ``link.secure.SecureLink`` (sealed
-end to end over another link), ``node.local_link.MemoryLink`` (the tail in this process). The
+Implementations: ``link.relay.RelayLink`` (through the relay), ``link.direct.DirectLink`` and
+``DirectServer`` (the head's and the listening tail's ends of a direct link, no relay between),
+``link.secure.SecureLink`` (sealed end to end over another link), ``node.local_link.MemoryLink``
+(the tail in this process). The
 head's round driver is written against this protocol and these exceptions alone.
 
 What keeps a relay session paired uses two more, and nothing else of the links:
 
-* ``SessionLink``, a ``Link`` to one relay session (``RelayLink``; ``SecureLink`` passes them
+* ``SessionLink``, a ``Link`` to one relay session (``RelayLink``; a direct link's ends, whose
+  "session" is the connection, or the listening port's one head at a time; ``SecureLink`` passes them
   through): ``peer_present`` (the other role is connected) and ``wait_peer(timeout)``
   (``TimeoutError``, or ``LinkClosed``). The dialer (``link.dialer``, the head role) waits on
   them before it pairs.

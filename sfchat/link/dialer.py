@@ -1,13 +1,18 @@
-"""The head role's way to a paired peer through the relay: dial, wait for the peer, pair; and again.
+"""The head role's way to a paired peer, directly or through the relay: dial, wait for the peer, pair; and again.
 
 Contract
 --------
-``Dialer(join, session, code, insecure=, on_event=, ask_code=, where=)`` is how a node in the
-relay's head role gets its peer, the first time and after every loss: the model head its tail
-(``node.connect.HeadDialer``), the chat screen its chat host (``remote.client``). Calling it
-(``dial(wait_timeout)``) returns the link once a peer is present on the session and paired: the
-relay link that ``join(connect_timeout)`` opens (a ``RelayLink`` in the head's role) sealed end to
-end by ``SecureLink``, or plain with ``insecure``. It reports ``LinkState`` "waiting" (with what
+``Dialer(join, session, code, insecure=, on_event=, ask_code=, where=, direct=, direct_where=)`` is
+how a node in the relay's head role gets its peer, the first time and after every loss: the model
+head its tail (``node.connect.HeadDialer``), the chat screen its chat host (``remote.client``).
+Calling it (``dial(wait_timeout)``) returns the link once a peer is present on the session and
+paired: the relay link that ``join(connect_timeout)`` opens (a ``RelayLink`` in the head's role)
+sealed end to end by ``SecureLink``, or plain with ``insecure``. With ``direct`` (a
+``link.direct.DirectLink`` to a tail that listens, at ``direct_where``) every dial tries it first,
+for at most ``DIRECT_WAIT_S``; when it fails (``Unreachable``) the dialer says so (``LinkState``
+"waiting") and goes through the relay, or, without ``join`` (None: no relay), raises it. The
+pairing, the codes and the resumption are the same either way; ``via`` says which the last dial
+took ("direct" or "relay"). It reports ``LinkState`` "waiting" (with what
 starts or brings back a peer, ``waiting_text()``; and while another node, ``rival``, holds the
 session's head slot, retried for up to ``SLOT_WAIT_S`` through ``relay.join_while_taken``) and
 "connected" (naming ``where``). Every wait of one dial (the relay's answer, the slot, the peer, the pairing)
@@ -41,6 +46,7 @@ from sfchat import UserError
 from sfchat.events import LinkState
 from sfchat.link import LinkClosed, SessionLink, pairing
 from sfchat.link.backoff import MIN_WAIT_S
+from sfchat.link.direct import Unreachable
 from sfchat.link.pairing import ATTEMPT_INTERVAL_S, BURST, require_secret
 from sfchat.link.relay import SlotTaken, join_while_taken
 from sfchat.link.resume import Resumption
@@ -52,16 +58,20 @@ ASK_CODE = ("the tail printed a pairing code when it started (sfchat --tail), su
 SLOT_WAIT_S = 30.0  # how long a dialer retries a session whose head slot is taken
 CONNECT_WAIT_S = 30.0  # the relay's answer to a dial
 PAIRING_WAIT_S = 60.0  # the peer's answers to the pairing
+DIRECT_WAIT_S = 5.0  # a direct dial, before the relay is tried instead
 
 
 class Dialer:
     ask_text = ASK_CODE  # what a person is asked when no code was given
     rival = "head"  # what else may hold the session's head slot
 
-    def __init__(self, join: Callable[[float], SessionLink], session: str, code: str | None = None, *,
+    def __init__(self, join: Callable[[float], SessionLink] | None, session: str, code: str | None = None, *,
                  insecure: bool = False, on_event: Callable = lambda e: None,
-                 ask_code: Callable[[str], str] | None = None, where: str = ""):
+                 ask_code: Callable[[str], str] | None = None, where: str = "",
+                 direct: Callable[[float], SessionLink] | None = None, direct_where: str = ""):
         self.join, self.session, self.insecure, self.where = join, session, insecure, where
+        self.direct, self.direct_where = direct, direct_where
+        self.via = "direct" if join is None else "relay"
         self.on_event, self.ask_code = on_event, ask_code
         self.code = code  # supplied and not yet answered; None once it has been
         self.tried = False  # a code attempt of this dialer has been answered
@@ -74,7 +84,7 @@ class Dialer:
         deadline = None if wait_timeout is None else time.monotonic() + wait_timeout
         if self.insecure:
             link = self._join(deadline)
-            self.on_event(LinkState("connected", f"{self.where} (unencrypted: --insecure)"))
+            self.on_event(LinkState("connected", f"{self._where()} (unencrypted: --insecure)"))
             return link
         if self.code is None and self.resumption.secret is None and self.tried:
             self._need(CodeNeeded(f"the pairing code this head was given has been tried on session {self.session!r} "
@@ -101,7 +111,7 @@ class Dialer:
             self._give_back(turn)  # a code that pairs is no guess; a resumption tested none
             if link.paired_by == "code":
                 self.code, self.tried = None, True
-            self.on_event(LinkState("connected", self.where))
+            self.on_event(LinkState("connected", self._where()))
             return link
 
     def close(self) -> None:
@@ -173,7 +183,37 @@ class Dialer:
             return most
         return max(min(most, deadline - time.monotonic()), MIN_WAIT_S)
 
+    def _where(self) -> str:
+        return f"{self.direct_where} (direct)" if self.via == "direct" else self.where
+
     def _join(self, deadline: float | None):
+        """A direct connection to the tail, or else a relay connection in the head's role once a peer is there."""
+        if self.direct is not None:
+            self._check_open()
+            try:
+                link = self.direct(self._left(deadline, DIRECT_WAIT_S))
+            except Unreachable as exc:
+                if self.join is None:
+                    raise
+                self.on_event(LinkState("waiting", f"{exc}; through the relay instead"))
+            else:
+                self.via = "direct"
+                return self._hold(link)
+        self.via = "relay"
+        return self._join_relay(deadline)
+
+    def _hold(self, link):
+        """``link`` is the one being dialled (``close()`` closes it), unless the dialer was closed."""
+        with self._lock:
+            self._dialling = link
+        try:
+            self._check_open()
+        except BaseException:
+            link.close()
+            raise
+        return link
+
+    def _join_relay(self, deadline: float | None):
         """A relay connection in the head's role, once a peer is there."""
 
         def taken(exc: SlotTaken) -> None:
@@ -189,10 +229,8 @@ class Dialer:
         except SlotTaken as exc:
             raise UserError(f"{exc} for {SLOT_WAIT_S:.0f} s: is another {self.rival} running on session "
                             f"{self.session!r}? (or pick another --session)") from None
-        with self._lock:
-            self._dialling = link
+        self._hold(link)
         try:
-            self._check_open()
             if not link.peer_present:
                 self.on_event(LinkState("waiting", self.waiting_text()))
                 link.wait_peer(None if deadline is None else self._left(deadline, deadline - time.monotonic()))

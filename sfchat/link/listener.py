@@ -1,12 +1,13 @@
-"""The tail role's side of a relay session: hold the slot, serve one paired peer after another.
+"""The tail role's side of a session: hold the relay slot (or the listening port), serve one paired peer after another.
 
 Contract
 --------
 ``Listener(dial, handler, log=, poll=, greeting=, ending=, once=, pause=)`` is how a node in the relay's
 tail role keeps its session: the model's tail (``node.tail``, the ``Verifier`` behind it) and the
 chat host (``remote.host``) are ``Handler``s behind it. ``dial()`` opens the relay connection in
-the tail's role, sealed (a ``SecureLink`` with the node's ``Passcode`` and ``ResumeFile``, which
-pairs one peer after another on it) or plain (``--insecure``). ``serve()`` dials once (a failure
+the tail's role (or hands over the ``link.direct.DirectServer`` it listens on), sealed (a
+``SecureLink`` with the node's ``Passcode`` and ``ResumeFile``, which pairs one peer after
+another on it) or plain (``--insecure``). ``serve()`` dials once (a failure
 is the caller's to fix, and raises), then takes frames with ``link.recv(poll())`` until
 ``close()`` (from any thread); between frames, at least every ``poll()`` seconds, it calls
 ``handler.tick(link)``. It hands each frame to ``handler.take(frame, link)``; a peer that leaves
@@ -27,6 +28,16 @@ hand in a fake clock's).
 sent a frame left, and 1 when such a peer's pairing ended or the relay connection was lost, so
 that no listener outlives its test.
 
+A node with two places a head may reach it by (the tail with ``--relay`` and ``--listen``) serves
+them as one link: given a list of dials, ``Listener`` dials each (a failure raises) into a
+``Places``, which takes one paired head at a time. Each place is read in its own thread (at most
+``PLACE_QUEUE`` frames ahead: the places' own bounds hold); the first place whose head sends a
+frame is served until that head leaves (``PeerGone``) or its pairing ends; a head paired at the
+other place meanwhile is told it is busy (``handler.pairing_ended(link, Busy)``, which tells the
+peer) and its pairing restarts. A place whose connection is lost is dialled again in its thread
+with the same backoff and token count (its head, if served, is a ``PeerGone`` to the handler),
+while the other goes on; a relay that keeps refusing the token stops the listener as above.
+
 ``sealed(join, passcode, session, resumption, log, names)`` is the dial of a sealed listener:
 ``join()`` (a ``RelayLink`` in the tail's role) wrapped in a ``SecureLink`` that answers pairings
 within ``passcode``'s budget and keeps its secret in ``resumption``, logging as ``names`` say.
@@ -38,6 +49,7 @@ node write more than it allows. Torch-free.
 
 from __future__ import annotations
 
+import queue
 import threading
 from typing import Callable, Protocol
 
@@ -54,6 +66,8 @@ from sfchat.plaintext import plain
 
 POLL_S = 1.0  # how often the listener looks whether it was closed, unless the handler asks for another
 TOKEN_REFUSALS = 4  # refusals of the token in a row after which the listener stops
+PLACE_QUEUE = 4  # frames a place's reader may hold for the listener before it stops reading
+PLACE_POLL_S = 0.5  # how often a place's reader looks whether the places were closed
 
 
 class Handler(Protocol):
@@ -72,12 +86,18 @@ class _Closed(Exception):
     """The listener was closed while it dialled."""
 
 
+class Busy(IntegrityError):
+    """A head paired at one place while the head of the other is served."""
+
+
 class Listener:
-    def __init__(self, dial: Callable[[], SessionLink], handler: Handler, *, log: Callable[[str], None],
+    def __init__(self, dial: Callable[[], SessionLink] | list[Callable[[], SessionLink]], handler: Handler, *,
+                 log: Callable[[str], None],
                  poll: Callable[[], float] = lambda: POLL_S, greeting: str | None = None,
                  ending: str = "ending this head's session", once: bool = False,
                  pause: Callable[[float], object] | None = None):
-        self.dial, self.handler, self.poll = dial, handler, poll
+        self.handler, self.poll = handler, poll
+        self.dial = (lambda: self._places(dial)) if isinstance(dial, list) else dial
         self.log, self.greeting, self.ending, self.once = limited(log), greeting, ending, once
         self.link = None
         self._closed = threading.Event()
@@ -147,15 +167,29 @@ class Listener:
             self.handler.take(frame, link)
         return False
 
-    def _redial(self):
+    def _places(self, dials: list[Callable[[], SessionLink]]) -> "Places":
+        """The links of ``dials`` served as one, one head at a time (see the module docstring)."""
+        busy = Busy("this tail serves another head now; try again when it is done")
+        links: list = []
+        try:
+            for dial in dials:
+                links.append(dial())
+        except BaseException:
+            for link in links:
+                link.close()
+            raise
+        return Places(links, dials, self._redial, lambda link: self.handler.pairing_ended(link, busy), self.log)
+
+    def _redial(self, dial: Callable[[], SessionLink] | None = None):
         """Dial again with the one backoff until the relay answers; a relay that keeps refusing the
         token ends the listener (a UserError)."""
         refusals = 0
+        dial = dial or self.dial
 
         def attempt(left):
             if self._closed.is_set():
                 raise _Closed
-            return self.dial()
+            return dial()
 
         def failed(exc: BaseException, delay: float) -> None:
             nonlocal refusals
@@ -172,6 +206,117 @@ class Listener:
                      f"({TOKEN_REFUSALS - refusals} more tries)")
 
         return redial(attempt, UserError, on_retry=failed, pause=self.pause)
+
+
+class Places:
+    """Sealed links of one node at several places, read in threads, as one link to one head at a time."""
+
+    def __init__(self, links: list, dials: list, redial: Callable, busy: Callable, log: Callable[[str], None]):
+        self.links, self.dials, self.redial, self.busy, self.log = list(links), dials, redial, busy, log
+        self.active = None  # the link whose head is served
+        self.failed = None  # the link whose pairing ended, until ``restart``
+        self._queue: queue.Queue = queue.Queue(PLACE_QUEUE)
+        self._go = [threading.Event() for _ in links]
+        self._closed = threading.Event()
+        for n in range(len(links)):
+            self._go[n].set()
+            threading.Thread(target=self._read, args=(n,), name=f"listener-place-{n}", daemon=True).start()
+
+    def _put(self, item) -> None:
+        while not self._closed.is_set():
+            try:
+                return self._queue.put(item, timeout=PLACE_POLL_S)
+            except queue.Full:
+                continue
+
+    def _read(self, n: int) -> None:
+        while not self._closed.is_set():
+            if not self._go[n].wait(PLACE_POLL_S):
+                continue
+            link = self.links[n]
+            try:
+                self._put((link, link.recv(PLACE_POLL_S)))
+            except TimeoutError:
+                continue
+            except PeerGone as exc:
+                self._put((link, exc))
+            except IntegrityError as exc:
+                self._go[n].clear()  # until the listener restarts this pairing
+                self._put((link, exc))
+            except LinkClosed as exc:
+                if self._closed.is_set():
+                    return
+                self._put((link, PeerGone(f"lost: {exc}")))
+                self.log(f"relay connection lost: {exc}; dialling again")
+                link.close()
+                try:
+                    self.links[n] = self.redial(self.dials[n])
+                except _Closed:
+                    return
+                except UserError as exc:
+                    self._put((None, exc))  # a relay that keeps refusing the token: the listener stops
+                    return
+
+    def recv(self, timeout: float | None = None) -> bytes:
+        while True:
+            try:
+                link, item = self._queue.get(timeout=timeout)
+            except queue.Empty:
+                raise TimeoutError(f"no frame within {timeout:g} s") from None
+            if link is None:
+                raise item
+            if isinstance(item, PeerGone):
+                if link is self.active:
+                    self.active = None
+                    raise item
+                continue
+            if isinstance(item, IntegrityError):
+                self.failed = link
+                if self.active in (None, link):
+                    self.active = None
+                    raise item  # the listener ends this pairing (``restart``)
+                self.log(f"{plain(item)}; ending the pairing of a head at another place")
+                self.restart()  # the served head goes on
+                continue
+            if self.active is None:
+                self.active = link
+            if link is self.active:
+                return item
+            self.failed = link  # a head at the other place while one is served: told so, then re-paired
+            self.log("a head at another place was told that this node serves another head now")
+            self.busy(self)
+            self.restart()
+
+    def restart(self) -> None:
+        link, self.failed = self.failed, None
+        if link is not None:
+            if hasattr(link, "restart"):  # a sealed link; a plain one (--insecure) has no pairing
+                link.restart()
+            if link in self.links:
+                self._go[self.links.index(link)].set()
+
+    def _now(self):
+        return self.failed or self.active or self.links[0]
+
+    @property
+    def keyed(self) -> bool:
+        return getattr(self._now(), "keyed", True)  # a plain link (--insecure) carries data from the start
+
+    @property
+    def inner(self):
+        return self._now().inner
+
+    def send(self, frame) -> None:
+        self._now().send(frame)
+
+    @property
+    def closed_reason(self) -> str | None:
+        return "the listener was closed" if self._closed.is_set() else None
+
+    def close(self) -> None:
+        self._closed.set()
+        for link in self.links:
+            link.close()
 
 
 def sealed(join: Callable[[], SessionLink], passcode: Passcode, session: str, resumption: Resumption,

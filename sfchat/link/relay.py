@@ -45,7 +45,9 @@ parsed): 76 MiB with the defaults. Past that the relay's bounded queue for this 
 and the relay closes it as too slow.
 
 The asyncio event loop lives in one daemon thread owned by the link; callers never see it.
-This module knows nothing of frame contents (see ``sfchat.protocol.wire``) and imports no torch.
+That loop, the inbox and its bound, ``recv``, ``send`` and ``close`` are ``FramePipe``'s, which
+the direct link's two ends (``link.direct``) share. This module knows nothing of frame
+contents (see ``sfchat.protocol.wire``) and imports no torch.
 """
 
 from __future__ import annotations
@@ -106,10 +108,156 @@ def join_while_taken(join: Callable[[], "RelayLink"], wait_s: float, taken: Call
             time.sleep(random.uniform(*SLOT_RETRY_S))
 
 
-class RelayLink:
-    """One node's connection to the relay, usable from plain threads."""
+class FramePipe:
+    """What every websocket link of sfchat does alike (the relay's ``RelayLink``, ``link.direct``'s two
+    ends): one asyncio loop in a daemon thread, an inbox read from the socket only while it holds
+    less than ``INBOX_BYTES``, ``recv`` in order (``PeerGone`` passes; ``LinkClosed`` stays),
+    ``send`` bounded by ``max_frame_bytes``, ``close()`` idempotent. A subclass opens the socket,
+    reads it with ``_read`` and says why it closed (``_describe``)."""
 
     overlaps = True  # the other node computes on its own machine
+    max_frame_bytes = MAX_FRAME_BYTES
+
+    def __init__(self, name: str):
+        self._inbox: queue.Queue = queue.Queue()
+        self._state = threading.Condition()
+        self._closed: str | None = None  # why the link is closed, once it is
+        self._closing = False
+        self.last_arrival: float | None = None  # perf_counter() when the frame last returned by recv arrived
+        self._ws = None
+        self._inbox_bytes = 0  # touched on the loop thread only
+        self._room = asyncio.Event()  # frames are only read while the inbox has room: a slow consumer pushes back
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self, coro, timeout: float | None = None):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    async def _read(self, ws) -> None:
+        """Frames of ``ws`` into the inbox (text messages to ``_on_text``) until it closes; then
+        ``_connection_closed(ws)``, by default the end of the link."""
+        try:
+            while True:
+                while self._inbox_bytes >= INBOX_BYTES:
+                    self._room.clear()
+                    await self._room.wait()
+                message = await ws.recv()
+                if isinstance(message, bytes):
+                    self._inbox_bytes += len(message)
+                    self._frame_in(message)
+                else:
+                    self._on_text(message)
+        except ConnectionClosed:
+            self._connection_closed(ws)
+
+    def _frame_in(self, message: bytes) -> None:
+        self._inbox.put((time.perf_counter(), message))  # arrival time for the head's RTT
+
+    def _on_text(self, text: str) -> None:
+        pass
+
+    def _connection_closed(self, ws) -> None:
+        self._mark_closed(self._describe(ws))
+
+    def _describe(self, ws) -> str:
+        raise NotImplementedError
+
+    def _taken(self, size: int) -> None:
+        """``recv`` handed ``size`` bytes to the caller (runs on the loop thread)."""
+        self._inbox_bytes -= size
+        if self._inbox_bytes < INBOX_BYTES:
+            self._room.set()
+
+    def _give_room(self, size: int) -> None:
+        try:
+            self._loop.call_soon_threadsafe(self._taken, size)
+        except RuntimeError:
+            pass  # close() already stopped the loop; there is nothing left to read
+
+    def _mark_closed(self, reason: str) -> None:
+        with self._state:
+            if self._closed is None:
+                self._closed = reason
+                self._inbox.put(LinkClosed(reason))
+            self._state.notify_all()
+
+    @property
+    def closed_reason(self) -> str | None:
+        with self._state:
+            return self._closed
+
+    def _send(self, ws, frame) -> None:
+        """Send one binary frame on ``ws`` (thread-safe); ``LinkClosed`` once the link is gone."""
+        if not isinstance(frame, (bytes, bytearray, memoryview)):
+            raise TypeError(f"frames are bytes, not {type(frame).__name__}")
+        if len(frame) > self.max_frame_bytes:
+            raise ValueError(f"frame of {len(frame)} bytes exceeds the link limit of {self.max_frame_bytes}")
+        with self._state:
+            if self._closed:
+                raise LinkClosed(self._closed)
+            future = asyncio.run_coroutine_threadsafe(ws.send(frame), self._loop)
+        try:
+            future.result()
+        except ConnectionClosed:
+            raise LinkClosed(self._describe(ws)) from None
+
+    def recv(self, timeout: float | None = None) -> bytes:
+        """Next frame from the other node; PeerGone, LinkClosed or TimeoutError otherwise."""
+        if self._closing:
+            raise LinkClosed(self._closed)
+        try:
+            item = self._inbox.get(timeout=timeout)
+        except queue.Empty:
+            raise TimeoutError(f"no frame from the other node within {timeout:g} s") from None
+        if isinstance(item, LinkClosed):
+            self._inbox.put(item)  # stays closed for every later call
+            raise LinkClosed(*item.args)
+        if isinstance(item, PeerGone):
+            self._peer_gone(item)
+            raise item
+        self.last_arrival, item = item
+        self._give_room(len(item))
+        return item
+
+    def _peer_gone(self, gone: PeerGone) -> None:
+        """``recv`` is about to raise ``gone``."""
+
+    def close(self) -> None:
+        """Close the connection and stop the link's thread; idempotent."""
+        with self._state:
+            if self._closing:
+                return
+            self._closing = True
+        self._mark_closed("the link was closed by this side")
+        try:
+            self._run(self._shutdown(), CLOSE_TIMEOUT + 1)
+        except TimeoutError:
+            log.warning("the other end did not acknowledge the close in time")
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
+
+    async def _shutdown(self) -> None:
+        if self._ws is not None:
+            await self._ws.close()
+        reader = getattr(self, "_reader", None)
+        if reader is not None:
+            reader.cancel()
+            try:
+                await reader
+            except asyncio.CancelledError:
+                pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
+class RelayLink(FramePipe):
+    """One node's connection to the relay, usable from plain threads."""
 
     def __init__(self, url: str, token: str, session: str, role: str, *, connect_timeout: float = 30.0,
                  max_frame_bytes: int = MAX_FRAME_BYTES, ssl_context=None):
@@ -120,23 +268,14 @@ class RelayLink:
         self.url = url
         self.role = role
         self.max_frame_bytes = max_frame_bytes
-        self._inbox: queue.Queue[bytes | Exception] = queue.Queue()
-        self._state = threading.Condition()
         self._welcomed = False
         self._peer_present = False
-        self._closed: str | None = None  # why the link is closed, once it is
-        self.last_arrival: float | None = None  # perf_counter() when the frame last returned by recv arrived
-        self._closing = False
         self._last_gone: PeerGone | None = None  # the PeerGone that ends the inbox, if one does
         self._warned: dict[str, int] = {}  # warnings about relay events, by kind
-        self._ws: ClientConnection | None = None
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name=f"relay-link-{role}", daemon=True)
-        self._thread.start()
+        super().__init__(f"relay-link-{role}")
         target = f"{url.rstrip('/')}/session/{session}?role={role}"
         try:
-            asyncio.run_coroutine_threadsafe(
-                self._open(target, token, connect_timeout, ssl_context), self._loop).result()
+            self._run(self._open(target, token, connect_timeout, ssl_context))
             with self._state:
                 welcomed = self._state.wait_for(lambda: self._welcomed or self._closed, connect_timeout)
                 closed = self._closed
@@ -166,33 +305,15 @@ class RelayLink:
             raise UserError(f"cannot reach the relay at {self.url}: {plain(exc.strerror or exc)}; {HINT}") from None
         except InvalidHandshake as exc:
             raise UserError(f"{self.url} does not look like an sfchat relay: {exc}") from None
-        # Frames are only read while the inbox has room, so a slow consumer pushes back.
-        self._inbox_bytes = 0  # touched on the loop thread only
-        self._room = asyncio.Event()
         self._reader = asyncio.create_task(self._read(self._ws))
 
-    async def _read(self, ws: ClientConnection) -> None:
-        try:
-            while True:
-                while self._inbox_bytes >= INBOX_BYTES:
-                    self._room.clear()
-                    await self._room.wait()
-                message = await ws.recv()
-                if isinstance(message, bytes):
-                    self._inbox_bytes += len(message)
-                    with self._state:
-                        self._last_gone = None
-                        self._inbox.put((time.perf_counter(), message))  # arrival time for the head's RTT
-                else:
-                    self._on_event(message)
-        except ConnectionClosed:
-            self._mark_closed(_describe_close(ws))
+    def _frame_in(self, message: bytes) -> None:
+        with self._state:
+            self._last_gone = None
+            super()._frame_in(message)
 
-    def _taken(self, size: int) -> None:
-        """``recv`` handed ``size`` bytes to the caller (runs on the loop thread)."""
-        self._inbox_bytes -= size
-        if self._inbox_bytes < INBOX_BYTES:
-            self._room.set()
+    def _describe(self, ws) -> str:
+        return _describe_close(ws)
 
     def _warn(self, kind: str, message: str) -> None:
         """Log ``message`` at the 1st, 10th, 100th ... warning of ``kind``."""
@@ -200,7 +321,7 @@ class RelayLink:
         if str(n).strip("0") == "1":
             log.warning("%s%s", message, f" ({n} times so far)" if n > 1 else "")
 
-    def _on_event(self, text: str) -> None:
+    def _on_text(self, text: str) -> None:
         try:
             event = json.loads(text)
             kind = event["event"]
@@ -226,16 +347,8 @@ class RelayLink:
 
     def _mark_closed(self, reason: str) -> None:
         with self._state:
-            if self._closed is None:
-                self._closed = reason
-                self._peer_present = False
-                self._inbox.put(LinkClosed(reason))
-            self._state.notify_all()
-
-    @property
-    def closed_reason(self) -> str | None:
-        with self._state:
-            return self._closed
+            self._peer_present = False
+            super()._mark_closed(reason)
 
     @property
     def peer_present(self) -> bool:
@@ -244,45 +357,13 @@ class RelayLink:
 
     def send(self, frame: bytes) -> None:
         """Send one binary frame to the other node (thread-safe)."""
-        if not isinstance(frame, (bytes, bytearray, memoryview)):
-            raise TypeError(f"frames are bytes, not {type(frame).__name__}")
-        if len(frame) > self.max_frame_bytes:
-            raise ValueError(f"frame of {len(frame)} bytes exceeds the link limit of {self.max_frame_bytes}")
+        self._send(self._ws, frame)
+
+    def _peer_gone(self, gone: PeerGone) -> None:
         with self._state:
-            if self._closed:
-                raise LinkClosed(self._closed)
-            future = asyncio.run_coroutine_threadsafe(self._ws.send(frame), self._loop)
-        try:
-            future.result()
-        except ConnectionClosed:
-            raise LinkClosed(_describe_close(self._ws)) from None
-
-    def recv(self, timeout: float | None = None) -> bytes:
-        """Next frame from the other node; PeerGone, LinkClosed or TimeoutError otherwise."""
-        if self._closing:
-            raise LinkClosed(self._closed)
-        try:
-            item = self._inbox.get(timeout=timeout)
-        except queue.Empty:
-            raise TimeoutError(f"no frame from the relay within {timeout:g} s") from None
-        if isinstance(item, LinkClosed):
-            self._inbox.put(item)  # stays closed for every later call
-            raise LinkClosed(*item.args)
-        if isinstance(item, PeerGone):
-            with self._state:
-                if item is self._last_gone:
-                    self._last_gone = None
-            self._give_room(EVENT_BYTES)
-            raise item
-        self.last_arrival, item = item
-        self._give_room(len(item))
-        return item
-
-    def _give_room(self, size: int) -> None:
-        try:
-            self._loop.call_soon_threadsafe(self._taken, size)
-        except RuntimeError:
-            pass  # close() already stopped the loop; there is nothing left to read
+            if gone is self._last_gone:
+                self._last_gone = None
+        self._give_room(EVENT_BYTES)
 
     def wait_peer(self, timeout: float | None = None) -> None:
         """Block until the other role is connected; TimeoutError or LinkClosed otherwise."""
@@ -292,36 +373,6 @@ class RelayLink:
                 raise TimeoutError(f"no {other} joined the session within {timeout:g} s")
             if not self._peer_present:
                 raise LinkClosed(self._closed)
-
-    def close(self) -> None:
-        """Close the connection and stop the link's thread; idempotent."""
-        with self._state:
-            if self._closing:
-                return
-            self._closing = True
-        self._mark_closed("the link was closed by this side")
-        if self._ws is not None:
-            try:
-                asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop).result(CLOSE_TIMEOUT + 1)
-            except TimeoutError:
-                log.warning("relay did not acknowledge the close in time")
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join()
-        self._loop.close()
-
-    async def _shutdown(self) -> None:
-        await self._ws.close()
-        self._reader.cancel()
-        try:
-            await self._reader
-        except asyncio.CancelledError:
-            pass
-
-    def __enter__(self) -> "RelayLink":
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self.close()
 
 
 def _refusal(url: str, exc: InvalidStatus) -> UserError:

@@ -2,13 +2,14 @@
 
 Contract: ``HeadDialer(settings, on_event, ask_code)`` is how the head gets a tail, the first
 time and after every loss: calling it (``dial(wait_timeout)``) returns what the
-``link.dialer.Dialer`` it is returns (a paired ``SecureLink`` through ``settings.relay``, or a
-plain ``RelayLink`` with ``--insecure``), or ``None`` in local mode, after a ``LinkState("local")``.
+``link.dialer.Dialer`` it is returns (a paired ``SecureLink`` over a ``DirectLink`` to
+``settings.direct``, tried first, or through ``settings.relay``; plain with ``--insecure``), or
+``None`` in local mode (neither), after a ``LinkState("local")``.
 The first code tried is ``settings.secret`` (``SFCHAT_CODE``, ``--secret``), then only what
 ``ask_code(reason)`` gives (the chat UI's runtime asks the person; the server,
 ``serve.generator``, hands over a code given to it with ``set_code``); the rules of codes, the
 code-attempt budget and the deadlines are the dialer's. The "waiting" state says how to start a
-tail on the session. Without the relay token the dial is a ``UserError``. ``connect_relay(settings,
+tail on the session. Without the relay token a dial through the relay is a ``UserError``. ``connect_relay(settings,
 on_event, wait_timeout)`` is one dial of a fresh dialer. Torch-free.
 """
 
@@ -21,21 +22,28 @@ from sfchat import UserError
 from sfchat.config import Settings
 from sfchat.events import LinkState
 from sfchat.link.dialer import Dialer
+from sfchat.link.direct import DirectLink, address
 from sfchat.link.relay import RelayLink
 
 
 class HeadDialer(Dialer):
     def __init__(self, s: Settings, on_event: Callable = lambda e: None,
                  ask_code: Callable[[str], str] | None = None):
-        super().__init__(lambda timeout: RelayLink(s.relay, s.token, s.session, "head", connect_timeout=timeout),
-                         s.session, s.secret, insecure=s.insecure, on_event=on_event, ask_code=ask_code, where=s.relay)
+        join = direct = None
+        if s.relay:
+            join = lambda timeout: RelayLink(s.relay, s.token, s.session, "head", connect_timeout=timeout)  # noqa: E731
+        if s.direct:
+            host, port = address(s.direct)
+            direct = lambda timeout: DirectLink(host, port, connect_timeout=timeout)  # noqa: E731
+        super().__init__(join, s.session, s.secret, insecure=s.insecure, on_event=on_event, ask_code=ask_code,
+                         where=s.relay or "", direct=direct, direct_where=s.direct or "")
         self.s = s
 
     def __call__(self, wait_timeout: float | None = None):
-        if not self.s.relay:
+        if not self.s.relay and not self.s.direct:
             self.on_event(LinkState("local"))
             return None
-        if not self.s.token:
+        if self.s.relay and not self.s.token:
             raise UserError("--relay needs the relay token: --token T or SFCHAT_TOKEN")
         return super().__call__(wait_timeout)
 

@@ -112,7 +112,7 @@ def open_engine(s: Settings, on_event: Callable = lambda e: None, link=None,
     mode = "relay" if link is not None else "local"
     if link is None:
         link = MemoryLink(Verifier(TailLoader(device, devices)))
-    reconnect = (redial or HeadDialer(s, on_event)) if s.relay else None
+    reconnect = (redial or HeadDialer(s, on_event)) if s.relay or s.direct else None
     spec = Speculator(head, drafter, max_context=max_context, frame_size=layout.size, steps=k,
                       head_pool=layout.head_pool)
     engine = RoundDriver(spec, link, policy=policy, on_event=on_event, reconnect=reconnect,

@@ -1,13 +1,14 @@
 """``sfchat --prompt TEXT``: one reply to one prompt, printed as it comes, then its figures.
 
-Contract: ``one_shot(settings, prompt, as_json)`` dials the tail when ``settings.relay`` is set
-(``connect.HeadDialer``; no tail within ``--reconnect-timeout`` is a ``UserError``), opens a
+Contract: ``one_shot(settings, prompt, as_json)`` dials the tail when ``settings.relay`` or ``settings.direct``
+is set (``connect.HeadDialer``; no tail within ``--reconnect-timeout`` is a ``UserError``), opens a
 ``head.Head``, warns on stderr of what the model's own sampling defaults left out, and asks it for
 one reply to ``prompt`` with the head's sampling (flags, config, the model's defaults). Without
 ``as_json`` the reply's text goes to stdout as it is committed (``plaintext.printable`` on a
 terminal: every token is the tail's choice, so no escape reaches it) and one line of figures to
 stderr; with it, stdout gets exactly one JSON object (the text, the token ids, the figures and the
-runtime's model, draft, split, dtypes, device and mode). Link trouble and its end are one line
+runtime's model, draft, split, dtypes, device and mode, and ``via``: how the last dial reached the
+tail, "direct", "relay", or "memory" in local mode). Link trouble and its end are one line
 each on stderr in either case, download progress too (``console.show_download``); a reply cut by
 a full context window says so on stderr. Returns the exit status, 0.
 """
@@ -43,7 +44,7 @@ def one_shot(s: Settings, prompt: str, as_json: bool) -> int:
     try:
         link = dial(s.reconnect_timeout)  # nobody serves the session: bounded, as every later wait is
     except TimeoutError:
-        raise UserError(f"no tail joined session {s.session!r} at {s.relay} within {s.reconnect_timeout:g} s "
+        raise UserError(f"no tail joined session {s.session!r} at {s.relay or s.direct} within {s.reconnect_timeout:g} s "
                         "(--reconnect-timeout): is `sfchat --tail` running with this --session?") from None
     head = Head.open(s, report, link, redial=dial)
     for note in head.defaults.notes:
@@ -67,7 +68,7 @@ def one_shot(s: Settings, prompt: str, as_json: bool) -> int:
             "model": info.model, "draft": info.draft, "k": info.k, "split": info.split,
             "n_layers": info.n_layers, "dtype": info.dtype, "tail_dtype": info.tail_dtype or info.dtype,
             "quant": info.quant, "device": info.device,
-            "mode": info.mode,
+            "mode": info.mode, "via": dial.via if link is not None else "memory",
         }
         print(json.dumps(out))
     else:

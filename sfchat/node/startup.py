@@ -5,14 +5,14 @@ Contract
 ``check_relay(settings, tail=False)``: in relay mode, what can be checked before anything is asked
 for or loaded (the relay URL, the token's presence, that the relay answers and takes the token:
 ``link.probe``), each failure one ``UserError`` line that says what to check; nothing without a
-relay. ``ask_secret(settings, tail=False)``: in relay mode, a warning on stderr under
-``--insecure``; a head without a pairing code (flag or environment) is asked for it on a
+relay. ``ask_secret(settings, tail=False)``: with two machines (``--relay``, ``--direct``,
+``--listen``), a warning on stderr under ``--insecure``; a head without a pairing code (flag or environment) is asked for it on a
 terminal (without one, the link refuses later with a message saying how to set it); a tail
 without one makes its own, so nothing is asked. ``need_model_side()``: a ``UserError`` of one
 line when torch or transformers is not installed (``sfchat --remote`` needs neither).
 ``with_models(settings)``: the models to run, the user's or this machine's defaults
 (``config.machine_defaults``); the CPU default model is built on first use and said so in one
-line on stderr; a relay head opens the models' configs and tokenizers here (``head.open_sources``)
+line on stderr; a head of two machines opens the models' configs and tokenizers here (``head.open_sources``)
 so that a refusal comes before it asks for a code or pairs.
 
 Used by the modes of ``sfchat.cli`` that run a model and by ``serve.cli.start_server``. Imports
@@ -45,13 +45,13 @@ def check_relay(s: Settings, tail: bool = False) -> None:
 
 
 def ask_secret(s: Settings, tail: bool = False) -> Settings:
-    """Relay mode, head: ask for the pairing code on a terminal when neither flag nor env gave one
+    """Two machines (``--relay`` or ``--direct``), head: ask for the pairing code on a terminal when neither flag nor env gave one
     (without a terminal, the link refuses with a message saying how to set it). A tail without
     a code makes one."""
-    if s.relay and s.insecure:
-        print("sfchat: warning: --insecure: frames cross the relay unencrypted; whoever runs the relay "
-              "can read and alter the chat", file=sys.stderr)
-    if not s.relay or s.secret or s.insecure or tail or not sys.stdin.isatty():
+    if (s.relay or s.direct or s.listen) and s.insecure:
+        print("sfchat: warning: --insecure: frames cross the relay (or the direct link) unencrypted; whoever runs "
+              "the relay or sits on the path can read and alter the chat", file=sys.stderr)
+    if not (s.relay or s.direct) or s.secret or s.insecure or tail or not sys.stdin.isatty():
         return s
     import getpass
 
@@ -91,7 +91,7 @@ def with_models(s: Settings) -> Settings:
         draft = "without a draft (the fastest on a CPU)" if chosen.draft == "none" else f"draft {chosen.draft}"
         print(f"sfchat: no CUDA GPU and no --model: using {CPU_MODEL}, a small model to try sfchat out with (its "
               f"answers are a toy's), {draft}; --model picks another", file=sys.stderr)
-    if chosen.relay:
+    if chosen.relay or chosen.direct:
         from sfchat.node.head import open_sources
 
         open_sources(chosen, show_download)

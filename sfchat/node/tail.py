@@ -1,8 +1,14 @@
-"""The ``sfchat --tail`` process: a Verifier behind a relay link, serving one head after another.
+"""The ``sfchat --tail`` process: a Verifier behind a relay link or a listening port, serving one head after another.
 
-Contract: ``serve(settings)`` holds the session's tail slot through a ``link.listener.Listener``
-with the ``Verifier`` behind it (``VerifierHandler``): every frame of the paired head goes to the
-verifier and its replies back. A head that leaves (or breaks the protocol) ends only that
+Contract: ``serve(settings)`` holds the session's tail slot (``--relay``) or listens on
+``settings.listen`` for heads that dial it directly (``--listen``: a ``link.direct.DirectServer``,
+which takes one head at a time and logs the address it listens on) through a
+``link.listener.Listener`` with the ``Verifier`` behind it (``VerifierHandler``): every frame of
+the paired head goes to the verifier and its replies back. Pairing and resumption are the same on
+either: the direct port has no token, so a connection that does not pair within
+``direct.PAIR_WAIT_S`` is closed. With ``--listen`` and ``--relay`` both, the listener serves
+both places as one (``listener.Places``): one head at a time, from whichever place it came; a head
+at the other place meanwhile is told that the tail is busy. A head that leaves (or breaks the protocol) ends only that
 conversation: the tail keeps its loaded model (a next head with the same hello reuses it) and
 waits for the next head. A stats line is logged now and then. A lost relay connection is
 re-dialled by the listener with the one backoff, for as long as the relay cannot be reached;
@@ -41,6 +47,7 @@ from sfchat.config import Settings
 from sfchat.link.pairing import Passcode, require_secret
 from sfchat.link import LinkClosed
 from sfchat.link.listener import TOKEN_REFUSALS, Listener, sealed  # noqa: F401  (TOKEN_REFUSALS: the tail's)
+from sfchat.link.direct import DirectServer, address
 from sfchat.link.relay import RelayLink
 from sfchat.link.resume import ResumeFile
 from sfchat.model.devices import resolve_devices
@@ -69,9 +76,9 @@ def models_dirs(s: Settings) -> list[Path]:
 
 
 def serve(s: Settings, once: bool = False) -> int:
-    if not s.relay:
-        raise UserError("--tail needs --relay URL (and --token, --session)")
-    if not s.token:
+    if not s.relay and not s.listen:
+        raise UserError("--tail needs --relay URL (and --token, --session), or --listen HOST:PORT")
+    if s.relay and not s.token:
         raise UserError("--tail needs the relay token: SFCHAT_TOKEN (or --token T)")
     require_secret(s.secret, s.insecure, role="tail")
     devices = resolve_devices(s.device)
@@ -84,12 +91,29 @@ def serve(s: Settings, once: bool = False) -> int:
         if resumption.secret is not None:
             log(f"the head this tail paired with last resumes without a code (its secret: {resumption.path})")
 
-    def join() -> RelayLink:
-        return RelayLink(s.relay, s.token, s.session, "tail")
+    dials, greetings = [], []
+    if s.relay:
+        dials.append(lambda: RelayLink(s.relay, s.token, s.session, "tail"))
+        greetings.append(f"connected to {s.relay} as the tail of session {s.session!r}")
+    if s.listen:
+        host, port = address(s.listen, "--listen", listen=True)
+        server = DirectServer(host, port, trusted=lambda: True)
+        where = f"{'[' + host + ']' if ':' in host else host}:{server.port}"
+        log(f"listening on {where} for a head's direct link (sfchat --direct HOST:{server.port})")
+        dials.append(lambda: server)
+        greetings.append(f"listening on {where}")
+    if passcode is not None:
+        dials = [sealed(join, passcode, s.session, resumption, log) for join in dials]
+        if s.listen:
+            direct = dials[-1]
 
-    dial = join if passcode is None else sealed(join, passcode, s.session, resumption, log)
-    listener = Listener(dial, VerifierHandler(verifier), log=log, poll=lambda: STATS_EVERY_S, once=once,
-                        greeting=f"connected to {s.relay} as the tail of session {s.session!r}; waiting for a head")
+            def paired_in_time():
+                link = direct()
+                server.trusted = lambda: link.keyed  # a connection that does not pair is closed in time
+                return link
+            dials[-1] = paired_in_time
+    listener = Listener(dials if len(dials) > 1 else dials[0], VerifierHandler(verifier), log=log,
+                        poll=lambda: STATS_EVERY_S, once=once, greeting="; ".join(greetings) + "; waiting for a head")
     return listener.serve()
 
 

@@ -10,6 +10,7 @@ import time
 import pytest
 from polling import WAIT, until
 from relay_process import TOKEN
+from recorder import Recorder
 
 from sfchat import UserError, nodelog
 from sfchat.link import LinkClosed, PeerGone
@@ -22,30 +23,6 @@ from sfchat.link.secure import IntegrityError, SecureLink
 
 CODE = "7-crossover-clockwork"
 SESSION = "listened"
-
-
-class Recorder:
-    """A handler that echoes every frame and records what the listener told it."""
-
-    def __init__(self) -> None:
-        self.taken: list[bytes] = []
-        self.said: list[str] = []
-
-    def take(self, frame: bytes, link) -> None:
-        self.taken.append(frame)
-        link.send(b"echo " + frame)
-
-    def tick(self, link) -> None:
-        pass
-
-    def peer_gone(self) -> None:
-        self.said.append("gone")
-
-    def pairing_ended(self, link, exc) -> None:
-        self.said.append(f"ended: {exc}")
-
-    def link_lost(self) -> None:
-        self.said.append("lost")
 
 
 def test_a_listener_pairs_two_heads_one_after_another_on_one_relay_connection(relay_url):

@@ -6,11 +6,13 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -84,3 +86,31 @@ def noisy_copy(model: Path, out: Path, scale: float, seed: int = 3) -> Path:
     m.save_pretrained(out)
     AutoTokenizer.from_pretrained(model).save_pretrained(out)
     return out
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_for_line(stream, needle: str, timeout: float = 120) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = stream.readline()
+        if needle in line:
+            return line
+        if not line:
+            time.sleep(0.05)
+    raise AssertionError(f"no line containing {needle!r}")
+
+
+@pytest.fixture
+def procs():
+    """Processes a test started (append them): killed, if still running, when it ends."""
+    started = []
+    yield started
+    for p in started:
+        if p.poll() is None:
+            p.kill()
+        p.wait(10)

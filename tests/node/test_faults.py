@@ -13,7 +13,6 @@ import os
 import queue
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,16 +20,11 @@ import time
 import pytest
 
 import relay_process
-from machines import ENV, PROMPT, SECRET, TOKEN, local_tokens, start_relay
+from machines import (  # noqa: F401  (procs: a fixture)
+    ENV, PROMPT, SECRET, TOKEN, free_port, local_tokens, procs, start_relay, wait_for_line)
 
 N_NEW = 40
 CODE = re.compile(r"pairing code: (\S+)")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def tail_proc(url: str, session: str, models_dir, token: str = TOKEN, code: tuple = ("--secret", SECRET),
@@ -53,17 +47,6 @@ def head_proc(url: str, session: str, model, draft, *extra, token: str = TOKEN, 
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 
-def wait_for_line(stream, needle: str, timeout: float = 120) -> str:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        line = stream.readline()
-        if needle in line:
-            return line
-        if not line:
-            time.sleep(0.05)
-    raise AssertionError(f"no line containing {needle!r}")
-
-
 def finish(head, budget: int = 0) -> tuple[dict, str]:
     out, err = head.communicate(timeout=240)
     assert head.returncode == 0, err
@@ -71,16 +54,6 @@ def finish(head, budget: int = 0) -> tuple[dict, str]:
     # it speculated: a verdict may commit every node of a frame, a chain of K drafts or a tree's budget
     assert reply["k"] == K and len(reply["accepted_histogram"]) == (budget or K) + 1
     return reply, err
-
-
-@pytest.fixture
-def procs():
-    started = []
-    yield started
-    for p in started:
-        if p.poll() is None:
-            p.kill()
-        p.wait(10)
 
 
 @pytest.fixture(scope="module")
