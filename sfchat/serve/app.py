@@ -61,7 +61,7 @@ from sfchat import UserError
 from sfchat.plaintext import plain
 from sfchat.serve import protocol
 from sfchat.serve.gate import client_key
-from sfchat.serve.generator import GenerationThread, Job, QueueFull, TokenizerBusy
+from sfchat.serve.generator import Failed, Finished, GenerationThread, Job, QueueFull, Text, TokenizerBusy
 from sfchat.serve.metrics import CONTENT_TYPE, ServerMetrics
 from sfchat.serve.protocol import ApiError, Limits
 
@@ -318,16 +318,15 @@ def build_app(generator: GenerationThread, metrics: ServerMetrics, options: Serv
         try:
             text = []
             while True:
-                item = await items.get()
-                if item[0] == "text":
-                    text.append(item[1])
-                elif item[0] == "failed":
-                    raise ApiError(item[1], item[2])
-                elif item[0] == "finished":
-                    out = item[1]
-                    use = protocol.usage(out.prompt_tokens, out.completion_tokens, out.cached_tokens)
-                    return JSONResponse(protocol.completion(cid, now, model_id, "".join(text), out.finish_reason,
-                                                            use, out.figures))
+                match await items.get():
+                    case Text(piece):
+                        text.append(piece)
+                    case Failed(status, message):
+                        raise ApiError(status, message)
+                    case Finished(out):
+                        use = protocol.usage(out.prompt_tokens, out.completion_tokens, out.cached_tokens)
+                        return JSONResponse(protocol.completion(cid, now, model_id, "".join(text),
+                                                                out.finish_reason, use, out.figures))
         finally:
             watcher.cancel()
             job.cancel()  # a no-op once finished; stops the generation if this handler was cancelled
@@ -339,20 +338,19 @@ def build_app(generator: GenerationThread, metrics: ServerMetrics, options: Serv
         try:
             yield sse(protocol.chunk(cid, now, model_id, {"role": "assistant", "content": ""}))
             while True:
-                item = await items.get()
-                if item[0] == "text":
-                    yield sse(protocol.chunk(cid, now, model_id, {"content": item[1]}))
-                elif item[0] == "failed":
-                    yield sse(ApiError(item[1], item[2]).body())
-                    return
-                elif item[0] == "finished":
-                    out = item[1]
-                    use = protocol.usage(out.prompt_tokens, out.completion_tokens, out.cached_tokens)
-                    yield sse(protocol.chunk(cid, now, model_id, {}, out.finish_reason, out.figures))
-                    if req.include_usage:
-                        yield sse(protocol.chunk(cid, now, model_id, None, use=use))
-                    yield "data: [DONE]\n\n"
-                    return
+                match await items.get():
+                    case Text(piece):
+                        yield sse(protocol.chunk(cid, now, model_id, {"content": piece}))
+                    case Failed(status, message):
+                        yield sse(ApiError(status, message).body())
+                        return
+                    case Finished(out):
+                        use = protocol.usage(out.prompt_tokens, out.completion_tokens, out.cached_tokens)
+                        yield sse(protocol.chunk(cid, now, model_id, {}, out.finish_reason, out.figures))
+                        if req.include_usage:
+                            yield sse(protocol.chunk(cid, now, model_id, None, use=use))
+                        yield "data: [DONE]\n\n"
+                        return
         finally:  # the client disconnected (Starlette cancels this generator) or the reply ended
             job.cancel()
 
@@ -393,5 +391,5 @@ async def cancel_on_disconnect(request: Request, job: Job, items: asyncio.Queue)
         message = await request.receive()
         if message["type"] == "http.disconnect":
             job.cancel()
-            items.put_nowait(("failed", 499, "the client closed the connection"))
+            items.put_nowait(Failed(499, "the client closed the connection"))
             return

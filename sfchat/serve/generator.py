@@ -10,11 +10,11 @@ Loading, every round and every reply run on that thread alone.
 
 ``submit(job)`` queues a ``Job`` without blocking; ``QueueFull`` when ``max_queue`` jobs already
 wait (the one being generated does not count). The thread reports each job's progress by
-calling ``job.deliver(item)`` from the generation thread, with items
+calling ``job.deliver(item)`` from the generation thread, with typed items
 
-* ``("started", ReplyStarted, queued_s)``,
-* ``("text", str)`` — the reply's next text, stop strings already cut (``StopMatcher``),
-* ``("finished", Outcome)``, or ``("failed", status, message)``; one of the two ends every job.
+* ``Started(event, queued_s)``: the engine's ``ReplyStarted`` and the time the job waited,
+* ``Text(text)``: the reply's next text, stop strings already cut (``StopMatcher``),
+* ``Finished(outcome)`` or ``Failed(status, message)``: one of the two ends every job.
 
 ``job.cancel()`` (a client went away) is seen between rounds: the reply ends as "cancelled"; a
 job cancelled while it waits is dropped when its turn comes. ``encode(messages)`` turns a
@@ -94,6 +94,28 @@ class Outcome:
     figures: dict  # sfchat's own: tokens per round, tok/s, RTT, ...
 
 
+@dataclass(frozen=True)
+class Started:
+    event: ReplyStarted
+    queued_s: float
+
+
+@dataclass(frozen=True)
+class Text:
+    text: str
+
+
+@dataclass(frozen=True)
+class Finished:
+    outcome: Outcome
+
+
+@dataclass(frozen=True)
+class Failed:
+    status: int  # the HTTP status the request ends with
+    message: str
+
+
 class GenerationThread(CudaThread):
     name = "sfchat-generation"
 
@@ -149,7 +171,7 @@ class GenerationThread(CudaThread):
             except queue.Empty:
                 break
             if waiting is not STOP:
-                waiting.deliver(("failed", 503, "the server is shutting down"))
+                waiting.deliver(Failed(503, "the server is shutting down"))
         try:
             self.requests.put_nowait(STOP)
         except queue.Full:
@@ -195,13 +217,13 @@ class GenerationThread(CudaThread):
             outcome = self._reply(job)
         except UserError as exc:
             self.metrics.reply("failed")
-            job.deliver(("failed", 400, plain(exc)))
+            job.deliver(Failed(400, plain(exc)))
         except SecretMismatch as exc:  # no tail paired: says why, and what to do
             self.metrics.reply("failed")
-            job.deliver(("failed", 503, plain(exc)))
+            job.deliver(Failed(503, plain(exc)))
         except Exception as exc:  # the link died for good, or a bug: this request fails, the server stays
             self.metrics.reply("failed")
-            job.deliver(("failed", 503, f"generation failed: {type(exc).__name__}: {plain(exc)}"))
+            job.deliver(Failed(503, f"generation failed: {type(exc).__name__}: {plain(exc)}"))
             try:
                 self.head.new_chat()  # a half-done round leaves nothing trustworthy cached
             except Exception:
@@ -209,7 +231,7 @@ class GenerationThread(CudaThread):
         else:
             self.metrics.reply(outcome.finish_reason, outcome.prompt_tokens, outcome.cached_tokens,
                                outcome.completion_tokens, outcome.figures["tps"], outcome.figures["ttft_s"])
-            job.deliver(("finished", outcome))
+            job.deliver(Finished(outcome))
 
     def _reply(self, job: Job) -> Outcome:
         session = self.head
@@ -225,12 +247,12 @@ class GenerationThread(CudaThread):
                                 lambda: job.cancelled.is_set() or stops.hit):
             if isinstance(ev, ReplyStarted):
                 started = ev
-                job.deliver(("started", ev, queued_s))
+                job.deliver(Started(ev, queued_s))
             elif isinstance(ev, TokensCommitted):
                 self.metrics.round(ev.stats.committed, ev.stats.rtt_ms)
                 tokens.extend(ev.token_ids)
                 if piece := stops.push(ev.text):
-                    job.deliver(("text", piece))
+                    job.deliver(Text(piece))
             elif isinstance(ev, ReplyFinished):
                 final = ev
         reason = final.finish_reason
@@ -238,7 +260,7 @@ class GenerationThread(CudaThread):
         if stops.hit:
             reason, n = "stop", self._tokens_until(tokens, stops.end)
         elif reason != "cancelled" and (piece := stops.flush()):
-            job.deliver(("text", piece))
+            job.deliver(Text(piece))
         figures = {**final.figures(), "queued_s": queued_s, "prefill_tokens": started.prefill_tokens,
                    "k": self.info.k, "mode": self.info.mode}
         return Outcome(reason, stops.text, n, len(job.prompt_ids), started.reused_tokens, figures)
