@@ -52,6 +52,7 @@ contents (see ``sfchat.protocol.wire``) and imports no torch.
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import json
 import logging
@@ -108,7 +109,7 @@ def join_while_taken(join: Callable[[], "RelayLink"], wait_s: float, taken: Call
             time.sleep(random.uniform(*SLOT_RETRY_S))
 
 
-class FramePipe:
+class FramePipe(abc.ABC):
     """What every websocket link of sfchat does alike (the relay's ``RelayLink``, ``link.direct``'s two
     ends): one asyncio loop in a daemon thread, an inbox read from the socket only while it holds
     less than ``INBOX_BYTES``, ``recv`` in order (``PeerGone`` passes; ``LinkClosed`` stays),
@@ -160,8 +161,9 @@ class FramePipe:
     def _connection_closed(self, ws) -> None:
         self._mark_closed(self._describe(ws))
 
+    @abc.abstractmethod
     def _describe(self, ws) -> str:
-        raise NotImplementedError
+        """Why ``ws`` closed, in words for a person (each end words its own peer)."""
 
     def _taken(self, size: int) -> None:
         """``recv`` handed ``size`` bytes to the caller (runs on the loop thread)."""
