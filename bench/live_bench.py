@@ -11,7 +11,11 @@ same prompts in every mode, each reply timed whole (prefill included), EOS ignor
     per wait: ``RoundDriver(ahead_steps=)``);
   * ``stream``: frames of at most 2 draft steps of their own, as many in flight as the timing asks
     (up to 8), each taking the best unsent nodes of the live tree (the policy's ``STREAM`` schedule);
-  * ``auto``: the product's default: the policy measures both schedules and follows the faster.
+  * ``auto``: the product's default: the policy measures both schedules and follows the faster;
+  * ``none``: no draft, one token per round trip (the target's own output on this GPU).
+
+``--frame-rows N`` (default 64, the product's on a GPU; 0: off) runs every forward of the target,
+on head and tail, at N rows: frames padded, the prompt in pieces of N.
 
 Models:
 
@@ -26,6 +30,9 @@ Models:
     real) but proposes, after each token, a ranked list in which the target's token sits at a rank
     drawn once per token from ``--ranks`` (a real pair's histogram), the other places decoys:
     alternatives that carry information as a real draft's do.
+  * ``--self SHAPE`` (``0.5b``, ``1.5b`` or ``7b``): a random bf16 checkpoint in that shape drafts
+    for itself (its own draft numerics: deep trees); a random model's picks sit near ties, so any
+    drift in the target's arithmetic shows in its replies (the identity check's hardest case).
 
 The table: tok/s, tokens per verdict (and what the tree's values predicted a frame would commit:
 the nodes on the committed path against the expectation), frames in flight, and where a verdict's time went (draft,
@@ -56,7 +63,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import harness  # noqa: E402
-from harness import QWEN25_05B, QWEN25_7B, TINY_DRAFT, TINY_TARGET, head_link, relay_and_tail  # noqa: E402
+from harness import QWEN25_05B, QWEN25_15B, QWEN25_7B, TINY_DRAFT, TINY_TARGET, head_link, relay_and_tail  # noqa: E402
 from sfchat.engine.draft import WIDTH, Drafter  # noqa: E402
 from sfchat.engine.policy import ROUND, STREAM, PipelinePolicy, Schedule  # noqa: E402
 from sfchat.engine.speculator import Speculator  # noqa: E402
@@ -77,9 +84,12 @@ IN_FLIGHT = 8  # the product's default --max-in-flight
 #        draft steps while a verdict travels, the policy's schedules: "round", "stream", "auto" = both, "streamN":
 #        streamed frames of at most N draft steps of their own)
 W = WIDTH  # the product's: a step expands 8 nodes
-MODES = {"chain": (K + 1, 1, 1, 1, 0, "round"), "tree": (65, W, 8, 1, 0, "round"),
-         "tree-ahead": (65, W, 8, 1, AHEAD, "round"), "stream": (65, W, 8, IN_FLIGHT, 0, "stream"),
-         "auto": (65, W, 8, IN_FLIGHT, 0, "auto")}
+MODES = {"chain": (K + 1, 1, 1, 1, 0, "round"), "tree": (64, W, 8, 1, 0, "round"),
+         "tree-ahead": (64, W, 8, 1, AHEAD, "round"), "stream": (64, W, 8, IN_FLIGHT, 0, "stream"),
+         "auto": (64, W, 8, IN_FLIGHT, 0, "auto"), "none": (1, 1, 1, 1, 0, "round")}
+
+
+SELF_SHAPES = {"tiny": TINY_TARGET, "0.5b": QWEN25_05B, "1.5b": QWEN25_15B, "7b": QWEN25_7B}
 
 
 def schedules(name: str) -> tuple[Schedule, ...]:
@@ -133,8 +143,9 @@ class SyntheticDrafter(Drafter):
         return [synthetic_proposals(token, self.perm, self.rank, self.q, self.children) for token, *_ in rows]
 
 
-def build(target: Path, draft: Path, device: str, dtype: str, synthetic=None):
-    """The head's models, one drafter and speculator per mode (sharing the models), and the hello."""
+def build(target: Path, draft: Path, device: str, dtype: str, synthetic=None, rows: int = 0):
+    """The head's models, one drafter and speculator per mode (sharing the models), and the hello;
+    ``rows``: every forward of the target at that row count (0: each at its own)."""
     dev, dt = torch.device(device), DTYPES[dtype]
     src, dsrc = ModelSource.open(str(target)), ModelSource.open(str(draft))
     L = n_layers(src.config)
@@ -142,22 +153,24 @@ def build(target: Path, draft: Path, device: str, dtype: str, synthetic=None):
              for m, (f, w, _, inflight, ahead, _) in MODES.items()}
     head_pool = max(p for p, _ in pools.values())  # one head graph per frame shape: every mode's pool the same
     kv_len = MAX_CONTEXT + max(max(p) for p in pools.values())
-    head = ModelSlice.load(src, 0, L // 2, embed=True, head=False, dtype=dt, device=dev, max_len=kv_len)
+    head = ModelSlice.load(src, 0, L // 2, embed=True, head=False, dtype=dt, device=dev, max_len=kv_len,
+                           rows=rows or None)
     dmodel = ModelSlice.load(dsrc, 0, n_layers(dsrc.config), embed=True, head=True, dtype=dt, device=dev,
                              max_len=kv_len)
     specs = {}
     for mode, (size, width, children, *_) in MODES.items():
         kind = SyntheticDrafter if synthetic else Drafter
         extra = dict(perm=synthetic[0], ranks=synthetic[1]) if synthetic else {}
-        drafter = kind(dmodel, width=width, children=children, pool=pools[mode][1], **extra)
+        drafter = kind(dmodel, width=width, children=children, pool=pools[mode][1], **extra) if mode != "none" else None
         if dev.type == "cuda":
-            drafter.capture()
-            head.capture(size, tree=True, span=head_pool)
-        specs[mode] = Speculator(head, drafter, max_context=MAX_CONTEXT, frame_size=size, steps=K,
+            if drafter is not None:
+                drafter.capture()
+            head.capture(rows or size, tree=True, span=head_pool)
+        specs[mode] = Speculator(head, drafter, max_context=MAX_CONTEXT, frame_size=size, steps=K if drafter else 0,
                                  head_pool=head_pool)
+    frames = (rows,) if rows else tuple(sorted({f for f, *_ in MODES.values()}))
     hello = Hello(model=str(target), revision=None, split=L // 2, dtype=DTYPE_NAMES[dt], max_len=kv_len, n_layers=L,
-                  hidden_size=src.config.hidden_size, frames=tuple(sorted({f for f, *_ in MODES.values()})),
-                  graphs=dev.type == "cuda")
+                  hidden_size=src.config.hidden_size, frames=frames, graphs=dev.type == "cuda", one_shape=bool(rows))
     return specs, hello
 
 
@@ -229,6 +242,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--pair", type=Path, help="a real target's model directory; its round4 copy drafts")
     ap.add_argument("--ranks", type=Path, help="synthetic: a real pair's rank histogram (JSON list)")
+    ap.add_argument("--self", dest="self_shape", choices=sorted(SELF_SHAPES),
+                    help="a random checkpoint of this shape drafting for itself")
     ap.add_argument("--rtts", default="0,30,86,175")
     ap.add_argument("--mbps", type=float, default=0.0, help="the relay's emulated bandwidth each way (0: unlimited)")
     ap.add_argument("--new", type=int, default=128, help="tokens per reply")
@@ -236,6 +251,7 @@ def main() -> None:
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--frame-rows", type=int, default=64, help="every forward of the target at N rows (0: off)")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--save", type=Path)
     ap.add_argument("--ranks-out", type=Path)
@@ -248,6 +264,10 @@ def main() -> None:
 
         target = args.pair.resolve()
         draft = quantised_copy(target, target.parent / f"{target.name}-round4", "round4")
+    elif args.self_shape:
+        target = Path(tempfile.mkdtemp(prefix="sfchat-live-bench-")) / "target"
+        harness.write_checkpoint(target, SELF_SHAPES[args.self_shape], seed=0)
+        draft = target
     else:
         root = Path(tempfile.mkdtemp(prefix="sfchat-live-bench-"))
         shapes = (TINY_TARGET, TINY_DRAFT) if args.smoke else (QWEN25_7B, QWEN25_05B)
@@ -258,8 +278,8 @@ def main() -> None:
         ranks = json.loads(args.ranks.read_text()) if args.ranks else [78, 9, 4, 2, 1, 1, 1, 0, 4]
         synthetic = (torch.randperm(vocab, generator=torch.Generator().manual_seed(1234)), ranks)
     dtype = "float32" if args.smoke or args.device == "cpu" else args.dtype
-    specs, hello = build(target, draft, harness.DEVICE, dtype, synthetic)
-    prompts = prompts_for(target, synthetic is not None, args.prompts)
+    specs, hello = build(target, draft, harness.DEVICE, dtype, synthetic, args.frame_rows)
+    prompts = prompts_for(target, synthetic is not None or bool(args.self_shape), args.prompts)
     res = {}
     for rtt in rtts:
         with relay_and_tail(rtt, target.parent, session=f"live-{rtt}", mbps=args.mbps) as url:

@@ -59,6 +59,11 @@ AUTO_K = 8  # the draft's expansion steps per frame under --k auto (the referenc
 # weight to 16 bits and multiplies), so a 65th row made an NF4 frame ~10 % dearer on an H100 and would
 # send most of a 32B layer's linears off the fused kernel on a T4 (bench/RESULTS.md, 2026-12-06).
 AUTO_TREE_BUDGET = 63
+# rows of every forward of the target under --frame-rows auto on a GPU: the frame's, its prefill's pieces, the
+# no-draft step's. A GPU kernel's arithmetic for a row depends on the row count, so one row count for all of
+# them makes the reply independent of the frames a network's timing shaped (a CPU's does not depend on it)
+AUTO_FRAME_ROWS = 64
+MAX_FRAME_ROWS = 1024
 MAX_IN_FLIGHT = 16
 MAX_DRAFT_AHEAD = 64
 MAX_CONTEXT = 1 << 20  # tokens; the model's own window caps it further
@@ -73,6 +78,7 @@ class Settings:
     draft_revision: str | None = None
     k: int | str = "auto"  # the draft's expansion steps per frame (a chain frame: K drafts); "auto": AUTO_K
     tree_budget: int | str = "auto"  # drafts per frame, best first over the live tree; 0: chain frames; "auto": AUTO_TREE_BUDGET on a GPU
+    frame_rows: int | str = "auto"  # rows of every forward of the target (frames padded, the prefill in pieces); 0: off; "auto": AUTO_FRAME_ROWS on a GPU
     max_in_flight: int = 8  # the most frames in flight under the stream schedule, the policy picks how many and whether to stream (relay mode; 1: one per round trip)
     draft_ahead: int = 0  # draft steps while a verdict travels (relay mode; 0: none: measured to spare a frame no steps)
     split: int | None = None  # default: half the layers
@@ -122,6 +128,16 @@ class Settings:
         if self.tree_budget == "auto":
             return AUTO_TREE_BUDGET if cuda else 0
         return self.tree_budget
+
+    def rows(self, cuda: bool, frame: int) -> int:
+        """The one row count of every forward of the target (0: none; frames of ``frame`` nodes padded
+        to it): --frame-rows, or under auto AUTO_FRAME_ROWS on a GPU (at least a frame), none on a CPU."""
+        if self.frame_rows == "auto":
+            return max(AUTO_FRAME_ROWS, frame) if cuda else 0
+        if self.frame_rows and self.frame_rows < frame:
+            raise UserError(f"--frame-rows {self.frame_rows} is below a frame's {frame} nodes: raise it to {frame} "
+                            "or more, or lower --tree-budget / --k")
+        return self.frame_rows
 
 
 @dataclass(frozen=True)
@@ -195,6 +211,7 @@ DAY_S = 86400.0
 RULES: dict[str, Rule] = {
     "model": TEXT, "draft": TEXT, "revision": TEXT, "draft_revision": TEXT,
     "k": Rule(int, 0, MAX_K, auto=True), "tree_budget": Rule(int, 0, MAX_TREE_BUDGET, auto=True),
+    "frame_rows": Rule(int, 0, MAX_FRAME_ROWS, auto=True),
     "max_in_flight": Rule(int, 1, MAX_IN_FLIGHT), "draft_ahead": Rule(int, 0, MAX_DRAFT_AHEAD), "split": Rule(int, 0, MAX_LAYERS),
     "device": TEXT, "draft_device": TEXT, "dtype": Rule(str, choices=("auto", "float32", "float16", "bfloat16")),
     "load_in_4bit": FLAG, "load_in_8bit": FLAG, "draft_load_in_4bit": FLAG,

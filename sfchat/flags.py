@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 
 from sfchat import UserError, __version__
-from sfchat.config import AUTO_K, AUTO_TREE_BUDGET, CPU_DRAFT, CPU_MODEL, GPU_DRAFT, GPU_MODEL, Settings, merged
+from sfchat.config import AUTO_FRAME_ROWS, AUTO_K, AUTO_TREE_BUDGET, CPU_DRAFT, CPU_MODEL, GPU_DRAFT, GPU_MODEL, Settings, merged
 from sfchat.plaintext import plain
 
 
@@ -29,7 +29,7 @@ class Parser(argparse.ArgumentParser):
 
 FLAG_FIELDS = {  # flag dest -> Settings field
     "model": "model", "draft": "draft", "revision": "revision", "draft_revision": "draft_revision",
-    "k": "k", "tree_budget": "tree_budget", "split": "split", "device": "device", "draft_device": "draft_device", "dtype": "dtype",
+    "k": "k", "tree_budget": "tree_budget", "frame_rows": "frame_rows", "split": "split", "device": "device", "draft_device": "draft_device", "dtype": "dtype",
     "max_context": "max_context", "max_new_tokens": "max_new_tokens", "temperature": "temperature",
     "top_k": "top_k", "top_p": "top_p", "repetition_penalty": "repetition_penalty", "seed": "seed", "system": "system", "relay": "relay",
     "token": "token", "session": "session", "history": "history", "round_timeout": "round_timeout",
@@ -61,6 +61,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tree-budget", metavar="N|auto",
                    help="drafts per frame, grown best-first over the live speculation tree (0 = a chain of --k "
                         f"drafts); auto (default): {AUTO_TREE_BUDGET} on a GPU, 0 on a CPU")
+    g.add_argument("--frame-rows", metavar="N|auto",
+                   help="rows of every forward of the target, on head and tail: frames padded to N, the prompt "
+                        "in pieces of N, so that a GPU computes the same reply whatever frames the network's timing "
+                        f"shaped (0 = off: each forward at its own size); auto (default): {AUTO_FRAME_ROWS} on a GPU, "
+                        "0 on a CPU")
     g.add_argument("--split", type=int, help="first layer run by the tail (default: half the layers)")
     g.add_argument("--device", help="cpu, cuda, cuda:N, or cuda:0,cuda:1 to spread the slice over two GPUs "
                                     "(cpu,cpu runs the same two segments on the CPU, to check such a layout's "
@@ -163,7 +168,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
 
 
 # flags a tail cannot use: the head's hello decides what the tail loads, and the reply is the head's
-HEAD_ONLY = ("model", "draft", "revision", "draft_revision", "k", "tree_budget", "split", "dtype", "load_in_4bit",
+HEAD_ONLY = ("model", "draft", "revision", "draft_revision", "k", "tree_budget", "frame_rows", "split", "dtype", "load_in_4bit",
              "load_in_8bit",
              "draft_load_in_4bit", "max_context", "draft_device", "max_in_flight", "draft_ahead", "prompt",
              "max_new_tokens", "temperature", "top_k", "top_p", "repetition_penalty", "seed", "system", "serve", "offer_chat", "remote")

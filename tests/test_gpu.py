@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sfchat.config import Settings
+from sfchat.config import AUTO_FRAME_ROWS, Settings
 from sfchat.events import ReplyFinished
 from sfchat.node.head import Head
 from sfchat.model.graphs import GraphTable
@@ -132,8 +132,9 @@ def test_graphed_tree_engine_keeps_greedy_parity(zoo, budget):
     session = Head.open(Settings(model=str(path), draft=str(zoo["draft"]), k=5, tree_budget=budget,
                                         device="cuda", dtype="float32", compile_draft=False))
     engine = session.engine
-    assert engine.head.captured(budget + 1, tree=True) and ("expand", False) in engine.drafter.graphs
-    assert engine.link.verifier.model.captured(budget + 1, budget + 1, tree=True)
+    rows = AUTO_FRAME_ROWS  # every forward of the target at one row count on a GPU
+    assert engine.head.captured(rows, tree=True) and ("expand", False) in engine.drafter.graphs
+    assert engine.link.verifier.model.captured(rows, rows, tree=True)
     ids = session.encode([{"role": "user", "content": "hello world"}])
     fin = [e for e in session.reply(ids, 32, Sampling()) if isinstance(e, ReplyFinished)][0]
     model = AutoModelForCausalLM.from_pretrained(path).cuda().eval()
@@ -226,7 +227,6 @@ def test_graphed_engine_with_segmented_halves_keeps_greedy_parity(zoo, monkeypat
 
     import sfchat.node.loading as loading
     from machines import noisy_copy
-    from sfchat.config import AUTO_TREE_BUDGET
 
     real = loading.resolve_devices
     monkeypatch.setattr(loading, "resolve_devices",
@@ -237,7 +237,7 @@ def test_graphed_engine_with_segmented_halves_keeps_greedy_parity(zoo, monkeypat
                                  dtype="float32", compile_draft=False))
     head, tail = session.engine.head, session.engine.link.verifier.model
     assert len(head.devices) == len(tail.devices) == 2
-    rows = AUTO_TREE_BUDGET + 1  # the GPU default's frame: its drafts and the root
+    rows = AUTO_FRAME_ROWS  # the GPU default's frame (its drafts and the root) and every other forward's
     assert head.captured(rows, tree=True) and tail.captured(rows, rows, True)
     jumps = []
     move = head.move

@@ -18,9 +18,10 @@ of frames in flight.
   or once a step added less than ``step_gain`` tokens to the frame's expected yield; ``width``
   at a time, only nodes whose children could still enter this frame; a prompt-lookup
   continuation is grafted under the root at no draft cost), the tree chooses the frame's nodes
-  best first, the head slice runs them at one fixed shape, padded to ``frame_size`` rows (each
-  row sees the context, its ancestors in the head's scratch and itself), and the frame is
-  encoded. Frames may be built while earlier ones are in flight: a frame's nodes hang anywhere
+  best first, the head slice runs them at one fixed shape, padded to ``frame_size`` rows, or to
+  the slice's one row count (``ModelSlice.rows``; each row sees the context, its ancestors in the
+  head's scratch and itself), and the frame is encoded. The prefill runs through ``head.feed``
+  (a one-shape slice's pieces at that row count too). Frames may be built while earlier ones are in flight: a frame's nodes hang anywhere
   in the live tree, under nodes of earlier frames whose verdicts are not known yet.
 * ``grow(s, budget)``: one expansion step ahead of need, for the driver to run while a verdict
   travels (the likeliest nodes not yet expanded, anywhere in the live tree); False when there is
@@ -73,7 +74,10 @@ class Speculator:
                  frame_size: int, steps: int, head_pool: int):
         self.head, self.drafter = head, drafter
         self.max_context, self.steps = max_context, steps if drafter is not None else 0
-        self.frame_size = frame_size  # every frame runs at this one padded shape
+        self.frame_size = frame_size  # nodes a frame may carry
+        self.shape = head.rows or frame_size  # every frame runs at this one padded shape
+        if self.shape < frame_size:
+            raise ValueError(f"frames of {frame_size} nodes on a head slice whose forwards run at {head.rows} rows")
         self.scratch = Scratch(head, head_pool)  # the head slice's slots of the live nodes
         self.tokens: list[int] = []
         self.round_id = 0
@@ -244,21 +248,23 @@ class Speculator:
             return []
         start, end = self.prefill_from, self.tree_start
         self.prefill_from = None
-        frames = []
-        for i in range(start, end, PREFILL_CHUNK):
-            piece = self.tokens[i:min(i + PREFILL_CHUNK, end)]
-            ids = torch.tensor(piece, dtype=torch.long, device=self.device).clamp_(max=self.vocab - 1)
-            hidden = self.head.run(ids, torch.arange(i, i + len(piece), device=self.device), end=i + len(piece))
-            self.head.note(i, piece)
-            frames.append(self._encode(i, piece, hidden, None, 0, wire.Sampling()))
+        if start >= end:
+            self.head.note(end, [])
+            return []
+        ids = torch.tensor(self.tokens[start:end], dtype=torch.long, device=self.device).clamp_(max=self.vocab - 1)
+        hidden = self.head.feed(ids, start)
+        self.head.note(start, self.tokens[start:end])
+        frames = [self._encode(i, self.tokens[i:min(i + PREFILL_CHUNK, end)],
+                               hidden[i - start:min(i + PREFILL_CHUNK, end) - start], None, 0, wire.Sampling())
+                  for i in range(start, end, PREFILL_CHUNK)]  # a FORWARD of at most PREFILL_CHUNK positions
         self.head.note(end, [])  # positions from the root on are stale (the tail drops them too)
         return frames
 
     def _forward(self, nodes: list[Node], s: wire.Sampling) -> bytes:
         """The head slice over the frame's nodes, padded to its shape; the tree FORWARD."""
-        slots, mask = self.scratch.tree_inputs([(n.pos, n, n.path_to(None)[:-1]) for n in nodes], self.frame_size,
+        slots, mask = self.scratch.tree_inputs([(n.pos, n, n.path_to(None)[:-1]) for n in nodes], self.shape,
                                                self.device)
-        ids = [min(n.token, self.vocab - 1) for n in nodes] + [0] * (self.frame_size - len(nodes))
+        ids = [min(n.token, self.vocab - 1) for n in nodes] + [0] * (self.shape - len(nodes))
         hidden = self.head.run(torch.tensor(ids, device=self.device), slots, end=self.scratch.end,
                                tree=mask)[:len(nodes)]
         parents = tuple(self.live.parent_id(n) for n in nodes)

@@ -25,6 +25,10 @@ Contract
   in place to the contiguous slots after the context (no reallocation; other slots untouched).
 * Which token sits at each slot is the owning slice's record (``ModelSlice.note``), kept once
   for all of its segments' caches.
+* ``sink`` (a one-shape slice's cache, ``ModelSlice(rows=)``): ``windows`` is only ``max_len``,
+  so every forward attends over all slots in one kernel shape, and one more slot after them, at
+  position ``max_len`` (``sink``), takes the writes of a padded plain forward's padding rows;
+  no window ever covers it.
 
 The cache knows nothing about models or rounds; it is duck-typed to what the decoder layers
 of transformers call (``update``), not a subclass of transformers' ``Cache``.
@@ -66,8 +70,8 @@ class TreeMask:
 
 class StaticKV:
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, max_len: int,
-                 dtype: torch.dtype, device: torch.device):
-        shape = (1, n_kv_heads, max_len, head_dim)
+                 dtype: torch.dtype, device: torch.device, sink: bool = False):
+        shape = (1, n_kv_heads, max_len + (1 if sink else 0), head_dim)
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.max_len = max_len
@@ -76,7 +80,7 @@ class StaticKV:
         self.dtype = dtype
         self.positions = torch.zeros(1, dtype=torch.long, device=device)
         self.mask = torch.zeros(1, 1, 1, max_len, dtype=dtype, device=device)
-        self.windows = windows_for(max_len)
+        self.windows = [max_len] if sink else windows_for(max_len)
         self.window = max_len
 
     # -- used by the forward that owns this cache ---------------------------------------------

@@ -25,6 +25,13 @@ slots hold), ``reusable``, ``held``, ``move`` (K/V from slots to slots), ``reset
 queries act on every segment's cache alike, so no caller can move one segment and forget another.
 Who holds which scratch slot is ``engine.scratch.Scratch``'s, which moves them through ``move``.
 
+``rows`` makes a one-shape slice (a GPU's target slices: the reply must not depend on which
+forwards computed it, and a kernel's arithmetic for a row depends on the row count and the
+attention window): ``run`` refuses any forward of another row count, every forward attends over
+all slots (one window), and ``feed`` pads a prefill's last piece with rows that write the cache's
+sink slot (``kv``). ``feed(x, start)`` writes positions ``start ..`` of ``x`` as plain forwards:
+pieces of ``rows`` (padded), else of up to ``chunk``.
+
 ``quant="nf4"`` / ``"int8"`` loads the decoder layers' linear weights as 4-bit NF4 or int8
 (``quant.py``), one layer at a time.
 
@@ -57,14 +64,15 @@ from torch import nn
 from sfchat import UserError
 from sfchat.model.decoder import architecture, segment_runs
 from sfchat.model.graphs import GraphTable
-from sfchat.model.kv import StaticKV, TreeMask
+from sfchat.model.kv import PREFILL_CHUNK, StaticKV, TreeMask
 from sfchat.model.quant import check_mode, quantize_linears
 from sfchat.model.source import ModelSource, Progress, _no_progress
 
 class ModelSlice(nn.Module):
     def __init__(self, config, lo: int, hi: int, *, embed: bool, head: bool,
                  dtype: torch.dtype, device: torch.device, max_len: int,
-                 devices: list[torch.device] | None = None, quant: str = "none", reserved=()):
+                 devices: list[torch.device] | None = None, quant: str = "none", reserved=(),
+                 rows: int | None = None):
         super().__init__()
         layer_cls, norm_cls, rotary_cls = architecture(config)
         types = getattr(config, "layer_types", None) or []
@@ -74,6 +82,7 @@ class ModelSlice(nn.Module):
         self.config, self.lo, self.hi = config, lo, hi
         self.dtype, self.device = dtype, device
         self.quant = quant  # how ``load`` stores the layers' linear weights
+        self.rows = rows  # a one-shape slice: every forward at this row count, over one window
         devices = list(devices or [device])
         runs = segment_runs(config, lo, hi, embed=embed, head=head, dtype=dtype, quant=quant, segments=len(devices),
                             reserved=reserved)
@@ -93,7 +102,7 @@ class ModelSlice(nn.Module):
             for local, layer in enumerate(layers):
                 layer.self_attn.layer_idx = local
             self._segments.append(_Segment(dev, StaticKV(len(layers), config.num_key_value_heads, head_dim, max_len,
-                                                         dtype, dev), layers))
+                                                         dtype, dev, sink=bool(rows)), layers))
             self.ranges.append((lo + start, lo + stop))
         self.devices = [seg.device for seg in self._segments]  # one per segment, first to last
         self._written: list[int] = []  # the token id at each context slot, for every segment alike
@@ -128,10 +137,10 @@ class ModelSlice(nn.Module):
     def load(cls, source: ModelSource, lo: int, hi: int, *, embed: bool, head: bool,
              dtype: torch.dtype, device: torch.device, max_len: int,
              progress: Progress = _no_progress, quant: str = "none",
-             devices: list[torch.device] | None = None, reserved=()) -> "ModelSlice":
+             devices: list[torch.device] | None = None, reserved=(), rows: int | None = None) -> "ModelSlice":
         check_mode(quant)
         sl = cls(source.config, lo, hi, embed=embed, head=head, dtype=dtype, device=device, max_len=max_len,
-                 devices=devices, quant=quant, reserved=reserved)
+                 devices=devices, quant=quant, reserved=reserved, rows=rows)
         wanted = sl.tensor_names()
         head_name = None
         if head:
@@ -208,9 +217,30 @@ class ModelSlice(nn.Module):
     def run(self, x: torch.Tensor, positions: torch.Tensor, n_logits: int = 0, *, end: int | None = None,
             tree: TreeMask | None = None) -> torch.Tensor:
         """``forward`` over the smallest window holding positions below ``end`` (all slots when
-        None), each segment replayed from its captured graph when one fits the shape."""
+        None), each segment replayed from its captured graph when one fits the shape; a one-shape
+        slice refuses another row count (a ValueError)."""
+        if self.rows and x.shape[0] != self.rows:
+            raise ValueError(f"a forward of {x.shape[0]} rows on a slice whose every forward runs at {self.rows}")
         window = self.window_for(end) if end is not None else self.max_len
         return self._through(x, positions, n_logits, window, tree, self._key(x.shape[0], n_logits, tree is not None))
+
+    @torch.no_grad()
+    def feed(self, x: torch.Tensor, start: int, chunk: int = PREFILL_CHUNK) -> torch.Tensor | None:
+        """Write positions ``start ..`` of ``x`` (token ids or hidden states) to the caches as plain
+        forwards: pieces of the slice's one row count, the last padded with rows that write the
+        sink slot, or (no ``rows``) of up to ``chunk``. The real rows' hidden states, or None for a
+        slice with the head (it computes one row of logits per piece, which nobody reads)."""
+        size, n_logits, outs = self.rows or chunk, int(self.lm_head is not None), []
+        for i in range(0, x.shape[0], size):
+            piece = x[i:i + size]
+            n = piece.shape[0]
+            positions = torch.arange(start + i, start + i + n, device=x.device)
+            if n < (self.rows or 0):
+                piece = torch.cat([piece, piece.new_zeros((self.rows - n,) + piece.shape[1:])])
+                positions = torch.cat([positions, positions.new_full((self.rows - n,), self.max_len)])
+            out = self.run(piece, positions, n_logits, end=start + i + n)
+            outs.append(out[:n])
+        return None if n_logits else torch.cat(outs)
 
     @torch.no_grad()
     def forward(self, x: torch.Tensor, positions: torch.Tensor, n_logits: int = 0,

@@ -84,11 +84,11 @@ def open_engine(s: Settings, on_event: Callable = lambda e: None, link=None,
     layout = frame_layout(s, k, device.type == "cuda", ahead, local=link is None)
     kv_len = max_context + layout.scratch  # the live nodes' scratch after the context
     hello = Hello(model=s.model, revision=s.revision, split=split, dtype=DTYPE_NAMES[dtype], max_len=kv_len,
-                  n_layers=L, hidden_size=src.config.hidden_size, frames=(layout.size,), graphs=s.cuda_graphs,
-                  quant=quant)
+                  n_layers=L, hidden_size=src.config.hidden_size, frames=(layout.shape,), graphs=s.cuda_graphs,
+                  quant=quant, one_shape=bool(layout.rows))
     local = link is None
     target = dict(devices=devices, dtype=dtype, quant=quant, max_len=kv_len, verifies=hello.shapes(), local=local,
-                  graphs=s.cuda_graphs, head_span=layout.head_pool)
+                  graphs=s.cuda_graphs, head_span=layout.head_pool, one_window=bool(layout.rows))
     draft = None
     if k:
         draft_device = resolve_device(s.draft_device) if s.draft_device else default_draft_device(devices)
@@ -106,7 +106,7 @@ def open_engine(s: Settings, on_event: Callable = lambda e: None, link=None,
         drafter = Drafter(dmodel, width=layout.width, children=layout.children, pool=layout.draft_pool)
     head = ModelSlice.load(src, 0, split, embed=True, head=False, dtype=dtype, device=device,
                            max_len=kv_len, progress=progress_events(on_event, "head"), quant=quant, devices=devices,
-                           reserved=reserved)
+                           reserved=reserved, rows=layout.rows or None)
     if s.cuda_graphs and (device.type == "cuda" or (draft is not None and draft.device.type == "cuda")):
         capture_graphs(head, drafter, layout, s.compile_draft, progress_events(on_event, "head"))
     mode = "relay" if link is not None else "local"
@@ -131,7 +131,8 @@ def open_engine(s: Settings, on_event: Callable = lambda e: None, link=None,
 @dataclass(frozen=True)
 class FrameLayout:
     """What a frame and the scratch behind it look like: ``size`` nodes (the root and ``size - 1``
-    drafts) verified at that one padded shape; the draft expands ``width`` nodes per step and keeps
+    drafts) verified at that one padded shape (``shape``: ``rows`` when every forward of the
+    target runs at one row count, else ``size``); the draft expands ``width`` nodes per step and keeps
     ``children`` continuations of each (a chain: one and one); scratch slots for the live nodes on
     the head (``head_pool``: every frame in flight) and the draft (``draft_pool``)."""
 
@@ -140,6 +141,11 @@ class FrameLayout:
     children: int
     head_pool: int
     draft_pool: int
+    rows: int = 0  # every forward of the target at this row count (0: each at its own)
+
+    @property
+    def shape(self) -> int:
+        return self.rows or self.size
 
     @property
     def scratch(self) -> int:
@@ -153,15 +159,18 @@ def frame_layout(s: Settings, k: int, cuda: bool, ahead: int = 0, local: bool = 
     """The frame of these settings: ``--tree-budget`` drafts per frame (on a GPU, 63 under auto: a
     frame's cost is nearly flat in its nodes there up to 64 rows; on a CPU a chain), ``--k`` expansion steps,
     up to ``--max-in-flight`` frames in flight (one in ``local`` mode, whose tail computes while
-    the head waits), ``ahead`` steps more while a verdict travels."""
+    the head waits), ``ahead`` steps more while a verdict travels; ``--frame-rows``: the one row
+    count of every forward of the target (``Settings.rows``)."""
     if not k:
-        return FrameLayout(1, 1, 1, 2, 2)
+        rows = s.rows(cuda, 1)
+        return FrameLayout(1, 1, 1, max(1, rows) + 1, 2, rows)
     budget = s.budget(cuda)
     size, width, children = (budget + 1, WIDTH, CHILDREN) if budget else (k + 1, 1, 1)
     frames = (1 if local else s.max_in_flight) + 1  # those in flight and the one being built
-    return FrameLayout(size, width, children, head_pool=frames * size + 1,
+    rows = s.rows(cuda, size)  # a frame padded to it sees its own rows' slots at least
+    return FrameLayout(size, width, children, head_pool=max(frames * size, rows) + 1,
                        draft_pool=min((frames * k + ahead) * width, 512) + 1 if budget
-                       else frames * (k + 1) + ahead + 1)
+                       else frames * (k + 1) + ahead + 1, rows=rows)
 
 
 def capture_graphs(head: ModelSlice, drafter: Drafter | None, layout: FrameLayout, compile_draft: bool,
@@ -171,7 +180,7 @@ def capture_graphs(head: ModelSlice, drafter: Drafter | None, layout: FrameLayou
         print(f"sfchat: {message}", file=sys.stderr)
 
     progress("capture", 0, 2, "head frame")
-    head.capture(layout.size, log=warn, tree=True, span=layout.head_pool)
+    head.capture(layout.shape, log=warn, tree=True, span=layout.head_pool)
     progress("capture", 1, 2, "draft (compiling: the first start takes a minute)" if compile_draft else "draft")
     if drafter is not None and drafter.device.type == "cuda":
         drafter.capture(log=warn, compile=compile_draft)

@@ -70,12 +70,12 @@ class TailLoader:
         quant = hello.quant
         where = ",".join(map(str, self.devices))
         check_tail(src.config, split, devices=self.devices, dtype=dtype, quant=quant, max_len=hello.max_len,
-                   verifies=hello.shapes(), graphs=hello.graphs)
+                   verifies=hello.shapes(), graphs=hello.graphs, one_window=hello.one_shape)
         self.log(f"loading {hello.model} layers [{split}, {L}) as {DTYPE_NAMES[dtype]}"
                  f"{QUANT_WORDS.get(quant, '')} on {where}")
         return ModelSlice.load(src, split, L, embed=False, head=True, dtype=dtype, device=self.device,
                                max_len=hello.max_len, progress=report, quant=quant, devices=self.devices,
-                               reserved=unequal_free(self.devices))
+                               reserved=unequal_free(self.devices), rows=hello.rows)
 
     def shapes(self, model: ModelSlice, hello: Hello) -> None:
         """Graphs for the hello's frame shapes on a GPU, if memory holds them; none without."""

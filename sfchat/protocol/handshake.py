@@ -4,8 +4,9 @@ Contract
 --------
 ``Hello`` is what a head tells its tail (the model, revision, split, dtype, quantisation and
 context size to load, ``frames``: the node counts a tree frame is padded to, each verified at
-that one shape (the tail captures a verify graph for each), and whether to capture CUDA
-graphs); ``Ready`` is the tail's answer (what
+that one shape (the tail captures a verify graph for each), ``one_shape``: every forward of the
+tail at the one frame shape, its prefill in pieces of it, padded (``ModelSlice(rows=)``), and
+whether to capture CUDA graphs); ``Ready`` is the tail's answer (what
 it loaded and computes in). ``to_frame()`` encodes one as a wire Control frame; ``parse(data)``
 builds one from a decoded Control's JSON object and raises ``wire.WireError`` for a missing
 field, a value not of its exact JSON type (a bool is no int, a float no int), an integer out of
@@ -42,9 +43,12 @@ class Hello:
     frames: tuple[int, ...] = (1,)  # node counts a tree frame is padded to, ascending
     graphs: bool = True
     quant: str = "none"
+    one_shape: bool = False  # every tail forward at the frames' one row count: its prefill's pieces too
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "frames", tuple(self.frames))
+        if self.one_shape and len(self.frames) != 1:
+            raise wire.WireError(f"one_shape with the frame shapes {list(self.frames)}: it takes exactly one")
 
     def shapes(self) -> list[tuple[int, bool]]:
         """(rows, tree) of every verify FORWARD this hello allows: one graph each."""
@@ -56,7 +60,12 @@ class Hello:
 
     def identity(self) -> tuple:
         """What names the slice a tail loads for this hello (equal identities reuse the slice)."""
-        return self.model, self.revision, self.split, self.dtype, self.max_len, self.quant
+        return self.model, self.revision, self.split, self.dtype, self.max_len, self.quant, self.rows
+
+    @property
+    def rows(self) -> int | None:
+        """The one row count of every forward of the tail's slice (None: each at its own)."""
+        return self.frames[-1] if self.one_shape else None
 
     def to_frame(self) -> bytes:
         return wire.encode(wire.Control(wire.MsgType.HELLO, asdict(self)))
@@ -71,6 +80,7 @@ class Hello:
             hidden_size=json_field(data, "hidden_size", int, lo=1, hi=wire.MAX_HIDDEN_SIZE),
             frames=_frames(data), graphs=json_field(data, "graphs", bool, True),
             quant=json_field(data, "quant", str, "none", choices=QUANT_MODES, label="quantisation"),  # a head without 4-bit sends none
+            one_shape=json_field(data, "one_shape", bool, False),
         )
 
 

@@ -89,9 +89,12 @@ def tail_case(zoo):
     return good, other, ref, tree_frames(good, PROMPT, chain(PROMPT, ref[:K]))
 
 
-def check_serves(verifier: Verifier, path, ref, frames) -> None:
-    ready = replies(verifier, hello_for(path), fails=False)
-    assert ready[-1].type is MsgType.READY and ready[-1].data["n_layers"] == 4
+def check_serves(verifier: Verifier, path, ref, frames, hello: bool = True) -> None:
+    """The verifier answers the prefill and the tree frame as the reference says (after a fresh
+    hello unless ``hello`` is False)."""
+    if hello:
+        ready = replies(verifier, hello_for(path), fails=False)
+        assert ready[-1].type is MsgType.READY and ready[-1].data["n_layers"] == 4
     assert replies(verifier, frames[0], fails=False) == []  # the prefill
     (verdict,) = replies(verifier, frames[1], fails=False)
     assert isinstance(verdict, Verdict)

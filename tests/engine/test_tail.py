@@ -49,6 +49,8 @@ def test_tail_refuses_malformed_frames_and_stays_usable(tail_case):
     ({"frames": [True]}, "is not a list of 1 to"),
     ({"frames": [8, 4]}, "must ascend"),
     ({"frames": list(range(1, 9))}, "is not a list of 1 to 6 integers"),
+    ({"one_shape": True}, "one_shape with the frame shapes [4, 8]: it takes exactly one"),
+    ({"one_shape": 1}, "incomplete hello"),
 ])
 def test_tail_refuses_a_bad_hello_and_stays_usable(tail_case, changes, message):
     good, other, ref, fwd = tail_case
@@ -251,3 +253,22 @@ def test_a_tail_whose_gpu_cannot_hold_the_frame_graphs_refuses_the_hello_and_sta
     assert asked == [[(K + 1, True), (8, True)]]
     v.load, v.model.device = loader, torch.device("cpu")  # the same verifier and slice, on the CPU again
     check_serves(v, good, ref, fwd)
+
+
+def test_a_one_shape_hello_makes_every_forward_of_the_tail_run_at_its_frame_shape(tail_case):
+    """The prefill too, in pieces of the one row count, padded; the slice refuses any other row
+    count, and a hello with another shape loads a slice of that shape, not the one held."""
+    good, other, ref, fwd = tail_case
+    v = Verifier(TailLoader(torch.device("cpu")))
+    replies(v, hello_for(good, frames=[8], one_shape=True), fails=False)
+    assert v.model.rows == 8 and v.model.windows == [v.model.max_len]
+    rows = []
+    through = type(v.model)._through
+    v.model._through = lambda x, *a: rows.append(x.shape[0]) or through(v.model, x, *a)
+    check_serves(v, good, ref, fwd, hello=False)
+    assert rows and set(rows) == {8}
+    held = v.model
+    replies(v, hello_for(good, frames=[4], one_shape=True), fails=False)
+    assert v.model is not held and v.model.rows == 4
+    replies(v, hello_for(good), fails=False)
+    assert v.model.rows is None

@@ -51,7 +51,7 @@ def test_the_estimate_counts_every_graph_the_code_captures(zoo, monkeypatch):
     target, draft = ModelSource.open(str(zoo["qwen2-untied"])), ModelSource.open(str(zoo["draft"]))
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     k, max_len = 4, 100
-    layout = frame_layout(Settings(k=k, tree_budget=12, max_in_flight=2), k, cuda=True)
+    layout = frame_layout(Settings(k=k, tree_budget=12, max_in_flight=2, frame_rows=0), k, cuda=True)
     hello = Hello(model="m", revision=None, split=2, dtype="float32", max_len=max_len, n_layers=4, hidden_size=64,
                   frames=(layout.size,))
     for segments in (1, 2):
@@ -71,6 +71,24 @@ def test_the_estimate_counts_every_graph_the_code_captures(zoo, monkeypatch):
         # over windows 16, 32, 64 and 100
         assert layout.head_pool == 40
         assert sum(len(w) for _, w in taken) == sum(counted) == segments * (2 + 4)
+    # one row count for every forward (a GPU's default): the frame padded to 64 rows, over one window
+    layout = frame_layout(Settings(k=k, tree_budget=12, max_in_flight=2), k, cuda=True)
+    hello = Hello(model="m", revision=None, split=2, dtype="float32", max_len=max_len, n_layers=4, hidden_size=64,
+                  frames=(layout.shape,), one_shape=True)
+    taken.clear()
+    head = ModelSlice.load(target, 0, 2, embed=True, head=False, dtype=torch.float32, device=cpu, max_len=max_len,
+                           rows=layout.rows)
+    capture_graphs(head, None, layout, False, lambda *a: None)
+    tail = ModelSlice.load(target, 2, 4, embed=False, head=True, dtype=torch.float32, device=cpu, max_len=max_len,
+                           rows=hello.rows)
+    for m, is_tree in hello.shapes():
+        tail.capture(m, m, tree=is_tree)
+    counted = [len(n.graphs) for lo, hi, head_, span in [(0, 2, False, layout.head_pool), (2, 4, True, 0)]
+               for _, n in slice_needs(target.config, lo, hi, embed=not head_, head=head_, dtype=torch.float32,
+                                       quant="none", max_len=max_len, devices=[cuda], verifies=hello.shapes(),
+                                       span=span, one_window=True)]
+    assert (layout.rows, layout.head_pool) == (64, 65)
+    assert taken == [((64, 0, True, 0), (max_len,)), ((64, 64, True, 0), (max_len,))] and sum(counted) == 2
     dmodel = ModelSlice.load(draft, 0, 2, embed=True, head=True, dtype=torch.float32, device=cpu, max_len=max_len)
     for compiled in (False, True):
         taken.clear()
@@ -85,7 +103,7 @@ def test_graphs_a_hello_adds_to_a_loaded_tail_are_counted_and_checked(gpus):
     new shapes adds theirs, and is refused when they do not fit in what is free now."""
     have = {(9, False)}
     tail = SimpleNamespace(config=qwen7b(), lo=14, hi=28, embed_tokens=None, lm_head=object(), dtype=torch.float16,
-                           quant="none", max_len=4096 + 257, devices=[torch.device("cuda:0")], ranges=[(14, 28)],
+                           quant="none", max_len=4096 + 257, devices=[torch.device("cuda:0")], ranges=[(14, 28)], rows=None,
                            captured=lambda m, logits, tree: (m, tree) in have)
     assert graphs_to_capture(tail, [(9, False)]) == []
     check_graphs(tail, [(9, False)])  # nothing to add: no check at all

@@ -1,0 +1,58 @@
+"""One answer whatever the network: the identity table from ``live_bench.py --save`` runs.
+
+Each saved run holds, per (mode, RTT), the greedy token ids of every reply and the tok/s. For
+each run this prints, per (mode, RTT), how many replies equal the reference's (the first run's
+``none`` at its first RTT: the target alone, one token per round trip) and the tok/s; then, for
+runs given as pairs of the same variant, how many replies each (mode, RTT) repeats from the
+earlier run. Runs may differ in what they vary (``--frame-rows``, the code): name each by its
+file's stem.
+
+    python3 bench/identity_table.py off.json on.json [on-again.json]
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def load(path: Path) -> dict[tuple[str, int], dict]:
+    return {(r["mode"], r["rtt"]): r for r in json.loads(path.read_text())}
+
+
+def same(a: list[list[int]], b: list[list[int]]) -> int:
+    return sum(x == y for x, y in zip(a, b))
+
+
+def main(paths: list[Path]) -> None:
+    runs = {p.stem: load(p) for p in paths}
+    keys = list(next(iter(runs.values())))
+    print("| mode | RTT ms | " + " | ".join(f"{name}: same as its none / tok/s" for name in runs) + " |")
+    print("| --- | --- |" + " --- |" * len(runs))
+    for key in keys:
+        cells = []
+        for run in runs.values():
+            ref = next((v for (m, _), v in run.items() if m == "none"), None)
+            if key not in run:
+                cells.append("-")
+                continue
+            r = run[key]
+            told = f"{same(r['ids'], ref['ids'])}/{len(r['ids'])}" if ref else "?"
+            cells.append(f"{told} / {r['tps']:.1f}")
+        print(f"| {key[0]} | {key[1]} | " + " | ".join(cells) + " |")
+    for name, run in runs.items():
+        replies = [v["ids"] for v in run.values()]
+        all_same = sum(all(rep[i] == replies[0][i] for rep in replies) for i in range(len(replies[0])))
+        print(f"{name}: replies identical across every mode and RTT: {all_same} of {len(replies[0])}")
+    names = list(runs)
+    for a, b in zip(names, names[1:]):
+        common = [k for k in runs[a] if k in runs[b]]
+        if common:
+            got = sum(same(runs[a][k]["ids"], runs[b][k]["ids"]) for k in common)
+            total = sum(len(runs[a][k]["ids"]) for k in common)
+            print(f"{a} against {b}: {got} of {total} replies the same, mode by mode")
+
+
+if __name__ == "__main__":
+    main([Path(p) for p in sys.argv[1:]])
