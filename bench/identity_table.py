@@ -1,8 +1,9 @@
 """One answer whatever the network: the identity table from ``live_bench.py --save`` runs.
 
 Each saved run holds, per (mode, RTT), the greedy token ids of every reply and the tok/s. For
-each run this prints, per (mode, RTT), how many replies equal the reference's (the first run's
-``none`` at its first RTT: the target alone, one token per round trip) and the tok/s; then, for
+each run this prints, per (mode, RTT), how many replies equal the reference's (the run's own
+``none`` at its first RTT, else the last earlier run's: the target alone, one token per round trip) and
+the tok/s; then, for
 runs given as pairs of the same variant, how many replies each (mode, RTT) repeats from the
 earlier run. Runs may differ in what they vary (``--frame-rows``, the code): name each by its
 file's stem.
@@ -27,13 +28,17 @@ def same(a: list[list[int]], b: list[list[int]]) -> int:
 
 def main(paths: list[Path]) -> None:
     runs = {p.stem: load(p) for p in paths}
-    keys = list(next(iter(runs.values())))
+    refs, ref = {}, None  # each run's reference: its own none at its first RTT, else the last earlier run's
+    for name, run in runs.items():
+        ref = next((v for (m, _), v in run.items() if m == "none"), ref)
+        refs[name] = ref
+    keys = list(dict.fromkeys(k for run in runs.values() for k in run))
     print("| mode | RTT ms | " + " | ".join(f"{name}: same as its none / tok/s" for name in runs) + " |")
     print("| --- | --- |" + " --- |" * len(runs))
     for key in keys:
         cells = []
-        for run in runs.values():
-            ref = next((v for (m, _), v in run.items() if m == "none"), None)
+        for name, run in runs.items():
+            ref = refs[name]
             if key not in run:
                 cells.append("-")
                 continue

@@ -35,7 +35,7 @@ from sfchat.node.loading import frame_layout  # noqa: E402
 T4_FREE = int(14.5 * GIB)
 K = 8
 LAYOUT = frame_layout(Settings(), K, cuda=True)
-VERIFIES = [(LAYOUT.size, True)]  # Hello.shapes() of the defaults
+VERIFIES = [(LAYOUT.shape, True)]  # Hello.shapes() of the defaults (a GPU: one row count, canonical attention)
 CONTEXT = 4096
 MAX_CONTEXT = 32768  # Qwen2.5's max_position_embeddings
 GPUS = [torch.device("cuda:0"), torch.device("cuda:1")]
@@ -78,7 +78,8 @@ def plans(size: str, quant: str, context: int, draft_quant: str = "none") -> dic
     draft = DraftPlan(dcfg, GPUS[1], torch.float16, draft_quant, rows=LAYOUT.width + 1, children=LAYOUT.children,
                       pool=LAYOUT.draft_pool, compiled=True)
     split = cfg.num_hidden_layers // 2
-    target = dict(devices=GPUS, dtype=torch.float16, quant=quant, max_len=max_len, verifies=VERIFIES)
+    target = dict(devices=GPUS, dtype=torch.float16, quant=quant, max_len=max_len, verifies=VERIFIES,
+                  one_window=bool(LAYOUT.rows))
     out = {}
     for name, local in (("local", True), ("head", False)):
         placed = place_draft(cfg, split, draft, local=local, **target)

@@ -22,6 +22,9 @@ tail's row) holds which of those slots, and the one that moves them:
   row a key's (position, key, the keys of the ancestors it attends to), written at the key's slot
   (taken if it holds none), seeing the context, its ancestors' slots and its own; the rows padded
   to ``shape``, a padding row writing and seeing only the trash slot (never an empty softmax).
+  A canonical model's (``model.canonical``: a one-shape slice) is a ``kv.RowKeys`` instead: each
+  row's last ``SPAN`` positions in order, the context's below ``n`` and its last ancestors' and
+  its own slots after it (a ValueError for a row ``SPAN`` or more positions past the context).
 
 The model is duck-typed: ``move(src, dst)`` and ``note(start, tokens)`` (``model.slices.ModelSlice``).
 Knows nothing about trees, rounds or the wire.
@@ -35,7 +38,8 @@ from typing import Hashable
 import numpy as np
 import torch
 
-from sfchat.model.kv import TreeMask
+from sfchat.model import kv
+from sfchat.model.kv import RowKeys, TreeMask
 
 
 class Scratch:
@@ -110,13 +114,18 @@ class Scratch:
         self._free = [s for s in range(n, n + self.size - 1) if s not in held]
 
     def tree_inputs(self, rows: list[tuple[int, Hashable, list[Hashable]]], shape: int, device
-                    ) -> tuple[torch.Tensor, TreeMask]:
+                    ) -> tuple[torch.Tensor, TreeMask | RowKeys]:
         """The slots a tree forward of ``rows`` = (position, key, ancestor keys) writes, padded to
         ``shape`` rows, and its mask over the scratch (see the contract)."""
         if len(rows) > shape:
             raise ValueError(f"{len(rows)} rows do not fit a forward of {shape}")
         base, trash = self.n, self.trash
         slots, rope = [trash] * shape, [max(base - 1, 0)] * shape
+        if getattr(self.model, "canonical", False):
+            for r, (pos, key, _) in enumerate(rows):
+                slots[r], rope[r] = self.take(key), pos
+            keys = torch.from_numpy(self._own_keys(rows, slots, shape)).to(device)
+            return torch.tensor(slots, device=device), RowKeys(torch.tensor(rope, device=device), keys)
         visible = np.zeros((shape, self.size), dtype=bool)
         visible[len(rows):, trash - base] = True
         for r, (pos, key, ancestors) in enumerate(rows):
@@ -125,3 +134,19 @@ class Scratch:
         mask = TreeMask(torch.tensor(rope, device=device), torch.tensor([base], device=device),
                         torch.from_numpy(visible).to(device))
         return torch.tensor(slots, device=device), mask
+
+    def _own_keys(self, rows, slots: list[int], shape: int) -> np.ndarray:
+        """``RowKeys.keys``: the slot of each of a row's last ``SPAN`` positions, in order (-1: before
+        position 0): the context's below ``n`` (slot = position), its last ancestors' after it
+        (positions ``n .. p - 1``), its own last; a padding row's only the trash slot."""
+        keys = np.full((shape, kv.SPAN), -1, dtype=np.int64)
+        keys[len(rows):, -1] = self.trash
+        for r, (pos, _, ancestors) in enumerate(rows):
+            depth, lo = pos - self.n, pos - kv.SPAN + 1
+            if not 0 <= depth < kv.SPAN or len(ancestors) < depth:
+                raise ValueError(f"a row at position {pos} with {len(ancestors)} ancestors is not within {kv.SPAN - 1} "
+                                 f"positions past the context of {self.n}")
+            keys[r, max(0, -lo):self.n - lo] = np.arange(max(lo, 0), self.n)
+            keys[r, self.n - lo:kv.SPAN - 1] = [self._slots[a] for a in ancestors[len(ancestors) - depth:]]
+            keys[r, -1] = slots[r]
+        return keys

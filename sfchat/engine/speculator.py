@@ -54,6 +54,7 @@ from sfchat.engine.frame import Commit, Frame
 from sfchat.engine.live import Calibration, LiveTree, Node, ProtocolError
 from sfchat.engine.scratch import Scratch
 from sfchat.model.devices import DTYPE_NAMES
+from sfchat.model import kv
 from sfchat.model.kv import PREFILL_CHUNK
 from sfchat.model.slices import ModelSlice
 from sfchat.protocol import wire
@@ -162,8 +163,10 @@ class Speculator:
 
     def _max_pos(self, budget: int) -> int:
         """Nodes at this position or later are never sent: their picks would pass the reply's
-        ``budget`` or the context window."""
-        return min(self.max_context - 1, self.live.root.pos + budget)
+        ``budget`` or the context window, or (a canonical head slice) they would sit ``SPAN`` or
+        more positions past the committed context."""
+        reach = self.scratch.n + kv.SPAN if self.head.canonical else self.max_context
+        return min(self.max_context - 1, self.live.root.pos + budget, reach)
 
     def grow(self, s: wire.Sampling, budget: int) -> bool:
         """One expansion step of the likeliest nodes not yet expanded (while a verdict travels);

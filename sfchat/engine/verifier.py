@@ -52,6 +52,7 @@ from sfchat.protocol.handshake import Hello, Ready
 from sfchat.protocol.messages import Failure, Progress
 from sfchat.engine import sampling
 from sfchat.engine.scratch import Scratch
+from sfchat.model import kv
 from sfchat.model.decoder import n_layers
 from sfchat.model.slices import ModelSlice
 from sfchat.model.devices import DTYPE_NAMES, DTYPES
@@ -276,6 +277,9 @@ class Verifier:
         for r in range(rows):
             ancestors.append([] if above[r] is None else ancestors[above[r]] + [above[r]])
         positions = [base + len(a) for a in ancestors]
+        if m.canonical and max(positions) - base >= kv.SPAN:
+            self._fail(emit, f"a tree frame with a node {max(positions) - base} positions past the context; "
+                             f"at most {kv.SPAN - 1} may be")
         slots, mask = scratch.tree_inputs(list(zip(positions, range(rows), ancestors)), shape, m.device)
         sent = DTYPES[msg.dtype.name.lower()]
         hidden = tensor_from_bytes(msg.hidden, sent, len(msg.tokens), msg.hidden_size, m.device)[live].to(m.dtype)

@@ -11,12 +11,13 @@ layers (dense in ``dtype``, or NF4 or int8 for the decoder layers' linear weight
 first segment, norm + lm_head in the last), its KV cache of ``max_len`` slots (a tree's scratch
 slots included by the caller), an eager workspace, and one ``Graph`` per CUDA graph it captures:
 for each verify shape ``(positions, tree)`` (``handshake.Hello.shapes()``), one per attention
-window holding it (``kv.windows_for``; a one-shape slice's one window of all slots, and its
-sink slot), each with ``positions`` rows of logits in a slice with
+window holding it (``kv.windows_for``; a one-shape slice's one window of all slots, its K/V of
+``kv.StaticKV.total`` slots), each with ``positions`` rows of logits in a slice with
 the head. ``draft_graphs(...)`` are the draft's graphs, as ``Drafter.capture`` takes them: its
 expansion step, greedy and sampled, per window (one window for a compiled draft).
 
-The workspace: one layer's forward of a 512-token prefill chunk over all slots (hidden states,
+The workspace: one layer's forward of a 512-token prefill chunk (a one-shape slice's: a piece of its
+row count) over all slots (hidden states,
 q/k/v, the MLP, the additive mask, the keys/values repeated per head, attention scores in fp32
 should SDPA fall back to its math kernel, with NF4 one linear weight dequantised, with int8 the
 input's int8 rows and the int32 product of the widest linear), or, if
@@ -50,7 +51,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sfchat.model.kv import PREFILL_CHUNK, windows_for
+from sfchat.model.kv import PREFILL_CHUNK, SPAN, cache_slots, windows_for
 from sfchat.model.decoder import layer_bytes, layer_counts, segment_runs
 
 MIB, GIB = 1 << 20, 1 << 30
@@ -120,9 +121,12 @@ def kv_bytes_per_position(config, n_layers: int, dtype: torch.dtype) -> int:
     return 2 * n_layers * config.num_key_value_heads * head_dim(config) * dtype.itemsize
 
 
-def forward_bytes(config, tokens: int, window: int, dtype: torch.dtype, quant: str, rows: int = 0) -> int:
+def forward_bytes(config, tokens: int, window: int, dtype: torch.dtype, quant: str, rows: int = 0,
+                  canonical: bool = False) -> int:
     """The temporaries of a forward of ``tokens`` over ``window`` slots (one layer's worth: each
-    layer's are freed before the next runs) with ``rows`` rows of logits."""
+    layer's are freed before the next runs) with ``rows`` rows of logits; ``canonical`` (a one-shape
+    slice's attention, ``model.attention``) adds its context mask, a row per query head, and its own
+    part: each row's ``SPAN`` keys and values gathered in float32, their scores, the merged output."""
     b = dtype.itemsize
     H, inter, V = config.hidden_size, config.intermediate_size, config.vocab_size
     heads, kv_heads, hd = config.num_attention_heads, config.num_key_value_heads, head_dim(config)
@@ -136,6 +140,9 @@ def forward_bytes(config, tokens: int, window: int, dtype: torch.dtype, quant: s
         widest = max(H, inter, heads * hd)
         dequant = tokens * widest * (2 + 1 + 4 + b) + tokens * 8
     logits = rows * (H * 4 + V * (b + 4))
+    if canonical:
+        attn += (heads // kv_heads) * tokens * window * b + tokens * SPAN * (8 * kv_heads * hd + 12 * heads) \
+            + tokens * heads * hd * 4 * 4
     return layer + attn + mask + dequant + logits
 
 
@@ -184,15 +191,15 @@ def slice_needs(config, lo: int, hi: int, *, embed: bool, head: bool, dtype: tor
         shared = tied and embed and device == devices[0]  # a tied lm_head on the embedding's device shares it
         ends = V * H * ((1 if embed and first else 0) + (1 if head and last and not shared else 0))
         weights = n * layer_bytes(config, dtype, quant) + ends * b + (H * b if head and last else 0)
-        kv = kv_bytes_per_position(config, n, dtype) * (max_len + one_window)
-        chunk = min(PREFILL_CHUNK, max_len)
+        kv = kv_bytes_per_position(config, n, dtype) * cache_slots(max_len, one_window)
+        chunk = min(max((p for p, _ in verifies), default=1) if one_window else PREFILL_CHUNK, max_len)  # a prefill's piece
         loading = loading_bytes(config, n, dtype, quant, ends=bool(ends))
-        forward = forward_bytes(config, chunk, max_len, dtype, quant) if n else 0
+        forward = forward_bytes(config, chunk, max_len, dtype, quant, canonical=one_window) if n else 0
         logits = rows * V * (4 * 3 + b) if head and last else 0  # float logits, softmax and sampling copies
         work = max(loading, forward) + logits
         seg_rows = rows if head and last else 0
         seg_graphs = tuple(
-            Graph(forward_bytes(config, p, w, dtype, quant, p if seg_rows else 0),
+            Graph(forward_bytes(config, p, w, dtype, quant, p if seg_rows else 0, canonical=one_window),
                   p * V * 4 if seg_rows else p * H * b)
             for p, _ in verifies for w in windows if w >= max(p, span)) if graphs and device.type == "cuda" else ()
         holes = n * layer_bytes(config, dtype, quant) // NF4_FRAGMENTS if quant != "none" else 0

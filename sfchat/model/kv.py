@@ -25,10 +25,17 @@ Contract
   in place to the contiguous slots after the context (no reallocation; other slots untouched).
 * Which token sits at each slot is the owning slice's record (``ModelSlice.note``), kept once
   for all of its segments' caches.
-* ``sink`` (a one-shape slice's cache, ``ModelSlice(rows=)``): ``windows`` is only ``max_len``,
-  so every forward attends over all slots in one kernel shape, and one more slot after them, at
-  position ``max_len`` (``sink``), takes the writes of a padded plain forward's padding rows;
-  no window ever covers it.
+* Canonical attention (``canonical``: a one-shape slice's cache, ``ModelSlice(rows=)``). A GPU
+  kernel sums a row's keys in the order of their slots, and its tiles follow the window: so that a
+  row's arithmetic depends on nothing but its own query and keys, the cache attends in one fixed
+  form. ``windows`` is only ``max_len``; the buffers hold ``total`` slots (``max_len`` and the sink
+  slot at ``max_len``, where a padded plain forward's padding rows write, rounded up to ``ALIGN``);
+  ``begin`` returns an ``Attend`` (read by ``model.attention``): a row at position ``p`` attends to
+  (1) the context slots below ``p - SPAN + 1`` over all ``total`` slots (slot = position there),
+  and (2) its own last ``SPAN`` positions ``p - SPAN + 1 .. p``, gathered in position order from
+  wherever they sit (``RowKeys.keys``; a plain forward's at slot = position), the two merged by
+  their log-sum-exp. A row may sit at most ``SPAN - 1`` positions past the committed context, so
+  that every key of part (1) is the context's; ``update`` returns the whole buffers.
 
 The cache knows nothing about models or rounds; it is duck-typed to what the decoder layers
 of transformers call (``update``), not a subclass of transformers' ``Cache``.
@@ -41,6 +48,8 @@ from dataclasses import dataclass
 
 import torch
 
+SPAN = 128  # a canonical row's own last positions, gathered in order (head and tail alike: a protocol constant)
+ALIGN = 64  # a canonical cache's slots round up to this (the fused attention kernel's bias alignment)
 PREFILL_CHUNK = 512  # positions per forward when a long context is fed (head, draft, memory estimate)
 MIN_WINDOW = 512  # below this many slots a narrower attention saves nothing measurable on a GPU
 
@@ -68,19 +77,58 @@ class TreeMask:
         return self.rope, self.base, self.visible
 
 
+@dataclass(frozen=True)
+class RowKeys:
+    """A canonical tree forward's rows: ``rope`` (n,) their positions, ``keys`` (n, SPAN) the slot
+    holding each of a row's last ``SPAN`` positions ``p - SPAN + 1 .. p``, in order (-1: none)."""
+
+    rope: torch.Tensor
+    keys: torch.Tensor
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.rope, self.keys
+
+
+@dataclass(frozen=True)
+class Attend:
+    """What canonical attention reads (``model.attention``): ``bias`` (group * n, total) the additive
+    mask of the context part, rows repeated for each query head of a key head; ``context`` (n,)
+    whether a row has a context part at all (a row before position ``SPAN`` has none); ``keys``
+    (n, SPAN) the slots of a row's own part, in position order; ``seen`` (n, SPAN) which of them it
+    has."""
+
+    bias: torch.Tensor
+    context: torch.Tensor
+    keys: torch.Tensor
+    seen: torch.Tensor
+
+
+def cache_slots(max_len: int, canonical: bool) -> int:
+    """The slots a cache of ``max_len`` holds: a canonical one's sink and the rounding to ``ALIGN`` too."""
+    return -(-(max_len + 1) // ALIGN) * ALIGN if canonical else max_len
+
+
+def causal_keys(positions: torch.Tensor) -> torch.Tensor:
+    """The ``RowKeys.keys`` of rows whose last ``SPAN`` positions sit at slot = position."""
+    keys = positions[:, None] + torch.arange(1 - SPAN, 1, device=positions.device)[None]
+    return torch.where(keys >= 0, keys, torch.full_like(keys, -1))
+
+
 class StaticKV:
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, max_len: int,
-                 dtype: torch.dtype, device: torch.device, sink: bool = False):
-        shape = (1, n_kv_heads, max_len + (1 if sink else 0), head_dim)
+                 dtype: torch.dtype, device: torch.device, canonical: bool = False, group: int = 1):
+        self.canonical, self.group = canonical, group  # group: query heads per key head
+        self.total = cache_slots(max_len, canonical)
+        shape = (1, n_kv_heads, self.total, head_dim)
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.max_len = max_len
-        self.slots = torch.arange(max_len, device=device)
+        self.slots = torch.arange(self.total, device=device)
         self.neg = torch.finfo(dtype).min
         self.dtype = dtype
         self.positions = torch.zeros(1, dtype=torch.long, device=device)
         self.mask = torch.zeros(1, 1, 1, max_len, dtype=dtype, device=device)
-        self.windows = [max_len] if sink else windows_for(max_len)
+        self.windows = [max_len] if canonical else windows_for(max_len)
         self.window = max_len
 
     # -- used by the forward that owns this cache ---------------------------------------------
@@ -94,7 +142,9 @@ class StaticKV:
               ) -> torch.Tensor:
         """Set the slots the next forward writes (``positions``) and attends over (``window``,
         default all; every position must lie inside it): the (1, 1, n, window) additive mask,
-        causal by slot, or the tree's (see ``TreeMask``)."""
+        causal by slot, or the tree's (see ``TreeMask``); a canonical cache's ``Attend`` instead."""
+        if self.canonical:
+            return self._attend(positions, tree)
         self.positions = positions
         self.window = window or self.max_len
         if tree is None:
@@ -109,11 +159,25 @@ class StaticKV:
         self.mask = torch.where(visible, zero, torch.full_like(zero, self.neg))[None, None]
         return self.mask
 
+    def _attend(self, positions: torch.Tensor, rows: RowKeys | None) -> Attend:
+        """A canonical forward writing ``positions`` (slots): its ``Attend`` (a plain forward's rows
+        at slot = position, the sink's included)."""
+        if rows is None:
+            rows = RowKeys(positions, causal_keys(positions))
+        self.positions = positions
+        cut = rows.rope - (SPAN - 1)  # part (1): the slots below a row's own positions
+        zero = torch.zeros((), dtype=self.dtype, device=positions.device)
+        bias = torch.where(self.slots[None, :] < cut[:, None], zero, torch.full_like(zero, self.neg))
+        self.mask = Attend(bias.repeat(self.group, 1), cut > 0, rows.keys.clamp(min=0), rows.keys >= 0)
+        return self.mask
+
     # -- called by transformers' attention modules -----------------------------------------------
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         k, v = self.keys[layer_idx], self.values[layer_idx]
         k.index_copy_(2, self.positions, key_states.to(k.dtype))
         v.index_copy_(2, self.positions, value_states.to(v.dtype))
+        if self.canonical:
+            return k, v
         return k[:, :, :self.window], v[:, :, :self.window]
 
     def move(self, src: list[int], dst: list[int]) -> None:

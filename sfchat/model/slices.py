@@ -26,10 +26,11 @@ queries act on every segment's cache alike, so no caller can move one segment an
 Who holds which scratch slot is ``engine.scratch.Scratch``'s, which moves them through ``move``.
 
 ``rows`` makes a one-shape slice (a GPU's target slices: the reply must not depend on which
-forwards computed it, and a kernel's arithmetic for a row depends on the row count and the
-attention window): ``run`` refuses any forward of another row count, every forward attends over
-all slots (one window), and ``feed`` pads a prefill's last piece with rows that write the cache's
-sink slot (``kv``). ``feed(x, start)`` writes positions ``start ..`` of ``x`` as plain forwards:
+forwards computed it, and a kernel's arithmetic for a row depends on the row count, the window and
+the slots its keys sit in): ``run`` refuses any forward of another row count, every forward attends
+in ``kv``'s canonical form (``model.attention``; a tree forward's ``tree`` is then a
+``kv.RowKeys``), and ``feed`` pads a prefill's last piece with rows that write the cache's sink
+slot. ``feed(x, start)`` writes positions ``start ..`` of ``x`` as plain forwards:
 pieces of ``rows`` (padded), else of up to ``chunk``.
 
 ``quant="nf4"`` / ``"int8"`` loads the decoder layers' linear weights as 4-bit NF4 or int8
@@ -64,7 +65,8 @@ from torch import nn
 from sfchat import UserError
 from sfchat.model.decoder import architecture, segment_runs
 from sfchat.model.graphs import GraphTable
-from sfchat.model.kv import PREFILL_CHUNK, StaticKV, TreeMask
+from sfchat.model import attention
+from sfchat.model.kv import PREFILL_CHUNK, RowKeys, StaticKV, TreeMask, causal_keys
 from sfchat.model.quant import check_mode, quantize_linears
 from sfchat.model.source import ModelSource, Progress, _no_progress
 
@@ -78,11 +80,12 @@ class ModelSlice(nn.Module):
         types = getattr(config, "layer_types", None) or []
         if any(t != "full_attention" for t in types[lo:hi]):
             raise UserError("models with sliding-window attention layers are not supported")
-        config._attn_implementation = "sdpa"
+        config._attn_implementation = attention.NAME  # transformers' SDPA, or the canonical form
         self.config, self.lo, self.hi = config, lo, hi
         self.dtype, self.device = dtype, device
         self.quant = quant  # how ``load`` stores the layers' linear weights
-        self.rows = rows  # a one-shape slice: every forward at this row count, over one window
+        self.rows = rows  # a one-shape slice: every forward at this row count, in the canonical form
+        self.canonical = bool(rows)
         devices = list(devices or [device])
         runs = segment_runs(config, lo, hi, embed=embed, head=head, dtype=dtype, quant=quant, segments=len(devices),
                             reserved=reserved)
@@ -102,7 +105,9 @@ class ModelSlice(nn.Module):
             for local, layer in enumerate(layers):
                 layer.self_attn.layer_idx = local
             self._segments.append(_Segment(dev, StaticKV(len(layers), config.num_key_value_heads, head_dim, max_len,
-                                                         dtype, dev, sink=bool(rows)), layers))
+                                                         dtype, dev, canonical=bool(rows),
+                                                         group=config.num_attention_heads
+                                                         // config.num_key_value_heads), layers))
             self.ranges.append((lo + start, lo + stop))
         self.devices = [seg.device for seg in self._segments]  # one per segment, first to last
         self._written: list[int] = []  # the token id at each context slot, for every segment alike
@@ -196,7 +201,9 @@ class ModelSlice(nn.Module):
                 x = torch.zeros(n_tokens, self.config.hidden_size, dtype=self.dtype, device=dev)
             positions = torch.arange(n_tokens, device=dev)
             inputs = (x, positions)
-            if tree:  # a chain as example: rope = slots, base 0, each token sees its predecessors
+            if tree and self.canonical:  # a chain as example: each row's last positions at slot = position
+                inputs += (positions.clone(), causal_keys(positions))
+            elif tree:  # a chain as example: rope = slots, base 0, each token sees its predecessors
                 inputs += (positions.clone(), positions[:1].clone(),
                            torch.ones(n_tokens, span, dtype=torch.bool, device=dev).tril())
             lo, hi = self.ranges[i]
@@ -215,7 +222,7 @@ class ModelSlice(nn.Module):
 
     @torch.no_grad()
     def run(self, x: torch.Tensor, positions: torch.Tensor, n_logits: int = 0, *, end: int | None = None,
-            tree: TreeMask | None = None) -> torch.Tensor:
+            tree: TreeMask | RowKeys | None = None) -> torch.Tensor:
         """``forward`` over the smallest window holding positions below ``end`` (all slots when
         None), each segment replayed from its captured graph when one fits the shape; a one-shape
         slice refuses another row count (a ValueError)."""
@@ -244,7 +251,7 @@ class ModelSlice(nn.Module):
 
     @torch.no_grad()
     def forward(self, x: torch.Tensor, positions: torch.Tensor, n_logits: int = 0,
-                window: int | None = None, tree: TreeMask | None = None) -> torch.Tensor:
+                window: int | None = None, tree: TreeMask | RowKeys | None = None) -> torch.Tensor:
         return self._through(x, positions, n_logits, window, tree, None)
 
     def _through(self, x, positions, n_logits, window, tree, key) -> torch.Tensor:
@@ -263,11 +270,12 @@ class ModelSlice(nn.Module):
         captures and ``run`` calls where nothing was captured."""
         def fn(h, positions, *args):  # (h, positions, [rope, base, visible,] window)
             *tensors, window = args
-            return self._layers(i, h, positions, n_logits, window, TreeMask(*tensors) if tree else None)
+            rows = (RowKeys if self.canonical else TreeMask)(*tensors) if tree else None
+            return self._layers(i, h, positions, n_logits, window, rows)
         return fn
 
     def _layers(self, i: int, h: torch.Tensor, positions: torch.Tensor, n_logits: int, window: int | None,
-                tree: TreeMask | None) -> torch.Tensor:
+                tree: TreeMask | RowKeys | None) -> torch.Tensor:
         seg = self._segments[i]
         dev, kv, layers = seg.device, seg.kv, seg.layers
         if i == 0:

@@ -7,7 +7,8 @@ outputs here shows nothing: these tests check the invariant instead. Every forwa
 head's and the tail's slices (the prefill's pieces, every frame, the no-draft step) runs at the
 one row count over the one window, in every mode, with frames in flight and over two segments;
 padding rows change no real row and write nothing but the sink slot; and the reply still equals
-``generate()``.
+``generate()``, with the canonical attention such slices run (``kv.SPAN`` shortened here, so that
+rows read a context part and frames in flight meet the span's reach).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 from sfchat import UserError
 from sfchat.config import Settings
 from sfchat.events import ReplyFinished
+from sfchat.model import kv
 from sfchat.model.slices import ModelSlice
 from sfchat.model.source import ModelSource
 from sfchat.node.head import Head
@@ -37,6 +39,11 @@ MODES = {  # name: (draft, k, tree budget, frames in flight, device)
     "tree in flight": ("draft", 3, 8, 2, "cpu"),
     "tree over two segments": ("draft", 3, 8, 1, "cpu,cpu"),
 }
+
+
+@pytest.fixture(autouse=True)
+def short_span(monkeypatch):
+    monkeypatch.setattr(kv, "SPAN", 8)
 
 
 def forwards(monkeypatch) -> list[tuple[ModelSlice, int, int]]:
@@ -110,7 +117,7 @@ def test_padding_rows_change_no_real_row_and_write_only_the_sink(zoo, family):
     sl.reset(zero=True)
     fed = sl.feed(long_ids, 0)
     assert fed.shape == (19, src.config.hidden_size)
-    assert torch.allclose(fed, plain.run(long_ids, torch.arange(19), end=19), atol=1e-5)
+    assert torch.allclose(fed, plain.run(long_ids, torch.arange(19), end=19), rtol=1e-4, atol=1e-3)  # fp32 rounding
     with pytest.raises(ValueError, match="a forward of 5 rows on a slice whose every forward runs at 8"):
         sl.run(ids, torch.arange(5), end=5)
 

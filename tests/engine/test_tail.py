@@ -15,7 +15,7 @@ from sfchat.protocol.wire import PROTOCOL_VERSION, Control, DType, Forward, MsgT
 
 from wire_frames import frame
 from tail_cases import (  # noqa: F401  (fixture)
-    PROMPT, check_serves, greedy_reference, hello_for, replies, tail_case, tree_frames
+    K, PROMPT, check_serves, greedy_reference, hello_for, replies, tail_case, tree_frames
 )
 
 
@@ -272,3 +272,20 @@ def test_a_one_shape_hello_makes_every_forward_of_the_tail_run_at_its_frame_shap
     assert v.model is not held and v.model.rows == 4
     replies(v, hello_for(good), fails=False)
     assert v.model.rows is None
+
+
+def test_a_one_shape_tail_refuses_a_frame_deeper_than_its_span_and_serves_one_at_its_edge(tail_case, monkeypatch):
+    """Canonical attention reads a row's last SPAN positions as its own: a node SPAN or more past
+    the context would read scratch slots as context, so such a frame is refused, plainly."""
+    from sfchat.model import kv
+
+    good, other, ref, fwd = tail_case
+    monkeypatch.setattr(kv, "SPAN", K + 1)  # the case's chain: K drafts after the root reach K past the context
+    v = Verifier(TailLoader(torch.device("cpu")))
+    replies(v, hello_for(good, frames=[8], one_shape=True), fails=False)
+    check_serves(v, good, ref, fwd, hello=False)  # the deepest node K past the context: served
+    monkeypatch.setattr(kv, "SPAN", K)
+    replies(v, hello_for(good, frames=[8], one_shape=True), fails=False)
+    assert replies(v, fwd[0], fails=False) == []
+    message = replies(v, fwd[1], fails=True)
+    assert message == f"a tree frame with a node {K} positions past the context; at most {K - 1} may be"
