@@ -28,6 +28,10 @@ fresh sfchat):
   tokens per verdict / that at 86 and 175 ms, with the tokens per verdict assumed (``--tokens``:
   random weights accept nothing meaningful).
 
+The halves are measured as they ran before ``--frame-rows`` (each forward at its own size over the
+smallest window, masked attention, 512-row prefill chunks): ``--frame-rows 0``. The one-shape path
+a GPU runs by default now (64 rows, canonical attention) is not measured by this script yet.
+
 Run from the repository root:  python3 bench/bigmodel_bench.py [--models 7B 32B 72B] [--dtypes float16]
 [--out r.json]. A CPU check of the script: python3 bench/bigmodel_bench.py --tiny (tiny shapes,
 fp32, NF4 through bitsandbytes' CPU backend, nothing graphed, no memory figures). Needs torch,
@@ -74,7 +78,7 @@ PROMISED = {"7B": 32768, "32B": 19456, "72B": 4096, "tiny": 1024}
 DRAFT = {"0.5B": (896, 4864, 24, 14, 2, 151936), "tiny": (128, 256, 2, 4, 2, 512)}
 K = 8
 TREE = int(os.environ.get("SFCHAT_BENCH_TREE", AUTO_TREE_BUDGET))  # --tree-budget, handed to the children so
-LAYOUT = frame_layout(Settings(k=K, tree_budget=TREE), K, cuda=True)  # the GPU default's frame and pools
+LAYOUT = frame_layout(Settings(k=K, tree_budget=TREE, frame_rows=0), K, cuda=True)  # the frame and pools, --frame-rows 0
 VERIFIES = [(LAYOUT.size, True)]  # the HELLO's frame shapes
 GREEDY = Sampling()
 

@@ -63,7 +63,7 @@ AUTO_TREE_BUDGET = 63
 # no-draft step's. A GPU kernel's arithmetic for a row depends on the row count, so one row count for all of
 # them makes the reply independent of the frames a network's timing shaped (a CPU's does not depend on it)
 AUTO_FRAME_ROWS = 64
-MAX_FRAME_ROWS = 1024
+MAX_FRAME_ROWS = MAX_NODES  # the frame shape a hello may name
 MAX_IN_FLIGHT = 16
 MAX_DRAFT_AHEAD = 64
 MAX_CONTEXT = 1 << 20  # tokens; the model's own window caps it further

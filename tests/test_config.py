@@ -77,6 +77,8 @@ def test_good_values_are_taken_as_the_setting_holds_them(tmp_path):
     ("tree_budget", "lots", "--tree-budget must be auto or a whole number between 0 and 255, not 'lots'"),
     # a frame is the root and its drafts: 256 drafts would be a frame the tail refuses (257 nodes)
     ("tree_budget", 256, "--tree-budget must be auto or a whole number between 0 and 255, not 256"),
+    # every frame is padded to it: more rows than a frame may hold nodes would be a shape the tail refuses
+    ("frame_rows", 257, "--frame-rows must be auto or a whole number between 0 and 256, not 257"),
     ("direct", "203.0.113.7", "--direct must be HOST:PORT (such as 203.0.113.7:7860, box.example.org:7860 or "
                               "[::1]:7860), not '203.0.113.7'"),
     ("direct", "box:0", "--direct must be HOST:PORT (such as 203.0.113.7:7860, box.example.org:7860 or [::1]:7860), "

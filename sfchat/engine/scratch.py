@@ -21,7 +21,8 @@ tail's row) holds which of those slots, and the one that moves them:
   (the head's frame, the draft's expansion step, the tail's verify all build theirs here): each
   row a key's (position, key, the keys of the ancestors it attends to), written at the key's slot
   (taken if it holds none), seeing the context, its ancestors' slots and its own; the rows padded
-  to ``shape``, a padding row writing and seeing only the trash slot (never an empty softmax).
+  to ``shape``, a padding row writing only the trash slot and seeing it (never an empty softmax;
+  in the canonical form below, the context below its rope's span too).
   A canonical model's (``model.canonical``: a one-shape slice) is a ``kv.RowKeys`` instead: each
   row's last ``SPAN`` positions in order, the context's below ``n`` and its last ancestors' and
   its own slots after it (a ValueError for a row ``SPAN`` or more positions past the context).

@@ -12,7 +12,9 @@ of frames in flight.
 * ``begin(prompt_ids)`` makes the prompt the context and opens a new tree: its first frame
   carries the context the target lacks as prefill FORWARDs before the tree FORWARD.
 * ``frame(s, budget, min_yield, step_gain, max_steps)``: the next frame of at most ``frame_size``
-  nodes, or None when nothing may be sent (the context window or the reply's budget reached) or
+  nodes, or None when nothing may be sent (the context window or the reply's budget reached, or,
+  on a canonical head slice, every candidate ``kv.SPAN`` or more positions past the committed
+  context) or
   the frame would be expected to commit fewer than ``min_yield`` tokens. The draft expands the
   tree's likeliest nodes up to ``steps`` times (a tree frame: fewer when ``max_steps`` says so,
   or once a step added less than ``step_gain`` tokens to the frame's expected yield; ``width``

@@ -21,7 +21,9 @@ and its token that pick, or its parent is a live node of the same frame; every o
 dead (its parent was dead, or the target picked another token after it) and is not computed. The
 live nodes run at the frame's fixed shape (``Hello.shape``: padded, each row in a slot of a
 ``Scratch`` that lives for the frame, seeing the context, its ancestors and itself), the target
-picks at each (``sampling.picks``: one host sync, which also checks that the logits are finite;
+picks at each (a one-shape slice's frame refused when a node sits ``kv.SPAN`` or more positions
+past the context: canonical attention reads a row's last ``SPAN`` positions as its own;
+``sampling.picks``: one host sync, which also checks that the logits are finite;
 a repetition penalty sees each row's own context: the committed tokens the tail holds, counted
 on the device as they change (``sampling.Seen``), plus the row's ancestors in its frame and itself),
 and the walk descends from the frontier while a pick is a child: those nodes are committed

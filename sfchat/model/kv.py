@@ -2,7 +2,8 @@
 
 Contract
 --------
-* Buffers are allocated once (``max_len`` slots per layer) and never reallocated, so the
+* Buffers are allocated once (``max_len`` slots per layer; a canonical cache's ``total``, below)
+  and never reallocated, so the
   forwards that use them can be captured in CUDA graphs.
 * Before a forward, the caller sets the absolute positions of the new tokens with
   ``begin(positions, window)``; transformers' attention modules then call

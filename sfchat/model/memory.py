@@ -106,7 +106,7 @@ def hints(role: str, *, quant: str, max_len: int, kv_per_position: int, gpus: in
     out = []
     if tree_budget:
         out.append(f"a smaller --tree-budget{on_head} (now {tree_budget}: each node adds a row of logits and a KV "
-                   "slot)")
+                   "slot; a GPU pads every frame to --frame-rows: lower it too)")
     if quant != "nf4":
         out.append("--load-in-4bit (NF4: the layers take about a quarter of their 16-bit size)" if role != "tail"
                    else "--load-in-4bit on the head (the tail follows it)")

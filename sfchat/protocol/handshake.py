@@ -8,7 +8,8 @@ that one shape (the tail captures a verify graph for each), ``one_shape``: every
 tail at the one frame shape, its prefill in pieces of it, padded (``ModelSlice(rows=)``), and
 whether to capture CUDA graphs); ``Ready`` is the tail's answer (what
 it loaded and computes in). ``to_frame()`` encodes one as a wire Control frame; ``parse(data)``
-builds one from a decoded Control's JSON object and raises ``wire.WireError`` for a missing
+builds one from a decoded Control's JSON object and raises ``wire.WireError`` (a ``one_shape``
+hello with other than one frame shape included) for a missing
 field, a value not of its exact JSON type (a bool is no int, a float no int), an integer out of
 range or a name of an unknown kind (``fields.json_field``), before anything is allocated or
 opened on its word. Both ends are each other's untrusted peers. Torch-free; knows nothing of
