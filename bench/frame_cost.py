@@ -11,9 +11,14 @@ prefilled, and every figure is the mean of many calls (CUDA-synchronised wall ti
     the same rows as a plain causal forward (no tree mask, no scratch: the attention over the
     context alone); the 65-row forward's matrix multiplications alone; the host's parts of a frame
     (building the tree's inputs, the hidden states to bytes, the wire encoding);
-  * the kernels that take the most time in one eager 65-row tree forward (torch.profiler).
+  * the kernels that take the most time in one eager 65-row tree forward (torch.profiler);
+  * one row count against each forward at its own size (``--frame-rows 64``, a GPU's default, against
+    ``0``): the same weights as two slices of 4096 + scratch slots, a 64-row tree frame graphed,
+    after contexts of ``--context``, 2000 and 4000 tokens: masked SDPA over the smallest window that
+    holds the context against canonical attention (``model.attention``) over every slot; and the
+    kernels of one eager canonical forward.
 
-Run from the repository root:  python3 bench/frame_cost.py [--tiny] [--context 500] [--no-compile]
+Run from the repository root:  python3 bench/frame_cost.py [--tiny] [--context 500] [--no-compile] [--rows-only]
 (--tiny: CPU, tiny shapes: checks the script, measures nothing)
 """
 
@@ -36,7 +41,7 @@ from sfchat.engine.speculator import hidden_bytes  # noqa: E402
 from sfchat.protocol import wire  # noqa: E402
 from sfchat.protocol.wire import Sampling  # noqa: E402
 
-HEAD_POOL = 9 * 65 + 1  # the GPU default's head scratch: 8 frames in flight and one being built, 65 nodes each
+HEAD_POOL = 9 * 64 + 1  # the GPU default's head scratch: 8 frames in flight and one being built, 64 nodes each
 DRAFT_POOL = 513
 
 
@@ -62,6 +67,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=500)
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--calls", type=int, default=50)
+    ap.add_argument("--rows-only", action="store_true", help="only the one-row-count comparison")
     args = ap.parse_args()
     cuda = not args.tiny and torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
@@ -79,6 +85,9 @@ def main() -> None:
             print(f"| {row[0]} | {row[1]:.2f} | {row[2]} |", flush=True)
 
     rows_out = Rows()
+    if args.rows_only:
+        one_row_count(head_shape, head_name, dtype, device, cuda, ctx, n)
+        return
 
     # -- the draft's expansion step ------------------------------------------------------------
     draft = random_slice(draft_shape, dtype, device, max_len=2048 + DRAFT_POOL)
@@ -146,6 +155,42 @@ def main() -> None:
     print("\nkernels of one eager 65-row tree forward, most time first:\n\n| kernel | µs | calls |\n| --- | --- | --- |")
     for name, us, calls in kernels[:12]:
         print(f"| {name} | {us:.0f} | {calls} |")
+    del head
+    one_row_count(head_shape, head_name, dtype, device, cuda, ctx, n)
+
+
+def one_row_count(shape: dict, name: str, dtype, device, cuda: bool, ctx: int, n: int) -> None:
+    """A 64-row tree frame: each forward at its own size (masked SDPA over the smallest window) against
+    one row count (canonical attention over every slot), the same weights, several contexts."""
+    if cuda:
+        torch.cuda.empty_cache()
+    max_len, rows = 4096 + HEAD_POOL, 64
+    slices = {"own size, masked": random_slice(shape, dtype, device, max_len),
+              "64 rows, canonical": random_slice(shape, dtype, device, max_len, rows=rows)}
+    print(f"\n{name}: a {rows}-row tree frame, graphed, {max_len} slots\n\n| context | "
+          + " | ".join(f"{k} (ms)" for k in slices) + " |\n| --- |" + " --- |" * len(slices))
+    for sl in slices.values():
+        if cuda:
+            sl.capture(rows, tree=True, span=HEAD_POOL)
+    for context in (ctx, 2000, 4000):
+        cells = []
+        for sl in slices.values():
+            sl.reset()
+            ids = torch.randint(0, 300, (context - 1,), device=device)
+            sl.feed(ids, 0)
+            sl.note(0, ids.tolist())
+            scratch = Scratch(sl, HEAD_POOL)
+            scratch.reset(context - 1)
+            slots, mask = scratch.tree_inputs(tree_rows(rows, context - 1), rows, device)
+            x = torch.randint(0, 300, (rows,), device=device)
+            cells.append(timed(lambda: sl.run(x, slots, end=scratch.end, tree=mask), n, cuda))
+        print(f"| {context} | " + " | ".join(f"{c:.2f}" for c in cells) + " |", flush=True)
+    sl = slices["64 rows, canonical"]
+    kernels = profiled(lambda: sl.forward(x, slots, tree=mask), cuda, 70)
+    print(f"\nkernels of one eager {rows}-row canonical tree forward, most time first:\n\n| kernel | µs | calls |\n"
+          "| --- | --- | --- |")
+    for kname, us, calls in kernels[:16]:
+        print(f"| {kname} | {us:.0f} | {calls} |")
 
 
 if __name__ == "__main__":

@@ -47,14 +47,14 @@ TINY = {
 }
 
 
-def random_slice(shape: dict, dtype, device, max_len: int) -> ModelSlice:
+def random_slice(shape: dict, dtype, device, max_len: int, rows: int | None = None) -> ModelSlice:
     from transformers import Qwen2Config
 
     shape = dict(shape)
     lo, hi, embed, head = shape.pop("lo"), shape.pop("hi"), shape.pop("embed"), shape.pop("head")
     shape.pop("tokens")
     cfg = Qwen2Config(rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False, **shape)
-    sl = ModelSlice(cfg, lo, hi, embed=embed, head=head, dtype=dtype, device=device, max_len=max_len)
+    sl = ModelSlice(cfg, lo, hi, embed=embed, head=head, dtype=dtype, device=device, max_len=max_len, rows=rows)
     gen = torch.Generator(device=device).manual_seed(0)
     for module in sl.modules():  # every parameter is still on the meta device: make it real
         for name, p in list(module._parameters.items()):
