@@ -133,7 +133,8 @@ def test_lookup_finds_what_followed_the_latest_occurrence():
 
 def test_tree_rounds_through_the_relay_equal_generate(zoo):
     """Relay mode, sealed, real processes: a tree-budget head against a tail told the budget by
-    the hello; greedy output equals generate() and --json reports the tree figures."""
+    the hello (and then one row count for every forward); greedy output equals generate() and
+    --json reports the tree figures."""
     from machines import generate_reference, head, start_relay, start_tail
 
     relay, url = start_relay()
@@ -148,6 +149,10 @@ def test_tree_rounds_through_the_relay_equal_generate(zoo):
         # a stream of shallow frames (about 2 tokens each) on a loaded machine
         out = head(url, "trees", target, target, 4, "--tree-budget", "8", "--max-in-flight", "1", n=48)
         assert out["token_ids"] == ref and out["tokens_per_round"] > 2
+        # one row count for every forward of the target (a GPU's default), frames in flight as the policy
+        # picks: the same tail reloads its slice for the one-shape hello, canonical attention and all
+        out = head(url, "trees", target, zoo["draft"], 4, "--tree-budget", "16", "--frame-rows", "24", n=48)
+        assert out["token_ids"] == ref
     finally:
         for p in (tail, relay):
             p.terminate()
