@@ -7,10 +7,12 @@ with the mask their cache's ``begin`` returned (``kv.StaticKV``):
 
 * an additive mask tensor (the draft, and every slice without one row count): transformers' own
   SDPA attention, unchanged;
-* a ``kv.Attend`` (a one-shape slice's, ``ModelSlice(rows=)``): canonical attention, in two parts
-  merged by their log-sum-exp in float32. (1) The context part: every row against all of the
-  cache's slots in one fused kernel call of one shape (the query heads of a key head stacked as
-  rows, so keys are never repeated), masked to the slots below the row's own positions; (2) the
+* a ``kv.Attend`` (a one-shape slice's, ``ModelSlice(rows=)``): canonical attention, in parts
+  merged by their log-sum-exp in float32, in a fixed order. (1) The context part: every row
+  against all of the cache's slots, masked to the slots below the row's own positions, as one
+  fused kernel call of one shape over the blocks of ``kv.BLOCK`` slots side by side (the query
+  heads of a key head stacked as rows, so keys are never repeated; the blocks give the GPU as
+  many more thread blocks to run at once); (2) the
   row's own part: its last ``SPAN`` positions, gathered in position order from wherever they sit,
   in float32. A row's arithmetic then depends only on its query, on the context's keys at their
   positions and on its own keys in order: not on the other rows, on the slots its ancestors hold,
@@ -27,22 +29,49 @@ import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from sfchat.model import kv
 from sfchat.model.kv import Attend
 
 NAME = "sfchat"
 
 
-def context_part(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bias: torch.Tensor, scale: float
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``q`` (1, Hkv, m, D) against ``key``/``value`` (1, Hkv, T, D) under ``bias`` (m, T): the
-    normalised output (1, Hkv, m, D) and the log-sum-exp (1, Hkv, m), both float32."""
-    bias = bias[None, None].expand(1, key.shape[1], -1, -1)
+def fused(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bias: torch.Tensor, scale: float
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``q`` (B, H, M, D) against ``key``/``value`` (B, H, N, D) under the additive ``bias``
+    (B, H, M, N; any strides, the last one 1): the normalised output (B, H, M, D; the inputs' dtype
+    on a GPU, float32 on a CPU) and the log-sum-exp (B, H, M) in float32. One fused kernel call on
+    a GPU (a row with no key gets an arbitrary result: the caller weighs it by nothing)."""
     if q.device.type == "cuda":
         out, lse, *_ = torch.ops.aten._scaled_dot_product_efficient_attention(
             q, key, value, bias, True, 0.0, False, scale=scale)
-        return out.float(), lse[..., :q.shape[2]].float()
+        return out, lse[..., :q.shape[2]]
     scores = torch.matmul(q.float(), key.float().transpose(-1, -2)) * scale + bias.float()
     return torch.matmul(torch.softmax(scores, -1), value.float()), torch.logsumexp(scores, -1)
+
+
+def context_part(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bias: torch.Tensor, scale: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``q`` (1, Hkv, m, D) against ``key``/``value`` (1, Hkv, T, D) under ``bias`` (m, T), in blocks
+    of ``kv.BLOCK`` slots run side by side (T a multiple of it): per block, the normalised output
+    (T / BLOCK, Hkv, m, D) and the log-sum-exp (T / BLOCK, Hkv, m) (``fused``)."""
+    _, kv_heads, m, dim = q.shape
+    blocks = key.shape[2] // kv.BLOCK
+    keys = key[0].view(kv_heads, blocks, kv.BLOCK, dim).transpose(0, 1)  # (blocks, Hkv, BLOCK, D)
+    values = value[0].view(kv_heads, blocks, kv.BLOCK, dim).transpose(0, 1)
+    bias = bias.view(m, blocks, kv.BLOCK).transpose(0, 1)[:, None].expand(blocks, kv_heads, m, kv.BLOCK)
+    return fused(q.expand(blocks, kv_heads, m, dim), keys, values, bias, scale)
+
+
+def own_part(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, how: Attend, scale: float
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``q`` (n, Hkv, group, D), each row's query heads by key head, against its own ``SPAN`` keys
+    gathered in position order from ``key``/``value`` (1, Hkv, T, D): the output (n, Hkv, group, D)
+    and the log-sum-exp (n, Hkv, group) (``fused``, a batch of one row each)."""
+    n, kv_heads, group, _ = q.shape
+    keys = key[0].transpose(0, 1)[how.keys].transpose(1, 2)  # (n, Hkv, SPAN, D), gathered (n, SPAN, Hkv, D)
+    values = value[0].transpose(0, 1)[how.keys].transpose(1, 2)
+    bias = how.own[:, None, None, :].expand(n, kv_heads, group, kv.SPAN)  # a row always sees itself
+    return fused(q, keys, values, bias, scale)
 
 
 def canonical(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, how: Attend, scale: float
@@ -52,21 +81,18 @@ def canonical(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, how: 
     _, heads, n, dim = query.shape
     kv_heads = key.shape[1]
     group = heads // kv_heads
-    out1, lse1 = context_part(query.reshape(1, kv_heads, group * n, dim), key, value, how.bias, scale)
-    out1 = out1[0].view(kv_heads, group, n, dim).transpose(1, 2)  # (Hkv, n, group, D)
-    lse1 = lse1[0].view(kv_heads, group, n).transpose(1, 2)  # (Hkv, n, group)
-    has = how.context[None, :, None]  # an empty part weighs nothing (the H100's kernel reports its lse as 0)
-    lse1, out1 = torch.where(has, lse1, float("-inf")), torch.where(has[..., None], out1, 0.0)
-    own_k, own_v = key[0][:, how.keys].float(), value[0][:, how.keys].float()  # (Hkv, n, SPAN, D)
-    q = query[0].float().view(kv_heads, group, n, dim).transpose(1, 2)  # (Hkv, n, group, D)
-    scores = torch.matmul(q, own_k.transpose(-1, -2)) * scale  # (Hkv, n, group, SPAN)
-    scores = scores.masked_fill(~how.seen[None, :, None, :], float("-inf"))  # a row always sees itself
-    lse2 = torch.logsumexp(scores, -1)
-    out2 = torch.matmul(torch.softmax(scores, -1), own_v)
-    top = torch.maximum(lse1, lse2)
-    w1, w2 = torch.exp(lse1 - top)[..., None], torch.exp(lse2 - top)[..., None]
-    out = (out1 * w1 + out2 * w2) / (w1 + w2)
-    return out.permute(1, 0, 2, 3).reshape(1, n, heads, dim).to(query.dtype)
+    outs, lses = context_part(query.reshape(1, kv_heads, group * n, dim), key, value, how.bias, scale)
+    blocks = outs.shape[0]
+    outs = outs.view(blocks, kv_heads, group, n, dim)
+    lses = lses.view(blocks, kv_heads, group, n)
+    has = how.context[:, None, None, :]  # a block without a row's keys weighs nothing (a fused kernel's lse: 0)
+    lses, outs = torch.where(has, lses, float("-inf")), torch.where(has[..., None], outs, 0.0)
+    own, own_lse = own_part(query[0].view(kv_heads, group, n, dim).permute(2, 0, 1, 3), key, value, how, scale)
+    lses = torch.cat([lses, own_lse.permute(1, 2, 0)[None]])  # the blocks, then the own part, in this order
+    outs = torch.cat([outs, own.permute(1, 2, 0, 3)[None]])
+    weights = torch.exp(lses - lses.amax(0))[..., None]
+    out = (outs * weights).sum(0) / weights.sum(0)  # (Hkv, group, n, D), float32
+    return out.permute(2, 0, 1, 3).reshape(1, n, heads, dim).to(query.dtype)
 
 
 def attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,

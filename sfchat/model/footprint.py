@@ -51,7 +51,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sfchat.model.kv import PREFILL_CHUNK, SPAN, cache_slots, windows_for
+from sfchat.model.kv import BLOCK, PREFILL_CHUNK, SPAN, cache_slots, windows_for
 from sfchat.model.decoder import layer_bytes, layer_counts, segment_runs
 
 MIB, GIB = 1 << 20, 1 << 30
@@ -125,8 +125,9 @@ def forward_bytes(config, tokens: int, window: int, dtype: torch.dtype, quant: s
                   canonical: bool = False) -> int:
     """The temporaries of a forward of ``tokens`` over ``window`` slots (one layer's worth: each
     layer's are freed before the next runs) with ``rows`` rows of logits; ``canonical`` (a one-shape
-    slice's attention, ``model.attention``) adds its context mask, a row per query head, and its own
-    part: each row's ``SPAN`` keys and values gathered in float32, their scores, the merged output."""
+    slice's attention, ``model.attention``) adds its context mask, a row per query head, its blocks'
+    queries and outputs, and its own part: each row's ``SPAN`` keys and values gathered (in float32,
+    as a CPU does), their scores, the merged output."""
     b = dtype.itemsize
     H, inter, V = config.hidden_size, config.intermediate_size, config.vocab_size
     heads, kv_heads, hd = config.num_attention_heads, config.num_key_value_heads, head_dim(config)
@@ -140,9 +141,9 @@ def forward_bytes(config, tokens: int, window: int, dtype: torch.dtype, quant: s
         widest = max(H, inter, heads * hd)
         dequant = tokens * widest * (2 + 1 + 4 + b) + tokens * 8
     logits = rows * (H * 4 + V * (b + 4))
-    if canonical:
+    if canonical:  # and per block of the context part: the queries' copy, its output in float32, twice
         attn += (heads // kv_heads) * tokens * window * b + tokens * SPAN * (8 * kv_heads * hd + 12 * heads) \
-            + tokens * heads * hd * 4 * 4
+            + tokens * heads * hd * 4 * 4 + -(-window // BLOCK) * tokens * heads * (hd * (b + 8) + 8)
     return layer + attn + mask + dequant + logits
 
 

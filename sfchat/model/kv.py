@@ -30,7 +30,7 @@ Contract
   kernel sums a row's keys in the order of their slots, and its tiles follow the window: so that a
   row's arithmetic depends on nothing but its own query and keys, the cache attends in one fixed
   form. ``windows`` is only ``max_len``; the buffers hold ``total`` slots (``max_len`` and the sink
-  slot at ``max_len``, where a padded plain forward's padding rows write, rounded up to ``ALIGN``);
+  slot at ``max_len``, where a padded plain forward's padding rows write, rounded up to ``BLOCK``);
   ``begin`` returns an ``Attend`` (read by ``model.attention``): a row at position ``p`` attends to
   (1) the context slots below ``p - SPAN + 1`` over all ``total`` slots (slot = position there),
   and (2) its own last ``SPAN`` positions ``p - SPAN + 1 .. p``, gathered in position order from
@@ -50,7 +50,7 @@ from dataclasses import dataclass
 import torch
 
 SPAN = 128  # a canonical row's own last positions, gathered in order (head and tail alike: a protocol constant)
-ALIGN = 64  # a canonical cache's slots round up to this (the fused attention kernel's bias alignment)
+BLOCK = 512  # a canonical cache's slots round up to this: its context part runs in blocks of it, side by side
 PREFILL_CHUNK = 512  # positions per forward when a long context is fed (head, draft, memory estimate)
 MIN_WINDOW = 512  # below this many slots a narrower attention saves nothing measurable on a GPU
 
@@ -93,20 +93,20 @@ class RowKeys:
 @dataclass(frozen=True)
 class Attend:
     """What canonical attention reads (``model.attention``): ``bias`` (group * n, total) the additive
-    mask of the context part, rows repeated for each query head of a key head; ``context`` (n,)
-    whether a row has a context part at all (a row before position ``SPAN`` has none); ``keys``
-    (n, SPAN) the slots of a row's own part, in position order; ``seen`` (n, SPAN) which of them it
-    has."""
+    mask of the context part, rows repeated for each query head of a key head; ``context``
+    (total / BLOCK, n) whether a row has keys in each block of ``BLOCK`` slots of it; ``keys``
+    (n, SPAN) the slots of a row's own part, in position order; ``own`` (n, SPAN) its additive mask
+    (0 for the positions a row has, the dtype's lowest for the others)."""
 
     bias: torch.Tensor
     context: torch.Tensor
     keys: torch.Tensor
-    seen: torch.Tensor
+    own: torch.Tensor
 
 
 def cache_slots(max_len: int, canonical: bool) -> int:
-    """The slots a cache of ``max_len`` holds: a canonical one's sink and the rounding to ``ALIGN`` too."""
-    return -(-(max_len + 1) // ALIGN) * ALIGN if canonical else max_len
+    """The slots a cache of ``max_len`` holds: a canonical one's sink and the rounding to ``BLOCK`` too."""
+    return -(-(max_len + 1) // BLOCK) * BLOCK if canonical else max_len
 
 
 def causal_keys(positions: torch.Tensor) -> torch.Tensor:
@@ -169,7 +169,9 @@ class StaticKV:
         cut = rows.rope - (SPAN - 1)  # part (1): the slots below a row's own positions
         zero = torch.zeros((), dtype=self.dtype, device=positions.device)
         bias = torch.where(self.slots[None, :] < cut[:, None], zero, torch.full_like(zero, self.neg))
-        self.mask = Attend(bias.repeat(self.group, 1), cut > 0, rows.keys.clamp(min=0), rows.keys >= 0)
+        starts = torch.arange(0, self.total, BLOCK, device=positions.device)
+        own = torch.where(rows.keys >= 0, zero, torch.full_like(zero, self.neg))
+        self.mask = Attend(bias.repeat(self.group, 1), cut[None, :] > starts[:, None], rows.keys.clamp(min=0), own)
         return self.mask
 
     # -- called by transformers' attention modules -----------------------------------------------

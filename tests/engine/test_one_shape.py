@@ -44,6 +44,7 @@ MODES = {  # name: (draft, k, tree budget, frames in flight, device)
 @pytest.fixture(autouse=True)
 def short_span(monkeypatch):
     monkeypatch.setattr(kv, "SPAN", 8)
+    monkeypatch.setattr(kv, "BLOCK", 16)  # the context part in several blocks
 
 
 def forwards(monkeypatch) -> list[tuple[ModelSlice, int, int]]:
