@@ -15,8 +15,8 @@ prefilled, and every figure is the mean of many calls (CUDA-synchronised wall ti
   * one row count against each forward at its own size (``--frame-rows 64``, a GPU's default, against
     ``0``): the same weights as two slices of 4096 + scratch slots, a 64-row tree frame graphed,
     after contexts of ``--context``, 2000 and 4000 tokens: masked SDPA over the smallest window that
-    holds the context against canonical attention (``model.attention``) over every slot; and the
-    kernels of one eager canonical forward.
+    holds the context against canonical attention (``model.attention``: its context part in blocks
+    over the window holding the context); and the kernels of one eager canonical forward.
 
 Run from the repository root:  python3 bench/frame_cost.py [--tiny] [--context 500] [--no-compile] [--rows-only]
 (--tiny: CPU, tiny shapes: checks the script, measures nothing)
@@ -125,7 +125,7 @@ def main() -> None:
         rows = tree_rows(r, base)
         slots, mask = scratch.tree_inputs(rows, r, device)
         x = torch.randint(0, 300, (r,), device=device)
-        tree_ms = timed(lambda: head.run(x, slots, end=scratch.end, tree=mask), n, cuda)
+        tree_ms = timed(lambda: head.run(x, slots, end=scratch.reach, tree=mask), n, cuda)
         pos = torch.arange(base, base + r, device=device)
         plain_ms = timed(lambda: head.run(x, pos, end=base + r), n, cuda)
         rows_out.append((f"{head_name}: {r}-row tree forward over {HEAD_POOL} scratch slots", tree_ms,
@@ -135,7 +135,7 @@ def main() -> None:
             rows_out.append((f"{head_name}: its GEMMs alone at {r} rows", g, f"{gb:.1f} GB of weights, "
                              f"{gb / g:.2f} TB/s"))
             host = timed(lambda: (scratch.reset(base), scratch.tree_inputs(rows, r, device)), n, cuda)
-            hidden = head.run(x, slots, end=scratch.end, tree=mask)
+            hidden = head.run(x, slots, end=scratch.reach, tree=mask)
             to_bytes = timed(lambda: hidden_bytes(hidden, "x"), n, cuda)
             raw = hidden_bytes(hidden, "x")
             enc = timed(lambda: wire.encode(wire.Forward(
@@ -150,8 +150,8 @@ def main() -> None:
     rows = tree_rows(65, base)
     slots, mask = scratch.tree_inputs(rows, 65, device)
     x = torch.randint(0, 300, (65,), device=device)
-    head.forward(x, slots, window=head.window_for(scratch.end), tree=mask)
-    kernels = profiled(lambda: head.forward(x, slots, window=head.window_for(scratch.end), tree=mask), cuda, 70)
+    head.forward(x, slots, window=head.window_for(scratch.reach), tree=mask)
+    kernels = profiled(lambda: head.forward(x, slots, window=head.window_for(scratch.reach), tree=mask), cuda, 70)
     print("\nkernels of one eager 65-row tree forward, most time first:\n\n| kernel | µs | calls |\n| --- | --- | --- |")
     for name, us, calls in kernels[:12]:
         print(f"| {name} | {us:.0f} | {calls} |")
@@ -161,7 +161,8 @@ def main() -> None:
 
 def one_row_count(shape: dict, name: str, dtype, device, cuda: bool, ctx: int, n: int) -> None:
     """A 64-row tree frame: each forward at its own size (masked SDPA over the smallest window) against
-    one row count (canonical attention over every slot), the same weights, several contexts."""
+    one row count (canonical attention, its context part over the window holding the context), the
+    same weights, several contexts."""
     if cuda:
         torch.cuda.empty_cache()
     max_len, rows = 4096 + HEAD_POOL, 64
@@ -183,10 +184,10 @@ def one_row_count(shape: dict, name: str, dtype, device, cuda: bool, ctx: int, n
             scratch.reset(context - 1)
             slots, mask = scratch.tree_inputs(tree_rows(rows, context - 1), rows, device)
             x = torch.randint(0, 300, (rows,), device=device)
-            cells.append(timed(lambda: sl.run(x, slots, end=scratch.end, tree=mask), n, cuda))
+            cells.append(timed(lambda: sl.run(x, slots, end=scratch.reach, tree=mask), n, cuda))
         print(f"| {context} | " + " | ".join(f"{c:.2f}" for c in cells) + " |", flush=True)
     sl = slices["64 rows, canonical"]
-    kernels = profiled(lambda: sl.forward(x, slots, tree=mask), cuda, 70)
+    kernels = profiled(lambda: sl.forward(x, slots, window=sl.window_for(scratch.reach), tree=mask), cuda, 70)
     print(f"\nkernels of one eager {rows}-row canonical tree forward, most time first:\n\n| kernel | µs | calls |\n"
           "| --- | --- | --- |")
     for kname, us, calls in kernels[:16]:

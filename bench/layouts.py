@@ -79,7 +79,7 @@ def plans(size: str, quant: str, context: int, draft_quant: str = "none") -> dic
                       pool=LAYOUT.draft_pool, compiled=True)
     split = cfg.num_hidden_layers // 2
     target = dict(devices=GPUS, dtype=torch.float16, quant=quant, max_len=max_len, verifies=VERIFIES,
-                  one_window=bool(LAYOUT.rows))
+                  one_shape=bool(LAYOUT.rows))
     out = {}
     for name, local in (("local", True), ("head", False)):
         placed = place_draft(cfg, split, draft, local=local, **target)

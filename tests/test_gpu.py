@@ -248,3 +248,12 @@ def test_graphed_engine_with_segmented_halves_keeps_greedy_parity(zoo, monkeypat
     model = AutoModelForCausalLM.from_pretrained(path).cuda().eval()
     ref = model.generate(torch.tensor([ids], device="cuda"), max_new_tokens=32, do_sample=False, pad_token_id=0)
     assert list(fin.token_ids) == ref[0, len(ids):].tolist()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_canonical_row_comes_out_the_same_over_every_window_on_the_gpu(zoo, monkeypatch, dtype):
+    from test_attention import over_windows  # the CPU test's frame, on the GPU's kernels
+
+    outs = over_windows(zoo["qwen2-untied"], dtype, torch.device("cuda"), monkeypatch)
+    assert [w for w, _ in outs] == [16, 32, 64]
+    assert all(torch.equal(out, outs[0][1]) for _, out in outs[1:])

@@ -68,6 +68,13 @@ class Scratch:
         """One past the last scratch slot: a forward over the scratch attends over ``end`` slots."""
         return self.n + self.size
 
+    @property
+    def reach(self) -> int:
+        """One past the last slot a tree forward's attention window must hold: ``end``; a canonical
+        slice's rows read only the committed context through the window (their own positions are
+        gathered from wherever they sit: ``kv``), so ``n`` (at least 1)."""
+        return max(self.n, 1) if getattr(self.model, "canonical", False) else self.end
+
     def reset(self, n: int) -> None:
         self.n = n
         self._slots.clear()

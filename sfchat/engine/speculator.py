@@ -270,7 +270,7 @@ class Speculator:
         slots, mask = self.scratch.tree_inputs([(n.pos, n, n.path_to(None)[:-1]) for n in nodes], self.shape,
                                                self.device)
         ids = [min(n.token, self.vocab - 1) for n in nodes] + [0] * (self.shape - len(nodes))
-        hidden = self.head.run(torch.tensor(ids, device=self.device), slots, end=self.scratch.end,
+        hidden = self.head.run(torch.tensor(ids, device=self.device), slots, end=self.scratch.reach,
                                tree=mask)[:len(nodes)]
         parents = tuple(self.live.parent_id(n) for n in nodes)
         return self._encode(self.tree_start, [n.token for n in nodes], hidden, parents, nodes[0].id, s)

@@ -287,7 +287,7 @@ class Verifier:
         hidden = tensor_from_bytes(msg.hidden, sent, len(msg.tokens), msg.hidden_size, m.device)[live].to(m.dtype)
         if rows < shape:
             hidden = torch.cat([hidden, hidden.new_zeros(shape - rows, msg.hidden_size)])
-        logits = m.run(hidden, slots, n_logits=shape, end=scratch.end, tree=mask)[:rows]
+        logits = m.run(hidden, slots, n_logits=shape, end=scratch.reach, tree=mask)[:rows]
         seen = None
         if msg.sampling.repetition_penalty != 1.0:  # each row's context: the committed one and its path
             if self.seen is None or self.seen.vocab != logits.shape[-1]:

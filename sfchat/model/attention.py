@@ -8,17 +8,19 @@ with the mask their cache's ``begin`` returned (``kv.StaticKV``):
 * an additive mask tensor (the draft, and every slice without one row count): transformers' own
   SDPA attention, unchanged;
 * a ``kv.Attend`` (a one-shape slice's, ``ModelSlice(rows=)``): canonical attention, in parts
-  merged by their log-sum-exp in float32, in a fixed order. (1) The context part: every row
-  against all of the cache's slots, masked to the slots below the row's own positions, as one
-  fused kernel call of one shape over the blocks of ``kv.BLOCK`` slots side by side (the query
-  heads of a key head stacked as rows, so keys are never repeated; the blocks give the GPU as
-  many more thread blocks to run at once); (2) the
-  row's own part: its last ``SPAN`` positions, gathered in position order from wherever they sit,
-  in float32. A row's arithmetic then depends only on its query, on the context's keys at their
-  positions and on its own keys in order: not on the other rows, on the slots its ancestors hold,
-  or on how far the context was committed when it ran.
+  merged by their log-sum-exp in float32, in one fixed order. (1) The context part: every row
+  against the window's slots in blocks of ``kv.BLOCK``, masked to the slots below the row's own
+  positions, as one fused kernel call over the blocks side by side (the query heads of a key head
+  stacked as rows, so keys are never repeated; the blocks give the GPU as many more thread blocks
+  to run at once); the blocks are summed pairwise (``pairwise``), so a block past the row's
+  context, weighing exactly nothing, changes nothing: the window does not matter. (2) The row's
+  own part: its last ``SPAN`` positions, gathered in position order from wherever they sit, as
+  one fused kernel call too (a batch of one row each). A row's arithmetic then depends only on its
+  query, on the context's keys at their positions and on its own keys in order: not on the other
+  rows, on the slots its ancestors hold, on the window, or on how far the context was committed
+  when it ran.
 
-Part (1) runs on a GPU through PyTorch's memory-efficient attention kernel (which returns the
+Both parts run on a GPU through PyTorch's memory-efficient attention kernel (which returns the
 log-sum-exp), on a CPU as the same arithmetic in float32 matrix products. Knows nothing of
 trees, frames or the wire.
 """
@@ -74,24 +76,42 @@ def own_part(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, how: Atten
     return fused(q, keys, values, bias, scale)
 
 
+def pairwise(x: torch.Tensor) -> torch.Tensor:
+    """The sum over dim 0 of ``x`` (consumed: summed in place) in one fixed order: halves of the
+    next power of two, added pairwise, level by level. Parts past the last that holds anything
+    must be exact zeros, and then change nothing: the sum of the first ``c`` parts is the same
+    whatever zeros follow them (``x + 0.0 == x``), so a row's context part is the same over any
+    window that holds it."""
+    c = x.shape[0]
+    while c > 1:
+        half = 1 << ((c - 1).bit_length() - 1)  # half < c <= 2 * half
+        x[:c - half] += x[half:c]
+        c = half
+    return x[0]
+
+
 def canonical(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, how: Attend, scale: float
               ) -> torch.Tensor:
-    """``query`` (1, H, n, D) against the whole buffers ``key``/``value`` (1, Hkv, T, D): the
-    (1, n, H, D) output in the query's dtype (query head h reads key head h // (H / Hkv))."""
+    """``query`` (1, H, n, D) against the whole buffers ``key``/``value`` (1, Hkv, T, D), its
+    context part over the first ``how.bias.shape[1]`` slots: the (1, n, H, D) output in the query's
+    dtype (query head h reads key head h // (H / Hkv))."""
     _, heads, n, dim = query.shape
-    kv_heads = key.shape[1]
+    kv_heads, width = key.shape[1], how.bias.shape[1]
     group = heads // kv_heads
-    outs, lses = context_part(query.reshape(1, kv_heads, group * n, dim), key, value, how.bias, scale)
+    outs, lses = context_part(query.reshape(1, kv_heads, group * n, dim), key[:, :, :width], value[:, :, :width],
+                              how.bias, scale)
     blocks = outs.shape[0]
     outs = outs.view(blocks, kv_heads, group, n, dim)
-    lses = lses.view(blocks, kv_heads, group, n)
     has = how.context[:, None, None, :]  # a block without a row's keys weighs nothing (a fused kernel's lse: 0)
-    lses, outs = torch.where(has, lses, float("-inf")), torch.where(has[..., None], outs, 0.0)
+    lses = torch.where(has, lses.view(blocks, kv_heads, group, n), float("-inf"))
     own, own_lse = own_part(query[0].view(kv_heads, group, n, dim).permute(2, 0, 1, 3), key, value, how, scale)
-    lses = torch.cat([lses, own_lse.permute(1, 2, 0)[None]])  # the blocks, then the own part, in this order
-    outs = torch.cat([outs, own.permute(1, 2, 0, 3)[None]])
-    weights = torch.exp(lses - lses.amax(0))[..., None]
-    out = (outs * weights).sum(0) / weights.sum(0)  # (Hkv, group, n, D), float32
+    own, own_lse = own.permute(1, 2, 0, 3), own_lse.permute(1, 2, 0)  # (Hkv, group, n, D), (Hkv, group, n)
+    top = torch.maximum(lses.amax(0), own_lse)  # the own part is never empty: a row sees itself
+    weights = torch.exp(lses - top)  # exactly 0 for a block without the row's keys
+    context = pairwise(torch.where(has[..., None], outs * weights[..., None], 0.0))
+    total = pairwise(weights)
+    mine = torch.exp(own_lse - top)
+    out = (context + own * mine[..., None]) / (total + mine)[..., None]  # (Hkv, group, n, D), float32
     return out.permute(2, 0, 1, 3).reshape(1, n, heads, dim).to(query.dtype)
 
 

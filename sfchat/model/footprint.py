@@ -5,14 +5,14 @@ Contract
 Every figure is in bytes and computed from the config alone, before anything is loaded.
 
 ``slice_needs(config, lo, hi, embed=..., head=..., dtype=..., quant=..., max_len=..., devices=...,
-verifies=..., graphs=..., one_window=...)`` is, per segment of ``ModelSlice`` (the same ``decoder.segment_runs``
+verifies=..., graphs=..., one_shape=...)`` is, per segment of ``ModelSlice`` (the same ``decoder.segment_runs``
 of the layers over ``devices``), what that segment holds on its device (``Need``): the weights of its
 layers (dense in ``dtype``, or NF4 or int8 for the decoder layers' linear weights; the embedding in the
 first segment, norm + lm_head in the last), its KV cache of ``max_len`` slots (a tree's scratch
 slots included by the caller), an eager workspace, and one ``Graph`` per CUDA graph it captures:
 for each verify shape ``(positions, tree)`` (``handshake.Hello.shapes()``), one per attention
-window holding it (``kv.windows_for``; a one-shape slice's one window of all slots, its K/V of
-``kv.StaticKV.total`` slots), each with ``positions`` rows of logits in a slice with
+window holding it (``kv.windows_for``; a one-shape slice's every window, whatever its shape, and
+its K/V of ``kv.StaticKV.total`` slots), each with ``positions`` rows of logits in a slice with
 the head. ``draft_graphs(...)`` are the draft's graphs, as ``Drafter.capture`` takes them: its
 expansion step, greedy and sampled, per window (one window for a compiled draft).
 
@@ -174,7 +174,7 @@ def loading_bytes(config, n_layers: int, dtype: torch.dtype, quant: str, ends: b
 
 def slice_needs(config, lo: int, hi: int, *, embed: bool, head: bool, dtype: torch.dtype, quant: str,
                 max_len: int, devices: list[torch.device], verifies=(), graphs: bool = True, reserved=(),
-                span: int = 0, one_window: bool = False) -> list[tuple[torch.device, Need]]:
+                span: int = 0, one_shape: bool = False) -> list[tuple[torch.device, Need]]:
     """Per segment: its device and what it holds there (see the module docstring); ``span``: the
     slots a tree forward's queries see when more than its positions (the head's: its scratch pool,
     ``ModelSlice.capture(span=)``), which leaves out the windows too small for them."""
@@ -183,7 +183,7 @@ def slice_needs(config, lo: int, hi: int, *, embed: bool, head: bool, dtype: tor
     tied = getattr(config, "tie_word_embeddings", False)
     runs = segment_runs(config, lo, hi, embed=embed, head=head, dtype=dtype, quant=quant, segments=len(devices),
                         reserved=reserved)
-    windows = [max_len] if one_window else windows_for(max_len)
+    windows = windows_for(max_len)
     rows = max((p for p, _ in verifies), default=1) if head else 0
     out = []
     for i, ((start, stop), device) in enumerate(zip(runs, devices)):
@@ -192,17 +192,18 @@ def slice_needs(config, lo: int, hi: int, *, embed: bool, head: bool, dtype: tor
         shared = tied and embed and device == devices[0]  # a tied lm_head on the embedding's device shares it
         ends = V * H * ((1 if embed and first else 0) + (1 if head and last and not shared else 0))
         weights = n * layer_bytes(config, dtype, quant) + ends * b + (H * b if head and last else 0)
-        kv = kv_bytes_per_position(config, n, dtype) * cache_slots(max_len, one_window)
-        chunk = min(max((p for p, _ in verifies), default=1) if one_window else PREFILL_CHUNK, max_len)  # a prefill's piece
+        kv = kv_bytes_per_position(config, n, dtype) * cache_slots(max_len, one_shape)
+        chunk = min(max((p for p, _ in verifies), default=1) if one_shape else PREFILL_CHUNK, max_len)  # a prefill's piece
         loading = loading_bytes(config, n, dtype, quant, ends=bool(ends))
-        forward = forward_bytes(config, chunk, max_len, dtype, quant, canonical=one_window) if n else 0
+        forward = forward_bytes(config, chunk, max_len, dtype, quant, canonical=one_shape) if n else 0
         logits = rows * V * (4 * 3 + b) if head and last else 0  # float logits, softmax and sampling copies
         work = max(loading, forward) + logits
         seg_rows = rows if head and last else 0
         seg_graphs = tuple(
-            Graph(forward_bytes(config, p, w, dtype, quant, p if seg_rows else 0, canonical=one_window),
+            Graph(forward_bytes(config, p, w, dtype, quant, p if seg_rows else 0, canonical=one_shape),
                   p * V * 4 if seg_rows else p * H * b)
-            for p, _ in verifies for w in windows if w >= max(p, span)) if graphs and device.type == "cuda" else ()
+            for p, _ in verifies for w in windows if one_shape or w >= max(p, span)
+        ) if graphs and device.type == "cuda" else ()
         holes = n * layer_bytes(config, dtype, quant) // NF4_FRAGMENTS if quant != "none" else 0
         out.append((device, Need(weights, kv, int(work), seg_graphs, holes)))
     return out

@@ -29,14 +29,17 @@ Contract
 * Canonical attention (``canonical``: a one-shape slice's cache, ``ModelSlice(rows=)``). A GPU
   kernel sums a row's keys in the order of their slots, and its tiles follow the window: so that a
   row's arithmetic depends on nothing but its own query and keys, the cache attends in one fixed
-  form. ``windows`` is only ``max_len``; the buffers hold ``total`` slots (``max_len`` and the sink
-  slot at ``max_len``, where a padded plain forward's padding rows write, rounded up to ``BLOCK``);
-  ``begin`` returns an ``Attend`` (read by ``model.attention``): a row at position ``p`` attends to
-  (1) the context slots below ``p - SPAN + 1`` over all ``total`` slots (slot = position there),
-  and (2) its own last ``SPAN`` positions ``p - SPAN + 1 .. p``, gathered in position order from
-  wherever they sit (``RowKeys.keys``; a plain forward's at slot = position), the two merged by
-  their log-sum-exp. A row may sit at most ``SPAN - 1`` positions past the committed context, so
-  that every key of part (1) is the context's; ``update`` returns the whole buffers.
+  form. The buffers hold ``total`` slots (``max_len`` and the sink slot at ``max_len``, where a
+  padded plain forward's padding rows write, rounded up to ``BLOCK``); ``begin`` returns an
+  ``Attend`` (read by ``model.attention``): a row at position ``p`` attends to (1) the context
+  slots below ``p - SPAN + 1`` (slot = position there), in the blocks of ``BLOCK`` slots that the
+  window covers (``context_slots(window)``: ``windows`` as above, the last all ``total``; a block
+  past a row's context weighs exactly nothing, so the window changes no row whose context part it
+  holds), and (2) its own last ``SPAN`` positions ``p - SPAN + 1 .. p``, gathered in position order
+  from wherever they sit (``RowKeys.keys``; a plain forward's at slot = position), every part
+  merged by its log-sum-exp. A row may sit at most ``SPAN - 1`` positions past the committed
+  context, so that every key of part (1) is the context's, and a tree forward's window need only
+  hold the committed context; ``update`` returns the whole buffers.
 
 The cache knows nothing about models or rounds; it is duck-typed to what the decoder layers
 of transformers call (``update``), not a subclass of transformers' ``Cache``.
@@ -93,8 +96,9 @@ class RowKeys:
 @dataclass(frozen=True)
 class Attend:
     """What canonical attention reads (``model.attention``): ``bias`` (group * n, total) the additive
-    mask of the context part, rows repeated for each query head of a key head; ``context``
-    (total / BLOCK, n) whether a row has keys in each block of ``BLOCK`` slots of it; ``keys``
+    mask of the context part over the window's ``context_slots``, rows repeated for each query head
+    of a key head; ``context`` (blocks, n) whether a row has keys in each block of ``BLOCK`` slots of
+    it; ``keys``
     (n, SPAN) the slots of a row's own part, in position order; ``own`` (n, SPAN) its additive mask
     (0 for the positions a row has, the dtype's lowest for the others)."""
 
@@ -129,7 +133,7 @@ class StaticKV:
         self.dtype = dtype
         self.positions = torch.zeros(1, dtype=torch.long, device=device)
         self.mask = torch.zeros(1, 1, 1, max_len, dtype=dtype, device=device)
-        self.windows = [max_len] if canonical else windows_for(max_len)
+        self.windows = windows_for(max_len)
         self.window = max_len
 
     # -- used by the forward that owns this cache ---------------------------------------------
@@ -139,13 +143,18 @@ class StaticKV:
             raise ValueError(f"a forward ending at position {end} does not fit a cache of {self.max_len} slots")
         return self.windows[bisect.bisect_left(self.windows, end)]
 
+    def context_slots(self, window: int | None) -> int:
+        """A canonical cache's slots that the context part reads for ``window`` (all when None):
+        the window rounded up to whole blocks of ``BLOCK``, at most ``total``."""
+        return min(-(-(window or self.total) // BLOCK) * BLOCK, self.total)
+
     def begin(self, positions: torch.Tensor, window: int | None = None, tree: TreeMask | None = None
               ) -> torch.Tensor:
         """Set the slots the next forward writes (``positions``) and attends over (``window``,
         default all; every position must lie inside it): the (1, 1, n, window) additive mask,
         causal by slot, or the tree's (see ``TreeMask``); a canonical cache's ``Attend`` instead."""
         if self.canonical:
-            return self._attend(positions, tree)
+            return self._attend(positions, tree, self.context_slots(window))
         self.positions = positions
         self.window = window or self.max_len
         if tree is None:
@@ -160,16 +169,17 @@ class StaticKV:
         self.mask = torch.where(visible, zero, torch.full_like(zero, self.neg))[None, None]
         return self.mask
 
-    def _attend(self, positions: torch.Tensor, rows: RowKeys | None) -> Attend:
-        """A canonical forward writing ``positions`` (slots): its ``Attend`` (a plain forward's rows
-        at slot = position, the sink's included)."""
+    def _attend(self, positions: torch.Tensor, rows: RowKeys | None, width: int) -> Attend:
+        """A canonical forward writing ``positions`` (slots), its context part over the first
+        ``width`` slots: its ``Attend`` (a plain forward's rows at slot = position, the sink's
+        included)."""
         if rows is None:
             rows = RowKeys(positions, causal_keys(positions))
         self.positions = positions
         cut = rows.rope - (SPAN - 1)  # part (1): the slots below a row's own positions
         zero = torch.zeros((), dtype=self.dtype, device=positions.device)
-        bias = torch.where(self.slots[None, :] < cut[:, None], zero, torch.full_like(zero, self.neg))
-        starts = torch.arange(0, self.total, BLOCK, device=positions.device)
+        bias = torch.where(self.slots[None, :width] < cut[:, None], zero, torch.full_like(zero, self.neg))
+        starts = torch.arange(0, width, BLOCK, device=positions.device)
         own = torch.where(rows.keys >= 0, zero, torch.full_like(zero, self.neg))
         self.mask = Attend(bias.repeat(self.group, 1), cut[None, :] > starts[:, None], rows.keys.clamp(min=0), own)
         return self.mask

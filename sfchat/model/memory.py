@@ -162,14 +162,14 @@ def head_reserve(draft: DraftPlan | None, devices: list[torch.device], max_len: 
 
 def head_plan(config, split: int, *, devices: list[torch.device], dtype: torch.dtype, quant: str, max_len: int,
               verifies, draft: DraftPlan | None = None, local: bool = False, graphs: bool = True,
-              head_span: int = 0, one_window: bool = False) -> Plan:
+              head_span: int = 0, one_shape: bool = False) -> Plan:
     """The head's needs: its slice over ``devices`` (graphs for ``verifies``, the (positions, tree)
     of the frame shape, each seeing ``head_span`` slots, its scratch pool; its layers balanced by
     ``head_reserve``), the draft and, in local mode,
     the tail's slice on the same devices (balanced around the head's, as ``TailLoader`` balances
     it around the memory free once the head is loaded)."""
     L = int(config.num_hidden_layers)
-    common = dict(dtype=dtype, quant=quant, max_len=max_len, devices=devices, graphs=graphs, one_window=one_window)
+    common = dict(dtype=dtype, quant=quant, max_len=max_len, devices=devices, graphs=graphs, one_shape=one_shape)
     reserved = head_reserve(draft, devices, max_len, graphs)
     plan = _segments("head layers", slice_needs(config, 0, split, embed=True, head=False, verifies=verifies,
                                                 reserved=reserved, span=head_span, **common))
@@ -186,11 +186,11 @@ def head_plan(config, split: int, *, devices: list[torch.device], dtype: torch.d
 
 def check_head(config, split: int, *, devices: list[torch.device], dtype: torch.dtype, quant: str, max_len: int,
                verifies, draft: DraftPlan | None = None, local: bool = False, graphs: bool = True,
-               head_span: int = 0, one_window: bool = False) -> None:
+               head_span: int = 0, one_shape: bool = False) -> None:
     """The head's check (``head_plan``); ``max_len`` counts the tree's scratch slots."""
     L = int(config.num_hidden_layers)
     plan = head_plan(config, split, devices=devices, dtype=dtype, quant=quant, max_len=max_len, verifies=verifies,
-                     draft=draft, local=local, graphs=graphs, head_span=head_span, one_window=one_window)
+                     draft=draft, local=local, graphs=graphs, head_span=head_span, one_shape=one_shape)
     draft_hint = None
     if draft is not None:
         fixes = [] if draft.quant == "nf4" else ["--draft-load-in-4bit"]
@@ -203,13 +203,13 @@ def check_head(config, split: int, *, devices: list[torch.device], dtype: torch.
 
 
 def tail_plan(config, split: int, *, devices: list[torch.device], dtype: torch.dtype, quant: str, max_len: int,
-              verifies, graphs: bool = True, one_window: bool = False) -> Plan:
+              verifies, graphs: bool = True, one_shape: bool = False) -> Plan:
     """The tail's needs: its slice over ``devices``, balanced by ``unequal_free`` (as ``TailLoader``
     loads it), with graphs for ``verifies``."""
     L = int(config.num_hidden_layers)
     return _segments("tail layers", slice_needs(config, split, L, embed=False, head=True, dtype=dtype, quant=quant,
                                                 max_len=max_len, devices=devices, verifies=verifies, graphs=graphs,
-                                                reserved=unequal_free(devices), one_window=one_window))
+                                                reserved=unequal_free(devices), one_shape=one_shape))
 
 
 def _tail_hints(config, split: int, quant: str, max_len: int, dtype, verifies, spread: bool) -> list[str]:
@@ -218,10 +218,10 @@ def _tail_hints(config, split: int, quant: str, max_len: int, dtype, verifies, s
 
 
 def check_tail(config, split: int, *, devices: list[torch.device], dtype: torch.dtype, quant: str,
-               max_len: int, verifies, graphs: bool = True, one_window: bool = False) -> None:
+               max_len: int, verifies, graphs: bool = True, one_shape: bool = False) -> None:
     """The tail's check before loading: its slice, with graphs for the HELLO's ``verifies``."""
     check_fits(tail_plan(config, split, devices=devices, dtype=dtype, quant=quant, max_len=max_len,
-                         verifies=verifies, graphs=graphs, one_window=one_window),
+                         verifies=verifies, graphs=graphs, one_shape=one_shape),
                _tail_hints(config, split, quant, max_len, dtype, verifies, len(devices) > 1))
 
 
@@ -231,7 +231,7 @@ def graphs_to_capture(model, verifies) -> Plan:
     new = [(p, tree) for p, tree in verifies if not model.captured(p, p, tree)]
     needs = slice_needs(model.config, model.lo, model.hi, embed=model.embed_tokens is not None,
                         head=model.lm_head is not None, dtype=model.dtype, quant=model.quant,
-                        max_len=model.max_len, devices=model.devices, verifies=new, one_window=bool(model.rows))
+                        max_len=model.max_len, devices=model.devices, verifies=new, one_shape=bool(model.rows))
     return [(f"CUDA graphs of layers [{lo}, {hi})", dev, Need(0, 0, 0, need.graphs))
             for (lo, hi), (dev, need) in zip(model.ranges, needs) if need.graphs]
 

@@ -192,7 +192,7 @@ class ModelSlice(nn.Module):
         span = n_tokens if span is None else span
         if span < n_tokens:
             raise ValueError(f"a tree forward of {n_tokens} tokens cannot see only {span} slots")
-        windows = [w for w in self.windows if w >= span]
+        windows = self.windows if self.canonical else [w for w in self.windows if w >= span]  # kv: any window
         done = []
         for i, dev in enumerate(self.devices):
             if i == 0 and self.embed_tokens is not None:

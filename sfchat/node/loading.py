@@ -88,7 +88,7 @@ def open_engine(s: Settings, on_event: Callable = lambda e: None, link=None,
                   quant=quant, one_shape=bool(layout.rows))
     local = link is None
     target = dict(devices=devices, dtype=dtype, quant=quant, max_len=kv_len, verifies=hello.shapes(), local=local,
-                  graphs=s.cuda_graphs, head_span=layout.head_pool, one_window=bool(layout.rows))
+                  graphs=s.cuda_graphs, head_span=layout.head_pool, one_shape=bool(layout.rows))
     draft = None
     if k:
         draft_device = resolve_device(s.draft_device) if s.draft_device else default_draft_device(devices)

@@ -70,7 +70,7 @@ class TailLoader:
         quant = hello.quant
         where = ",".join(map(str, self.devices))
         check_tail(src.config, split, devices=self.devices, dtype=dtype, quant=quant, max_len=hello.max_len,
-                   verifies=hello.shapes(), graphs=hello.graphs, one_window=hello.one_shape)
+                   verifies=hello.shapes(), graphs=hello.graphs, one_shape=hello.one_shape)
         self.log(f"loading {hello.model} layers [{split}, {L}) as {DTYPE_NAMES[dtype]}"
                  f"{QUANT_WORDS.get(quant, '')} on {where}")
         return ModelSlice.load(src, split, L, embed=False, head=True, dtype=dtype, device=self.device,

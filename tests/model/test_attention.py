@@ -35,9 +35,9 @@ def short_span(monkeypatch):
     monkeypatch.setattr(kv, "BLOCK", 16)  # and it runs in several blocks, most of them empty for a row
 
 
-def load(path, dtype, rows=ROWS):
+def load(path, dtype, rows=ROWS, device=CPU):
     src = ModelSource.open(str(path))
-    return ModelSlice.load(src, 0, n_layers(src.config), embed=True, head=False, dtype=dtype, device=CPU,
+    return ModelSlice.load(src, 0, n_layers(src.config), embed=True, head=False, dtype=dtype, device=device,
                            max_len=MAX_LEN, rows=rows)
 
 
@@ -63,7 +63,7 @@ def target_row(sl: ModelSlice, committed: int, seed: int, shape: int = ROWS) -> 
         slots, mask = scratch.tree_inputs(rows, shape, CPU)
         ids = [IDS[p] if key[0] == "path" else rng.randrange(300) for p, key, _ in rows]
         ids += [rng.randrange(300) for _ in range(shape - len(rows))]  # what padding rows hold is anyone's
-        out = sl.run(torch.tensor(ids), slots, end=scratch.end, tree=mask)
+        out = sl.run(torch.tensor(ids), slots, end=scratch.reach, tree=mask)
         return {key: (out[r], r) for r, (_, key, _) in enumerate(rows)}
 
     if path:
@@ -169,3 +169,43 @@ def test_a_row_without_a_context_part_ignores_what_a_fused_kernel_reports_for_it
     a, b = canonical.feed(ids, 0), masked.feed(ids, 0)
     assert torch.allclose(a, b, rtol=1e-4, atol=1e-3), (a - b).abs().max()
     assert any(mixed)  # some blocks held a row's keys, others none
+
+
+def over_windows(path, dtype, device, monkeypatch) -> list[tuple[int, torch.Tensor]]:
+    """A frame of a path below a context of 12 positions and siblings, computed over each window
+    that holds the context (windows of 16, 32 and 64 slots: context parts of 1, 2 and 4 blocks of
+    16): (the window, the frame's output)."""
+    monkeypatch.setattr(kv, "SPAN", SPAN)
+    monkeypatch.setattr(kv, "BLOCK", 16)
+    monkeypatch.setattr(kv, "MIN_WINDOW", 8)
+    sl, committed = load(path, dtype, device=device), 12
+    sl.reset(zero=True)
+    sl.feed(torch.tensor(IDS[:committed], device=device), 0)
+    sl.note(0, IDS[:committed])
+    scratch = Scratch(sl, 24)
+    scratch.reset(committed)
+    path_keys = [("path", p) for p in range(committed, committed + SPAN - 1)]
+    rows = [(p, key, path_keys[:i]) for i, (p, key) in enumerate(zip(range(committed, committed + SPAN), path_keys))]
+    rows.append((committed + 1, "sibling", path_keys[:1]))
+    slots, mask = scratch.tree_inputs(rows, ROWS, device)
+    x = torch.tensor(IDS[committed:committed + ROWS], device=device)
+    windows = [w for w in sl.windows if w >= sl.window_for(scratch.reach)]
+    return [(w, sl.forward(x, slots, window=w, tree=mask).clone()) for w in windows]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_row_comes_out_the_same_over_every_window_that_holds_its_context(zoo, monkeypatch, dtype):
+    outs = over_windows(zoo["qwen2-untied"], dtype, CPU, monkeypatch)
+    assert [w for w, _ in outs] == [16, 32, MAX_LEN]
+    assert all(torch.equal(out, outs[0][1]) for _, out in outs[1:])
+
+
+def test_blocks_are_summed_in_one_order_that_trailing_empty_blocks_do_not_change():
+    gen = torch.Generator().manual_seed(0)
+    parts = torch.randn(7, 3, 5, generator=gen) * torch.logspace(-6, 6, 7)[:, None, None]  # sums that round
+    for used in range(1, 8):
+        padded = [torch.cat([parts[:used], torch.zeros(extra, 3, 5)]) for extra in range(0, 10)]
+        sums = [attention.pairwise(p.clone()) for p in padded]
+        assert all(torch.equal(s, sums[0]) for s in sums[1:])
+    # the order is fixed: not the order a plain sum would take, which such magnitudes can tell apart
+    assert not torch.equal(attention.pairwise(parts[:3].clone()), (parts[0] + parts[1]) + parts[2])

@@ -71,7 +71,7 @@ def test_the_estimate_counts_every_graph_the_code_captures(zoo, monkeypatch):
         # over windows 16, 32, 64 and 100
         assert layout.head_pool == 40
         assert sum(len(w) for _, w in taken) == sum(counted) == segments * (2 + 4)
-    # one row count for every forward (a GPU's default): the frame padded to 64 rows, over one window
+    # one row count for every forward (a GPU's default): the frame padded to 64 rows, over every window
     layout = frame_layout(Settings(k=k, tree_budget=12, max_in_flight=2), k, cuda=True)
     hello = Hello(model="m", revision=None, split=2, dtype="float32", max_len=max_len, n_layers=4, hidden_size=64,
                   frames=(layout.shape,), one_shape=True)
@@ -86,9 +86,10 @@ def test_the_estimate_counts_every_graph_the_code_captures(zoo, monkeypatch):
     counted = [len(n.graphs) for lo, hi, head_, span in [(0, 2, False, layout.head_pool), (2, 4, True, 0)]
                for _, n in slice_needs(target.config, lo, hi, embed=not head_, head=head_, dtype=torch.float32,
                                        quant="none", max_len=max_len, devices=[cuda], verifies=hello.shapes(),
-                                       span=span, one_window=True)]
+                                       span=span, one_shape=True)]
     assert (layout.rows, layout.head_pool) == (64, 65)
-    assert taken == [((64, 0, True, 0), (max_len,)), ((64, 64, True, 0), (max_len,))] and sum(counted) == 2
+    every = (16, 32, 64, max_len)  # canonical attention: any window, whatever the shape and the head's pool
+    assert taken == [((64, 0, True, 0), every), ((64, 64, True, 0), every)] and sum(counted) == 2 * len(every)
     dmodel = ModelSlice.load(draft, 0, 2, embed=True, head=True, dtype=torch.float32, device=cpu, max_len=max_len)
     for compiled in (False, True):
         taken.clear()

@@ -42,7 +42,7 @@ def test_the_longest_context_of_two_notebooks_is_where_the_checks_start_to_refus
     def check(context):  # what the head's open_engine and the tail's loader check, with those settings
         [draft] = [d for what, d, _ in layouts.plans("32B", "int8", context)["head"] if what == "draft"]
         target = dict(devices=layouts.GPUS, dtype=torch.float16, quant="int8", verifies=layouts.VERIFIES,
-                      max_len=context + layouts.LAYOUT.scratch, one_window=bool(layouts.LAYOUT.rows))
+                      max_len=context + layouts.LAYOUT.scratch, one_shape=bool(layouts.LAYOUT.rows))
         plan = memory.DraftPlan(layouts.draft_config(), draft, torch.float16, "none", rows=layouts.LAYOUT.width + 1,
                                 children=layouts.LAYOUT.children, pool=layouts.LAYOUT.draft_pool, compiled=True)
         memory.check_head(cfg, 32, draft=plan, **target)
