@@ -1,6 +1,7 @@
 """One answer whatever the network: the identity table from ``live_bench.py --save`` runs.
 
-Each saved run holds, per (mode, RTT), the greedy token ids of every reply and the tok/s. For
+Each saved run holds, per (mode, RTT), the token ids of every reply (greedy, or sampled with one
+seed: `live_bench.py --temperature`) and the tok/s. For
 each run this prints, per (mode, RTT), how many replies equal the reference's (the run's own
 ``none`` at its first RTT, else the last earlier run's: the target alone, one token per round trip) and
 the tok/s; then, for

@@ -15,7 +15,10 @@ same prompts in every mode, each reply timed whole (prefill included), EOS ignor
   * ``none``: no draft, one token per round trip (the target's own output on this GPU).
 
 ``--frame-rows N`` (default 64, the product's on a GPU; 0: off) runs every forward of the target,
-on head and tail, at N rows: frames padded, the prompt in pieces of N.
+on head and tail, at N rows: frames padded, the prompt in pieces of N. ``--temperature T``
+(default 0: greedy) samples every reply at T, seeded by ``--seed`` (each prompt's reply drawn from
+the same per-position random stream in every mode, so a mode that computes the target's
+probabilities alike gives the same text).
 
 Models:
 
@@ -174,7 +177,8 @@ def build(target: Path, draft: Path, device: str, dtype: str, synthetic=None, ro
     return specs, hello
 
 
-def run_mode(spec, inflight: int, ahead: int, plan: str, link, hello, prompts, n_new: int):
+def run_mode(spec, inflight: int, ahead: int, plan: str, link, hello, prompts, n_new: int,
+             sampling: Sampling = GREEDY):
     """Every prompt's whole reply in one mode: tokens, wall time, per-verdict figures, token ids."""
     driver = RoundDriver(spec, link, policy=PipelinePolicy(inflight, schedules(plan)), max_in_flight=inflight,
                          round_timeout=120, ahead_steps=ahead)
@@ -196,7 +200,7 @@ def run_mode(spec, inflight: int, ahead: int, plan: str, link, hello, prompts, n
         driver.begin(ids)
         got: list[int] = []
         while len(got) < n_new:
-            out = driver.round(GREEDY, set(), n_new - len(got))
+            out = driver.round(sampling, set(), n_new - len(got))
             got.extend(out.commit.tokens)
             stats.append(out.stats)
         wall += time.perf_counter() - t0
@@ -252,6 +256,8 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--frame-rows", type=int, default=64, help="every forward of the target at N rows (0: off)")
+    ap.add_argument("--temperature", type=float, default=0.0, help="sample at T (0: greedy)")
+    ap.add_argument("--seed", type=int, default=1, help="the sampled replies' seed")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--save", type=Path)
     ap.add_argument("--ranks-out", type=Path)
@@ -285,7 +291,8 @@ def main() -> None:
         with relay_and_tail(rtt, target.parent, session=f"live-{rtt}", mbps=args.mbps) as url:
             link = head_link(url, f"live-{rtt}")
             for mode in args.modes.split(","):
-                res[(mode, rtt)] = r = run_mode(specs[mode], *MODES[mode][3:], link, hello, prompts, args.new)
+                res[(mode, rtt)] = r = run_mode(specs[mode], *MODES[mode][3:], link, hello, prompts, args.new,
+                                                Sampling(temperature=args.temperature, seed=args.seed))
                 print(f"rtt {rtt} {mode}: " + row(r, None), file=sys.stderr, flush=True)  # a run cut short keeps it
             link.close()
     modes = args.modes.split(",")
@@ -321,7 +328,7 @@ def print_table(res, rtts, modes, ranks) -> None:
             print(f"| {rtt} | {mode} | " + row(res[(mode, rtt)], base))
     replies = [r["ids"] for r in res.values()]
     same = sum(all(rep[i] == replies[0][i] for rep in replies) for i in range(len(replies[0])))
-    print(f"\nidentical greedy replies across every mode and RTT: {same} of {len(replies[0])}")
+    print(f"\nidentical replies across every mode and RTT: {same} of {len(replies[0])}")
     total = sum(ranks)
     print("rank of the target's pick among the draft's proposals (last: not proposed): "
           + ", ".join(f"{c / total:.3f}" for c in ranks) if total else "no ranks recorded")
