@@ -26,6 +26,9 @@ tail's row) holds which of those slots, and the one that moves them:
   A canonical model's (``model.canonical``: a one-shape slice) is a ``kv.RowKeys`` instead: each
   row's last ``SPAN`` positions in order, the context's below ``n`` and its last ancestors' and
   its own slots after it (a ValueError for a row ``SPAN`` or more positions past the context).
+* ``reach``: one past the last slot a tree forward over the scratch reads through its attention
+  window (``ModelSlice.run(end=)``): ``end``; a canonical model's rows read only the context below
+  ``n`` through it (their own positions are gathered from wherever they sit), so ``n``.
 
 The model is duck-typed: ``move(src, dst)`` and ``note(start, tokens)`` (``model.slices.ModelSlice``).
 Knows nothing about trees, rounds or the wire.
@@ -65,7 +68,7 @@ class Scratch:
 
     @property
     def end(self) -> int:
-        """One past the last scratch slot: a forward over the scratch attends over ``end`` slots."""
+        """One past the last scratch slot."""
         return self.n + self.size
 
     @property

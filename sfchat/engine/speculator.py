@@ -167,8 +167,8 @@ class Speculator:
         """Nodes at this position or later are never sent: their picks would pass the reply's
         ``budget`` or the context window, or (a canonical head slice) they would sit ``SPAN`` or
         more positions past the committed context."""
-        reach = self.scratch.n + kv.SPAN if self.head.canonical else self.max_context
-        return min(self.max_context - 1, self.live.root.pos + budget, reach)
+        deepest = self.scratch.n + kv.SPAN if self.head.canonical else self.max_context
+        return min(self.max_context - 1, self.live.root.pos + budget, deepest)
 
     def grow(self, s: wire.Sampling, budget: int) -> bool:
         """One expansion step of the likeliest nodes not yet expanded (while a verdict travels);

@@ -79,9 +79,9 @@ def own_part(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, how: Atten
 def pairwise(x: torch.Tensor) -> torch.Tensor:
     """The sum over dim 0 of ``x`` (consumed: summed in place) in one fixed order: halves of the
     next power of two, added pairwise, level by level. Parts past the last that holds anything
-    must be exact zeros, and then change nothing: the sum of the first ``c`` parts is the same
-    whatever zeros follow them (``x + 0.0 == x``), so a row's context part is the same over any
-    window that holds it."""
+    must be negative zeros, and then change nothing: the sum of the first ``c`` parts is the same
+    whatever -0.0 follow them (``x + -0.0 == x`` for every x, -0.0 and +0.0 included, where
+    ``-0.0 + 0.0`` is +0.0), so a row's context part is the same over any window that holds it."""
     c = x.shape[0]
     while c > 1:
         half = 1 << ((c - 1).bit_length() - 1)  # half < c <= 2 * half
@@ -108,8 +108,8 @@ def canonical(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, how: 
     own, own_lse = own.permute(1, 2, 0, 3), own_lse.permute(1, 2, 0)  # (Hkv, group, n, D), (Hkv, group, n)
     top = torch.maximum(lses.amax(0), own_lse)  # the own part is never empty: a row sees itself
     weights = torch.exp(lses - top)  # exactly 0 for a block without the row's keys
-    context = pairwise(torch.where(has[..., None], outs * weights[..., None], 0.0))
-    total = pairwise(weights)
+    context = pairwise(torch.where(has[..., None], outs * weights[..., None], -0.0))
+    total = pairwise(weights)  # never negative: +0.0 trails them as exactly
     mine = torch.exp(own_lse - top)
     out = (context + own * mine[..., None]) / (total + mine)[..., None]  # (Hkv, group, n, D), float32
     return out.permute(2, 0, 1, 3).reshape(1, n, heads, dim).to(query.dtype)

@@ -142,7 +142,7 @@ def forward_bytes(config, tokens: int, window: int, dtype: torch.dtype, quant: s
         dequant = tokens * widest * (2 + 1 + 4 + b) + tokens * 8
     logits = rows * (H * 4 + V * (b + 4))
     if canonical:  # and per block of the context part: the queries' copy, its output in float32, twice
-        attn += (heads // kv_heads) * tokens * window * b + tokens * SPAN * (8 * kv_heads * hd + 12 * heads) \
+        attn += (heads // kv_heads) * tokens * -(-window // BLOCK) * BLOCK * b + tokens * SPAN * (8 * kv_heads * hd + 12 * heads) \
             + tokens * heads * hd * 4 * 4 + -(-window // BLOCK) * tokens * heads * (hd * (b + 8) + 8)
     return layer + attn + mask + dequant + logits
 

@@ -95,10 +95,9 @@ class RowKeys:
 
 @dataclass(frozen=True)
 class Attend:
-    """What canonical attention reads (``model.attention``): ``bias`` (group * n, total) the additive
-    mask of the context part over the window's ``context_slots``, rows repeated for each query head
-    of a key head; ``context`` (blocks, n) whether a row has keys in each block of ``BLOCK`` slots of
-    it; ``keys``
+    """What canonical attention reads (``model.attention``): ``bias`` (group * n, context_slots(window))
+    the additive mask of the context part, rows repeated for each query head of a key head;
+    ``context`` (blocks, n) whether a row has keys in each block of ``BLOCK`` slots of it; ``keys``
     (n, SPAN) the slots of a row's own part, in position order; ``own`` (n, SPAN) its additive mask
     (0 for the positions a row has, the dtype's lowest for the others)."""
 
@@ -152,7 +151,9 @@ class StaticKV:
               ) -> torch.Tensor:
         """Set the slots the next forward writes (``positions``) and attends over (``window``,
         default all; every position must lie inside it): the (1, 1, n, window) additive mask,
-        causal by slot, or the tree's (see ``TreeMask``); a canonical cache's ``Attend`` instead."""
+        causal by slot, or the tree's (see ``TreeMask``); a canonical cache's ``Attend`` instead,
+        its context part over ``context_slots(window)`` (which need hold only every row's context
+        part: a tree's rows write scratch slots past it, read through their own part)."""
         if self.canonical:
             return self._attend(positions, tree, self.context_slots(window))
         self.positions = positions

@@ -15,7 +15,8 @@ tree forward: ``positions`` are then the slots written and the mask and rotary p
 from the tree. It returns hidden states ``(n, H)``,
 or — for a slice with the head — logits ``(n_logits, V)`` of the last ``n_logits`` positions.
 ``run(x, positions, n_logits, end=...)`` is the same forward over the smallest window holding
-``end`` (the host-side end of ``positions``), replayed from a CUDA graph when one was captured
+``end`` (the host-side end of what the forward attends over through the window: ``positions``,
+or a tree forward's ``Scratch.reach``), replayed from a CUDA graph when one was captured
 for that shape (``capture`` captures one per window, with the tree's tensors as graph inputs for
 a tree forward). The draft model is simply the slice ``[0, L)`` with both ends. The slice does
 not know which tokens are drafts, nor anything about the wire.

@@ -35,10 +35,10 @@ def short_span(monkeypatch):
     monkeypatch.setattr(kv, "BLOCK", 16)  # and it runs in several blocks, most of them empty for a row
 
 
-def load(path, dtype, rows=ROWS, device=CPU):
+def load(path, dtype, rows=ROWS, device=CPU, max_len=MAX_LEN):
     src = ModelSource.open(str(path))
     return ModelSlice.load(src, 0, n_layers(src.config), embed=True, head=False, dtype=dtype, device=device,
-                           max_len=MAX_LEN, rows=rows)
+                           max_len=max_len, rows=rows)
 
 
 def target_row(sl: ModelSlice, committed: int, seed: int, shape: int = ROWS) -> tuple[torch.Tensor, int]:
@@ -171,24 +171,46 @@ def test_a_row_without_a_context_part_ignores_what_a_fused_kernel_reports_for_it
     assert any(mixed)  # some blocks held a row's keys, others none
 
 
+def path_frame(sl: ModelSlice, committed: int, device=CPU):
+    """A frame below a context of ``committed`` positions (fed through ``feed``): a path of
+    ``SPAN`` rows, its deepest ``SPAN - 1`` positions past the context, and a sibling; (the slice,
+    the frame's inputs, the tokens, the scratch)."""
+    sl.reset(zero=True)
+    ids = [IDS[p % len(IDS)] for p in range(committed + SPAN)]
+    sl.feed(torch.tensor(ids[:committed], device=device), 0, chunk=ROWS)
+    sl.note(0, ids[:committed])
+    scratch = Scratch(sl, 24)
+    scratch.reset(committed)
+    keys = [("path", p) for p in range(committed, committed + SPAN - 1)]
+    rows = [(p, key, keys[:i]) for i, (p, key) in enumerate(zip(range(committed, committed + SPAN), keys))]
+    rows.append((committed + 1, "sibling", keys[:1]))
+    slots, mask = scratch.tree_inputs(rows, ROWS, device)
+    return slots, mask, torch.tensor(ids[committed:committed + ROWS], device=device), scratch
+
+
+def test_a_frame_over_the_window_its_scratch_reaches_reads_its_whole_context_part(zoo, monkeypatch):
+    """A context one slot past a window (17 past 16): the deepest row's context part ends at slot
+    16, which only the next window holds; ``Scratch.reach`` must pick that one."""
+    monkeypatch.setattr(kv, "MIN_WINDOW", 8)
+    canonical, masked = load(zoo["qwen2-untied"], torch.float32), load(zoo["qwen2-untied"], torch.float32, rows=None)
+    outs, windows = [], []
+    for sl in (canonical, masked):
+        slots, mask, x, scratch = path_frame(sl, 17)
+        outs.append(sl.run(x, slots, end=scratch.reach, tree=mask))
+        windows.append(sl.window_for(scratch.reach))
+    assert windows == [32, 64] and canonical.windows[:2] == [8, 16]  # the masked one reads its scratch through it
+    assert torch.allclose(outs[0], outs[1], rtol=1e-4, atol=1e-3), (outs[0] - outs[1]).abs().max()
+
+
 def over_windows(path, dtype, device, monkeypatch) -> list[tuple[int, torch.Tensor]]:
-    """A frame of a path below a context of 12 positions and siblings, computed over each window
-    that holds the context (windows of 16, 32 and 64 slots: context parts of 1, 2 and 4 blocks of
-    16): (the window, the frame's output)."""
+    """A frame below a context of 20 positions, computed over each window that holds the context
+    (windows of 32, 64 and 80 slots of a cache of 80: context parts of 2, 4 and 5 blocks of 16, the
+    deepest row's keys in two of them): (the window, the frame's output)."""
     monkeypatch.setattr(kv, "SPAN", SPAN)
     monkeypatch.setattr(kv, "BLOCK", 16)
     monkeypatch.setattr(kv, "MIN_WINDOW", 8)
-    sl, committed = load(path, dtype, device=device), 12
-    sl.reset(zero=True)
-    sl.feed(torch.tensor(IDS[:committed], device=device), 0)
-    sl.note(0, IDS[:committed])
-    scratch = Scratch(sl, 24)
-    scratch.reset(committed)
-    path_keys = [("path", p) for p in range(committed, committed + SPAN - 1)]
-    rows = [(p, key, path_keys[:i]) for i, (p, key) in enumerate(zip(range(committed, committed + SPAN), path_keys))]
-    rows.append((committed + 1, "sibling", path_keys[:1]))
-    slots, mask = scratch.tree_inputs(rows, ROWS, device)
-    x = torch.tensor(IDS[committed:committed + ROWS], device=device)
+    sl = load(path, dtype, device=device, max_len=80)
+    slots, mask, x, scratch = path_frame(sl, 20, device)
     windows = [w for w in sl.windows if w >= sl.window_for(scratch.reach)]
     return [(w, sl.forward(x, slots, window=w, tree=mask).clone()) for w in windows]
 
@@ -196,7 +218,7 @@ def over_windows(path, dtype, device, monkeypatch) -> list[tuple[int, torch.Tens
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_row_comes_out_the_same_over_every_window_that_holds_its_context(zoo, monkeypatch, dtype):
     outs = over_windows(zoo["qwen2-untied"], dtype, CPU, monkeypatch)
-    assert [w for w, _ in outs] == [16, 32, MAX_LEN]
+    assert [w for w, _ in outs] == [32, 64, 80]
     assert all(torch.equal(out, outs[0][1]) for _, out in outs[1:])
 
 
@@ -204,8 +226,10 @@ def test_blocks_are_summed_in_one_order_that_trailing_empty_blocks_do_not_change
     gen = torch.Generator().manual_seed(0)
     parts = torch.randn(7, 3, 5, generator=gen) * torch.logspace(-6, 6, 7)[:, None, None]  # sums that round
     for used in range(1, 8):
-        padded = [torch.cat([parts[:used], torch.zeros(extra, 3, 5)]) for extra in range(0, 10)]
+        padded = [torch.cat([parts[:used], torch.full((extra, 3, 5), -0.0)]) for extra in range(0, 10)]
         sums = [attention.pairwise(p.clone()) for p in padded]
         assert all(torch.equal(s, sums[0]) for s in sums[1:])
+    # a negative zero keeps its sign whatever empty blocks follow (an empty block is -0.0, not +0.0)
+    assert all(torch.signbit(attention.pairwise(torch.full((c,), -0.0))) for c in range(1, 9))
     # the order is fixed: not the order a plain sum would take, which such magnitudes can tell apart
     assert not torch.equal(attention.pairwise(parts[:3].clone()), (parts[0] + parts[1]) + parts[2])
