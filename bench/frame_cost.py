@@ -13,7 +13,8 @@ prefilled, and every figure is the mean of many calls (CUDA-synchronised wall ti
     (building the tree's inputs, the hidden states to bytes, the wire encoding);
   * the kernels that take the most time in one eager 65-row tree forward (torch.profiler);
   * one row count against each forward at its own size (``--frame-rows 64``, a GPU's default, against
-    ``0``): the same weights as two slices of 4096 + scratch slots, a 64-row tree frame graphed,
+    ``0``; on a GPU also with canonical attention's merge compiled by torch.compile under the
+    graphs): the same weights as slices of 4096 + scratch slots, a 64-row tree frame graphed,
     after contexts of ``--context``, 2000 and 4000 tokens: masked SDPA over the smallest window that
     holds the context against canonical attention (``model.attention``: its context part in blocks
     over the window holding the context); and the kernels of one eager canonical forward.
@@ -37,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from verify_breakdown import SHAPES, TINY, gemm_ms, profiled, random_slice, timed  # noqa: E402
 from sfchat.engine.draft import Drafter  # noqa: E402
 from sfchat.engine.scratch import Scratch  # noqa: E402
+from sfchat.model import attention  # noqa: E402
 from sfchat.engine.speculator import hidden_bytes  # noqa: E402
 from sfchat.protocol import wire  # noqa: E402
 from sfchat.protocol.wire import Sampling  # noqa: E402
@@ -168,24 +170,34 @@ def one_row_count(shape: dict, name: str, dtype, device, cuda: bool, ctx: int, n
     max_len, rows = 4096 + HEAD_POOL, 64
     slices = {"own size, masked": random_slice(shape, dtype, device, max_len),
               "64 rows, canonical": random_slice(shape, dtype, device, max_len, rows=rows)}
+    if cuda:  # the same, its merge (attention.merge) compiled by torch.compile under the graphs
+        slices["64 rows, canonical, merge compiled"] = random_slice(shape, dtype, device, max_len, rows=rows)
     print(f"\n{name}: a {rows}-row tree frame, graphed, {max_len} slots\n\n| context | "
           + " | ".join(f"{k} (ms)" for k in slices) + " |\n| --- |" + " --- |" * len(slices))
-    for sl in slices.values():
+    eager = attention.merge
+    for key, sl in slices.items():
         if cuda:
+            attention.merge = torch.compile(eager, dynamic=False) if "compiled" in key else eager
             sl.capture(rows, tree=True, span=HEAD_POOL)
+    attention.merge = eager
+    same = []  # the compiled merge's frame against the eager one's: the same bits?
     for context in (ctx, 2000, 4000):
-        cells = []
+        cells, outs = [], []
+        ids = torch.randint(0, 300, (context - 1,), device=device)
+        x = torch.randint(0, 300, (rows,), device=device)
         for sl in slices.values():
             sl.reset()
-            ids = torch.randint(0, 300, (context - 1,), device=device)
             sl.feed(ids, 0)
             sl.note(0, ids.tolist())
             scratch = Scratch(sl, HEAD_POOL)
             scratch.reset(context - 1)
             slots, mask = scratch.tree_inputs(tree_rows(rows, context - 1), rows, device)
-            x = torch.randint(0, 300, (rows,), device=device)
             cells.append(timed(lambda: sl.run(x, slots, end=scratch.reach, tree=mask), n, cuda))
+            outs.append(sl.run(x, slots, end=scratch.reach, tree=mask).clone())
+        same += [torch.equal(outs[1], outs[2])] if len(outs) > 2 else []
         print(f"| {context} | " + " | ".join(f"{c:.2f}" for c in cells) + " |", flush=True)
+    if same:
+        print(f"\nthe compiled merge's frame bit-identical to the eager merge's: {sum(same)} of {len(same)} contexts")
     sl = slices["64 rows, canonical"]
     kernels = profiled(lambda: sl.forward(x, slots, window=sl.window_for(scratch.reach), tree=mask), cuda, 70)
     print(f"\nkernels of one eager {rows}-row canonical tree forward, most time first:\n\n| kernel | µs | calls |\n"

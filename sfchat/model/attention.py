@@ -101,18 +101,25 @@ def canonical(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, how: 
     outs, lses = context_part(query.reshape(1, kv_heads, group * n, dim), key[:, :, :width], value[:, :, :width],
                               how.bias, scale)
     blocks = outs.shape[0]
-    outs = outs.view(blocks, kv_heads, group, n, dim)
-    has = how.context[:, None, None, :]  # a block without a row's keys weighs nothing (a fused kernel's lse: 0)
-    lses = torch.where(has, lses.view(blocks, kv_heads, group, n), float("-inf"))
     own, own_lse = own_part(query[0].view(kv_heads, group, n, dim).permute(2, 0, 1, 3), key, value, how, scale)
-    own, own_lse = own.permute(1, 2, 0, 3), own_lse.permute(1, 2, 0)  # (Hkv, group, n, D), (Hkv, group, n)
+    out = merge(outs.view(blocks, kv_heads, group, n, dim), lses.view(blocks, kv_heads, group, n),
+                how.context[:, None, None, :], own.permute(1, 2, 0, 3), own_lse.permute(1, 2, 0))
+    return out.permute(2, 0, 1, 3).reshape(1, n, heads, dim).to(query.dtype)
+
+
+def merge(outs: torch.Tensor, lses: torch.Tensor, has: torch.Tensor, own: torch.Tensor, own_lse: torch.Tensor
+          ) -> torch.Tensor:
+    """The context part's blocks ``outs`` (blocks, Hkv, group, n, D) and ``lses`` (blocks, Hkv,
+    group, n), of which a row has keys where ``has`` (blocks, 1, 1, n), and the own part ``own``
+    (Hkv, group, n, D) and ``own_lse``, merged by their log-sum-exp in float32: (Hkv, group, n, D).
+    Plain tensor arithmetic, one fixed order (``pairwise``)."""
+    lses = torch.where(has, lses, float("-inf"))  # a block without a row's keys weighs nothing (a kernel's lse: 0)
     top = torch.maximum(lses.amax(0), own_lse)  # the own part is never empty: a row sees itself
     weights = torch.exp(lses - top)  # exactly 0 for a block without the row's keys
     context = pairwise(torch.where(has[..., None], outs * weights[..., None], -0.0))
     total = pairwise(weights)  # never negative: +0.0 trails them as exactly
     mine = torch.exp(own_lse - top)
-    out = (context + own * mine[..., None]) / (total + mine)[..., None]  # (Hkv, group, n, D), float32
-    return out.permute(2, 0, 1, 3).reshape(1, n, heads, dim).to(query.dtype)
+    return (context + own * mine[..., None]) / (total + mine)[..., None]
 
 
 def attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
