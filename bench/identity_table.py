@@ -1,13 +1,13 @@
 """One answer whatever the network: the identity table from ``live_bench.py --save`` runs.
 
 Each saved run holds, per (mode, RTT), the token ids of every reply (greedy, or sampled with one
-seed: `live_bench.py --temperature`) and the tok/s. For
-each run this prints, per (mode, RTT), how many replies equal the reference's (the run's own
-``none`` at its first RTT, else the last earlier run's: the target alone, one token per round trip) and
-the tok/s; then, for
-runs given as pairs of the same variant, how many replies each (mode, RTT) repeats from the
-earlier run. Runs may differ in what they vary (``--frame-rows``, the code): name each by its
-file's stem.
+seed: ``live_bench.py --temperature``) and the tok/s. For each run this prints, per (mode, RTT),
+how many replies equal the reference's (the run's own ``none`` at its first RTT, else the last
+earlier run's: the target alone, one token per round trip) and the tok/s with what it is made of:
+the ms a verdict's round takes and the tokens it commits (tok/s across different texts compares
+their acceptance as much as their cost; the round's ms compares the cost); then, for runs given
+as pairs of the same variant, how many replies each (mode, RTT) repeats from the earlier run.
+Runs may differ in what they vary (``--frame-rows``, the code): name each by its file's stem.
 
     python3 bench/identity_table.py off.json on.json [on-again.json]
 """
@@ -34,7 +34,8 @@ def main(paths: list[Path]) -> None:
         ref = next((v for (m, _), v in run.items() if m == "none"), ref)
         refs[name] = ref
     keys = list(dict.fromkeys(k for run in runs.values() for k in run))
-    print("| mode | RTT ms | " + " | ".join(f"{name}: same as its none / tok/s" for name in runs) + " |")
+    print("| mode | RTT ms | " + " | ".join(f"{name}: same as its none / tok/s / round ms / tokens a verdict"
+                                         for name in runs) + " |")
     print("| --- | --- |" + " --- |" * len(runs))
     for key in keys:
         cells = []
@@ -45,7 +46,7 @@ def main(paths: list[Path]) -> None:
                 continue
             r = run[key]
             told = f"{same(r['ids'], ref['ids'])}/{len(r['ids'])}" if ref else "?"
-            cells.append(f"{told} / {r['tps']:.1f}")
+            cells.append(f"{told} / {r['tps']:.1f} / {r['round_ms']:.1f} / {r['tokens_per_verdict']:.2f}")
         print(f"| {key[0]} | {key[1]} | " + " | ".join(cells) + " |")
     for name, run in runs.items():
         replies = [v["ids"] for v in run.values()]
