@@ -37,11 +37,14 @@ Models:
     for itself (its own draft numerics: deep trees); a random model's picks sit near ties, so any
     drift in the target's arithmetic shows in its replies (the identity check's hardest case).
 
-The table: tok/s, tokens per verdict (and what the tree's values predicted a frame would commit:
-the nodes on the committed path against the expectation), frames in flight, and where a verdict's time went (draft,
-head slice and frame, the tail's compute, the network, the rest on the head), the draft steps
-per verdict of the frames' own builds and of the steps run ahead; the greedy token ids of every
-reply are compared across modes and RTTs (``identical``).
+The table: tok/s and the tokens committed per round trip of the network (tok/s x RTT), tokens
+per verdict (and what the tree's values predicted a frame would commit: the nodes on the committed
+path against the expectation), frames in flight, and where a verdict's time went (draft, head
+slice and frame, the tail's compute, the network, the rest on the head), the draft steps per
+verdict of the frames' own builds and of the steps run ahead, a steady frame's build and the
+verdicts under each schedule; the token ids of every reply are compared across modes and RTTs
+(``identical``). Under ``auto``, the policy's choices (after which verdict, on which measured
+rates) go to stderr and into ``--save``'s JSON (``decisions``).
 
 Run from the repository root:
     python3 bench/live_bench.py --pair DIR [--rtts 0,30,86,175] [--new 128] [--save out.json]
@@ -207,12 +210,19 @@ def run_mode(spec, inflight: int, ahead: int, plan: str, link, hello, prompts, n
         ids_out.append(got)
     del spec.frame
     counts = driver.policy.counts
+    decisions = [{"verdict": d.verdict, "rates": d.rates, "chosen": d.chosen, "trial": d.trial}
+                 for d in driver.policy.decisions]
     if len(counts) > 1:
         p = driver.policy
         print("measured tokens/ms: " + ", ".join(f"{k} {m.rate():.4f} ({m.counted})" for k, m in p.measured.items())
-              + f"; the link fitted as {p.base_ms:.1f} ms + {p.ms_per_byte * 1e6:.1f} ms/MB", file=sys.stderr)
+              + f"; the link fitted as {p.base_ms:.1f} ms + {p.ms_per_byte * 1e6:.1f} ms/MB; choices: "
+              + "; ".join(f"after verdict {d['verdict']}: {d['chosen']}{' (trial)' if d['trial'] else ''} on "
+                          + ", ".join(f"{k} {r:.4f} ({n})" for k, (r, n) in d["rates"].items()) for d in decisions)
+              + ("none yet" if not decisions else ""),
+              file=sys.stderr)
     return (summary(stats, sum(map(len, ids_out)), wall, driver.policy.max_in_flight)
             | {"ids": ids_out, "schedules": {k: v / max(1, sum(counts.values())) for k, v in counts.items()},
+               "decisions": decisions,
                "frame_draft_ms": statistics.fmean(b[0] for b in built) if built else 0.0,
                "frame_head_ms": statistics.fmean(b[1] for b in built) if built else 0.0,
                "frame_steps": statistics.fmean(b[2] for b in built) if built else 0.0})
@@ -293,7 +303,7 @@ def main() -> None:
             for mode in args.modes.split(","):
                 res[(mode, rtt)] = r = run_mode(specs[mode], *MODES[mode][3:], link, hello, prompts, args.new,
                                                 Sampling(temperature=args.temperature, seed=args.seed))
-                print(f"rtt {rtt} {mode}: " + row(r, None), file=sys.stderr, flush=True)  # a run cut short keeps it
+                print(f"rtt {rtt} {mode}: " + row(r, None, rtt), file=sys.stderr, flush=True)  # a run cut short keeps it
             link.close()
     modes = args.modes.split(",")
     trees = [m for m in ("auto", "stream", "tree", "tree-ahead") if m in modes]
@@ -305,10 +315,12 @@ def main() -> None:
         args.save.write_text(json.dumps([{"mode": m, "rtt": r, **v} for (m, r), v in res.items()]))
 
 
-def row(r: dict, base: float | None) -> str:
+def row(r: dict, base: float | None, rtt: int) -> str:
     """One mode's figures as the table's cells from tok/s on."""
     ratio = f"{r['tps'] / base:.2f}x" if base else ""
-    return (f"{r['tps']:.1f} | {ratio} | {r['tokens_per_verdict']:.2f} ({r['expected']:.2f}) | {r['in_flight']:.2f} | "
+    per_trip = f"{r['tps'] * rtt / 1000:.2f}" if rtt else ""
+    return (f"{r['tps']:.1f} | {ratio} | {per_trip} | {r['tokens_per_verdict']:.2f} ({r['expected']:.2f}) | "
+            f"{r['in_flight']:.2f} | "
             f"{r['draft_ms']:.1f} | {r['head_ms']:.1f} | {r['tail_ms']:.1f} | {r['rtt_ms']:.1f} | "
             f"{r['wait_ms']:.1f} | {r['overlap_ms']:.1f} | {r['rest_ms']:.1f} | "
             f"{r['draft_steps']:.1f}, {r['ahead_steps']:.1f} | "
@@ -318,14 +330,15 @@ def row(r: dict, base: float | None) -> str:
 
 
 def print_table(res, rtts, modes, ranks) -> None:
-    print("\n| RTT ms | mode | tok/s | vs chain | tokens/verdict (predicted) | in flight | draft | head | tail | net | "
+    print("\n| RTT ms | mode | tok/s | vs chain | tokens a round trip | tokens/verdict (predicted) | in flight | draft | "
+          "head | tail | net | "
           "wait | overlap | rest (ms per verdict) | draft steps: frames, ahead | a steady frame's build ms (draft + "
           "head), its draft steps | verdicts per schedule |")
-    print("|" + " --- |" * 16)
+    print("|" + " --- |" * 17)
     for rtt in rtts:
         base = res[("chain", rtt)]["tps"] if ("chain", rtt) in res else None
         for mode in modes:
-            print(f"| {rtt} | {mode} | " + row(res[(mode, rtt)], base))
+            print(f"| {rtt} | {mode} | " + row(res[(mode, rtt)], base, rtt))
     replies = [r["ids"] for r in res.values()]
     same = sum(all(rep[i] == replies[0][i] for rep in replies) for i in range(len(replies[0])))
     print(f"\nidentical replies across every mode and RTT: {same} of {len(replies[0])}")

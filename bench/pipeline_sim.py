@@ -144,7 +144,7 @@ def charge_models(clock: Clock, specs: dict, costs: dict) -> None:
     c = costs
     for spec in specs.values():
         d = spec.drafter
-        if getattr(d, "_charged", False):
+        if d is None or getattr(d, "_charged", False):  # no draft (``none``), or charged already
             continue
         d._charged = True
         run = d.graphs.run
@@ -209,7 +209,7 @@ def main() -> None:
             link = SimLink(clock, verifier, rtt, args.mbps, costs)
             res[(mode, rtt)] = r = live_bench.run_mode(specs[mode], *live_bench.MODES[mode][3:], link, hello, prompts,
                                                        args.new)
-            print(f"rtt {rtt:g} {mode}: " + live_bench.row(r, None), file=sys.stderr, flush=True)
+            print(f"rtt {rtt:g} {mode}: " + live_bench.row(r, None, rtt), file=sys.stderr, flush=True)
     print(f"SIMULATED on a virtual clock (bench/pipeline_sim.py), costs {costs}, {args.mbps or 'unlimited'} Mbit/s")
     live_bench.print_table(res, rtts, modes, specs[modes[-1]].calibration.ranks)
 

@@ -20,7 +20,9 @@ has the one shape of the frame layout):
   prefill) count, and none of the first after a switch (``SETTLE`` beyond the frames in flight
   before and after it: the pipeline drains and fills). ``schedule()`` is the schedule now (its
   ``steps``: the cap on a frame's own draft steps, None: the frame's ``--k``), ``choose()`` its
-  frames in flight, ``counts`` the verdicts taken under each schedule;
+  frames in flight, ``counts`` the verdicts taken under each schedule, ``decisions`` the latest
+  ``DECISIONS`` choices (``Decision``: after which verdict, each schedule's rate and verdicts
+  counted, the one chosen, a trial or not) for a report;
 * the link: a verdict's latency less the tail's compute, fitted as ``base + bytes x cost`` over
   the frames (frames of different byte counts, prefill ones among them, show its throughput);
 * compute: the head's time to build a frame (draft and head slice, steady frames only, per
@@ -43,6 +45,7 @@ Knows nothing about models or links.
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass
 
 WEIGHT = 0.2  # of the newest frame in every running estimate
@@ -51,6 +54,7 @@ STREAM_STEPS = 2  # a streamed frame's own draft steps at most (bench/pipeline_s
 TRIAL_MS, TRIAL_VERDICTS = 1000.0, 12  # a schedule's trial: at least this long and this many verdicts
 SETTLE = 2  # verdicts after a switch that do not count, beyond the frames in flight (the pipeline fills or drains)
 REVISIT_MS = 60_000.0  # time under the best schedule before the others are measured again
+DECISIONS = 64  # choices kept for a report
 
 
 @dataclass(frozen=True)
@@ -58,6 +62,14 @@ class Schedule:
     name: str
     steps: int | None  # a frame's own draft steps at most (None: its --k)
     frames: int | None  # frames in flight (None: as many as the timing asks for)
+
+
+@dataclass(frozen=True)
+class Decision:
+    verdict: int  # the verdicts observed when it was made
+    rates: dict[str, tuple[float, int]]  # per schedule: committed tokens per ms, verdicts counted
+    chosen: str
+    trial: bool  # measuring the chosen one (else following the best)
 
 
 ROUND = Schedule("round", None, 1)
@@ -96,6 +108,7 @@ class PipelinePolicy:
         self.schedules = schedules if self.max_in_flight > 1 else (ROUND,)
         self.measured = {sc.name: _Measured() for sc in self.schedules}
         self.counts = {sc.name: 0 for sc in self.schedules}
+        self.decisions: deque[Decision] = deque(maxlen=DECISIONS)
         self.current = self.schedules[0]
         self._since_switch = 0  # steady verdicts under the current schedule since it was chosen
         self._settle = SETTLE  # of them, those that do not count
@@ -165,6 +178,8 @@ class PipelinePolicy:
         else:
             nxt, self._trial = min(others, key=lambda sc: self.measured[sc.name].counted), True
         self._left_ms, self._left_n = (TRIAL_MS, TRIAL_VERDICTS) if self._trial else (REVISIT_MS, 0)
+        self.decisions.append(Decision(self.verdicts, {k: (m.rate(), m.counted) for k, m in self.measured.items()},
+                                       nxt.name, self._trial))
         if nxt is not self.current:
             drain = self.choose()  # the frames in flight under the schedule left behind
             self.current, self._since_switch = nxt, 0

@@ -74,6 +74,12 @@ def test_each_schedule_is_measured_then_the_faster_one_is_followed(faster):
     assert policy.measured["round"].rate() == pytest.approx(5 / 120)
     assert policy.measured["stream"].rate() == pytest.approx(rates["stream"][0] / rates["stream"][1])
     assert policy.schedule().name == faster
+    # what it chose, and on what: stream's trial, round's, then the faster followed
+    chosen = [(d.chosen, d.trial) for d in policy.decisions]
+    assert chosen[:2] == [("round", True), (faster, False)]
+    last = policy.decisions[1]
+    assert last.rates["round"][0] == pytest.approx(5 / 120) and last.rates["round"][1] >= pol.TRIAL_VERDICTS
+    assert 0 < last.verdict <= policy.verdicts
     if faster == "stream":
         assert policy.schedule().steps == pol.STREAM_STEPS and policy.choose() > 1
     else:
