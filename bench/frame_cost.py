@@ -13,11 +13,12 @@ prefilled, and every figure is the mean of many calls (CUDA-synchronised wall ti
     (building the tree's inputs, the hidden states to bytes, the wire encoding);
   * the kernels that take the most time in one eager 65-row tree forward (torch.profiler);
   * one row count against each forward at its own size (``--frame-rows 64``, a GPU's default, against
-    ``0``; on a GPU also with canonical attention's merge compiled by torch.compile under the
-    graphs): the same weights as slices of 4096 + scratch slots, a 64-row tree frame graphed,
+    ``0``; on a GPU canonical attention also compiled by torch.compile, as ``--compile-attention``
+    runs it and with Inductor's own numerics): the same weights as slices of 4096 + scratch slots, a 64-row tree frame graphed,
     after contexts of ``--context``, 2000 and 4000 tokens: masked SDPA over the smallest window that
     holds the context against canonical attention (``model.attention``: its context part in blocks
-    over the window holding the context); and the kernels of one eager canonical forward.
+    over the window holding the context); whether each frame comes out the same bits over its window and over
+    all slots; and the kernels of one eager canonical forward (compiled on a GPU).
 
 Run from the repository root:  python3 bench/frame_cost.py [--tiny] [--context 500] [--no-compile] [--rows-only]
 (--tiny: CPU, tiny shapes: checks the script, measures nothing)
@@ -170,22 +171,32 @@ def one_row_count(shape: dict, name: str, dtype, device, cuda: bool, ctx: int, n
     max_len, rows = 4096 + HEAD_POOL, 64
     slices = {"own size, masked": random_slice(shape, dtype, device, max_len),
               "64 rows, canonical": random_slice(shape, dtype, device, max_len, rows=rows)}
-    if cuda:  # the same, its merge (attention.merge) compiled by torch.compile under the graphs
-        slices["64 rows, canonical, merge compiled"] = random_slice(shape, dtype, device, max_len, rows=rows)
+    variants = {"64 rows, canonical": (False, {})}  # the product's default: the plain functions
+    if cuda:  # compiled (--compile-attention), and with Inductor's own numerics (fused multiply-adds)
+        variants.update({"64 rows, canonical, compiled": (True, dict(attention.OPTIONS)),
+                         "64 rows, canonical, compiled, Inductor's numerics": (True, {})})
+    for key in variants:
+        slices[key] = slices.get(key) or random_slice(shape, dtype, device, max_len, rows=rows)
+    compiled = {}
+
+    def use(key: str) -> None:  # the variant's canonical attention for what runs next
+        attention.COMPILE, attention.OPTIONS = variants.get(key, variants["64 rows, canonical"])
+        attention._compiled = compiled.get(key)
+        attention.on_gpu()
+        compiled[key] = attention._compiled
     print(f"\n{name}: a {rows}-row tree frame, graphed, {max_len} slots\n\n| context | "
           + " | ".join(f"{k} (ms)" for k in slices) + " |\n| --- |" + " --- |" * len(slices))
-    eager = attention.merge
     for key, sl in slices.items():
         if cuda:
-            attention.merge = torch.compile(eager, dynamic=False) if "compiled" in key else eager
+            use(key)
             sl.capture(rows, tree=True, span=HEAD_POOL)
-    attention.merge = eager
-    same = []  # the compiled merge's frame against the eager one's: the same bits?
+    same = {}  # a frame over its window against over all slots: the same bits?
     for context in (ctx, 2000, 4000):
-        cells, outs = [], []
+        cells = []
         ids = torch.randint(0, 300, (context - 1,), device=device)
         x = torch.randint(0, 300, (rows,), device=device)
-        for sl in slices.values():
+        for key, sl in slices.items():
+            use(key)
             sl.reset()
             sl.feed(ids, 0)
             sl.note(0, ids.tolist())
@@ -193,14 +204,18 @@ def one_row_count(shape: dict, name: str, dtype, device, cuda: bool, ctx: int, n
             scratch.reset(context - 1)
             slots, mask = scratch.tree_inputs(tree_rows(rows, context - 1), rows, device)
             cells.append(timed(lambda: sl.run(x, slots, end=scratch.reach, tree=mask), n, cuda))
-            outs.append(sl.run(x, slots, end=scratch.reach, tree=mask).clone())
-        same += [torch.equal(outs[1], outs[2])] if len(outs) > 2 else []
+            if cuda and key in variants:
+                same.setdefault(key, []).append(torch.equal(sl.run(x, slots, end=scratch.reach, tree=mask),
+                                                            sl.run(x, slots, tree=mask)))
         print(f"| {context} | " + " | ".join(f"{c:.2f}" for c in cells) + " |", flush=True)
-    if same:
-        print(f"\nthe compiled merge's frame bit-identical to the eager merge's: {sum(same)} of {len(same)} contexts")
-    sl = slices["64 rows, canonical"]
+    for key, equal in same.items():
+        print(f"\n{key}: the frame over its window bit-identical to it over all {max_len} slots at contexts "
+              f"{ctx}, 2000, 4000: {equal}")
+    key = "64 rows, canonical, compiled" if cuda else "64 rows, canonical"
+    use(key)
+    sl = slices[key]
     kernels = profiled(lambda: sl.forward(x, slots, window=sl.window_for(scratch.reach), tree=mask), cuda, 70)
-    print(f"\nkernels of one eager {rows}-row canonical tree forward, most time first:\n\n| kernel | µs | calls |\n"
+    print(f"\nkernels of one eager {rows}-row canonical tree forward ({key}), most time first:\n\n| kernel | µs | calls |\n"
           "| --- | --- | --- |")
     for kname, us, calls in kernels[:16]:
         print(f"| {kname} | {us:.0f} | {calls} |")

@@ -76,9 +76,11 @@ def write_checkpoint(path: Path, shape: dict, seed: int, layers_per_shard: int =
 
 
 @contextlib.contextmanager
-def relay_and_tail(rtt_ms: int, models_dir: Path, session: str = "bench", mbps: float = 0.0):
+def relay_and_tail(rtt_ms: int, models_dir: Path, session: str = "bench", mbps: float = 0.0,
+                   tail_args: tuple[str, ...] = (), tail_log: Path | None = None):
     """A real sfchat-relay on loopback emulating ``rtt_ms`` (and a link of ``mbps`` each way, 0:
-    unlimited) and a tail process on the GPU that may load the checkpoints under ``models_dir``: the URL."""
+    unlimited) and a tail process on the GPU that may load the checkpoints under ``models_dir``,
+    with ``tail_args`` besides, its output written to ``tail_log`` (else dropped): the URL."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     relay = subprocess.Popen([sys.executable, "-m", "relay", "--host", "127.0.0.1", "--port", "0",
                               "--token", TOKEN, "--emulate-rtt-ms", str(rtt_ms), "--emulate-mbps", str(mbps)],
@@ -90,10 +92,11 @@ def relay_and_tail(rtt_ms: int, models_dir: Path, session: str = "bench", mbps: 
             raise RuntimeError(f"sfchat-relay exited with {relay.wait()} before it listened")
         m = re.search(r"listening on ws://[^:]+:(\d+)", line)
         url = f"ws://127.0.0.1:{m.group(1)}" if m else None
+    out = tail_log.open("w") if tail_log is not None else subprocess.DEVNULL
     tail = subprocess.Popen([sys.executable, "-m", "sfchat.cli", "--tail", "--relay", url, "--token", TOKEN,
                              "--secret", SECRET, "--session", session, "--device", DEVICE,
-                             "--models-dir", str(models_dir)], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                             "--models-dir", str(models_dir), *tail_args], env=env,
+                            stdout=subprocess.DEVNULL, stderr=out)
     try:
         yield url
     finally:
@@ -101,6 +104,8 @@ def relay_and_tail(rtt_ms: int, models_dir: Path, session: str = "bench", mbps: 
         relay.terminate()
         tail.wait(30)
         relay.wait(30)
+        if tail_log is not None:
+            out.close()
 
 
 def head_link(url: str, session: str = "bench"):

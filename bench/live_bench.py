@@ -15,7 +15,9 @@ same prompts in every mode, each reply timed whole (prefill included), EOS ignor
   * ``none``: no draft, one token per round trip (the target's own output on this GPU).
 
 ``--frame-rows N`` (default 64, the product's on a GPU; 0: off) runs every forward of the target,
-on head and tail, at N rows: frames padded, the prompt in pieces of N. ``--temperature T``
+on head and tail, at N rows: frames padded, the prompt in pieces of N; ``--compile-attention``
+runs their canonical attention compiled (``sfchat --compile-attention``) on head and tail;
+``--tail-logs DIR`` keeps each tail's output. ``--temperature T``
 (default 0: greedy) samples every reply at T, seeded by ``--seed`` (each prompt's reply drawn from
 the same per-position random stream in every mode, so a mode that computes the target's
 probabilities alike gives the same text).
@@ -73,6 +75,7 @@ from harness import QWEN25_05B, QWEN25_15B, QWEN25_7B, TINY_DRAFT, TINY_TARGET, 
 from sfchat.engine.draft import WIDTH, Drafter  # noqa: E402
 from sfchat.engine.policy import ROUND, STREAM, PipelinePolicy, Schedule  # noqa: E402
 from sfchat.engine.speculator import Speculator  # noqa: E402
+from sfchat.model import attention  # noqa: E402
 from sfchat.model.decoder import n_layers  # noqa: E402
 from sfchat.model.devices import DTYPE_NAMES, DTYPES  # noqa: E402
 from sfchat.model.slices import ModelSlice  # noqa: E402
@@ -266,6 +269,9 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--frame-rows", type=int, default=64, help="every forward of the target at N rows (0: off)")
+    ap.add_argument("--compile-attention", action="store_true",
+                    help="head and tail run canonical attention compiled (sfchat --compile-attention)")
+    ap.add_argument("--tail-logs", type=Path, help="write each RTT's tail output to DIR/tail-RTT.log")
     ap.add_argument("--temperature", type=float, default=0.0, help="sample at T (0: greedy)")
     ap.add_argument("--seed", type=int, default=1, help="the sampled replies' seed")
     ap.add_argument("--smoke", action="store_true")
@@ -294,11 +300,17 @@ def main() -> None:
         ranks = json.loads(args.ranks.read_text()) if args.ranks else [78, 9, 4, 2, 1, 1, 1, 0, 4]
         synthetic = (torch.randperm(vocab, generator=torch.Generator().manual_seed(1234)), ranks)
     dtype = "float32" if args.smoke or args.device == "cpu" else args.dtype
+    attention.compile_on_gpu(args.compile_attention)
+    tail_args = ("--compile-attention",) if args.compile_attention else ()
+    if args.tail_logs:
+        args.tail_logs.mkdir(parents=True, exist_ok=True)
     specs, hello = build(target, draft, harness.DEVICE, dtype, synthetic, args.frame_rows)
     prompts = prompts_for(target, synthetic is not None or bool(args.self_shape), args.prompts)
     res = {}
     for rtt in rtts:
-        with relay_and_tail(rtt, target.parent, session=f"live-{rtt}", mbps=args.mbps) as url:
+        log = args.tail_logs / f"tail-{rtt}.log" if args.tail_logs else None
+        with relay_and_tail(rtt, target.parent, session=f"live-{rtt}", mbps=args.mbps, tail_args=tail_args,
+                            tail_log=log) as url:
             link = head_link(url, f"live-{rtt}")
             for mode in args.modes.split(","):
                 res[(mode, rtt)] = r = run_mode(specs[mode], *MODES[mode][3:], link, hello, prompts, args.new,

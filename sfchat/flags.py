@@ -32,6 +32,7 @@ FLAG_FIELDS = {  # flag dest -> Settings field
     "k": "k", "tree_budget": "tree_budget", "frame_rows": "frame_rows", "split": "split", "device": "device", "draft_device": "draft_device", "dtype": "dtype",
     "max_context": "max_context", "max_new_tokens": "max_new_tokens", "temperature": "temperature",
     "top_k": "top_k", "top_p": "top_p", "repetition_penalty": "repetition_penalty", "seed": "seed", "system": "system", "relay": "relay",
+    "compile_attention": "compile_attention",
     "token": "token", "session": "session", "history": "history", "round_timeout": "round_timeout",
     "reconnect_timeout": "reconnect_timeout", "secret": "secret",
     "load_in_4bit": "load_in_4bit", "load_in_8bit": "load_in_8bit", "models_dir": "models_dir", "draft_load_in_4bit": "draft_load_in_4bit",
@@ -84,6 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run the draft and the verify forwards eagerly (debugging, comparisons)")
     g.add_argument("--no-compile-draft", action="store_true",
                    help="skip torch.compile of the draft model (faster start, slower drafting)")
+    g.add_argument("--compile-attention", action="store_true",
+                   help="compile canonical attention's gathers and merge with torch.compile on a GPU (one-shape "
+                        "forwards: --frame-rows; fewer kernels a layer, a longer start; each node decides its own)")
     g.add_argument("--max-in-flight", type=int, metavar="N",
                    help=f"frames sent over the relay before their verdicts come when the head streams shallow "
                         f"frames (it measures whether that beats one frame per round trip on the link), each "

@@ -138,3 +138,13 @@ def test_each_end_of_a_direct_link_takes_only_its_own_flag(argv, wanted):
     args = build_parser().parse_args(argv)
     with pytest.raises(UserError, match=wanted):
         refuse_ignored(args, settings_from(args))
+
+
+def test_compiled_attention_is_off_unless_a_node_asks_for_it(tmp_path):
+    from sfchat.flags import build_parser, settings_from
+
+    assert settings_from(build_parser().parse_args([])).compile_attention is False
+    for argv in (["--compile-attention"], ["--tail", "--compile-attention"]):  # head and tail decide each their own
+        args = build_parser().parse_args(argv)
+        assert settings_from(args).compile_attention is True
+    assert merged({}, write(tmp_path, "compile-attention = true\n")).compile_attention is True

@@ -1,7 +1,7 @@
 """CUDA-only checks (skipped without a GPU): graphed forwards are bit-identical to eager ones (one
 segment or several, on one GPU or two), graphs of one device sharing its memory pool do not
-disturb each other's results, and the graphed engine keeps greedy parity with transformers'
-generate()."""
+disturb each other's results, the graphed engine keeps greedy parity with transformers'
+generate(), and a canonical row is the same bits over every window, compiled or not."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import torch
 from sfchat.config import AUTO_FRAME_ROWS, Settings
 from sfchat.events import ReplyFinished
 from sfchat.node.head import Head
+from sfchat.model import attention
 from sfchat.model.graphs import GraphTable
 from sfchat.model.slices import ModelSlice
 from sfchat.model.source import ModelSource
@@ -122,15 +123,17 @@ def test_each_attention_window_has_its_graph_and_matches_eager(zoo, monkeypatch)
         assert results[0] == results[1]
 
 
-@pytest.mark.parametrize("budget", [8, 32])
-def test_graphed_tree_engine_keeps_greedy_parity(zoo, budget):
+@pytest.mark.parametrize("budget, compiled", [(8, False), (32, False), (32, True)])
+def test_graphed_tree_engine_keeps_greedy_parity(zoo, monkeypatch, budget, compiled):
     """Trees on a GPU: the draft's tree, the head's and the tail's tree forwards all replayed from
-    graphs (the mask a graph input), and the output still generate()'s."""
+    graphs (the mask a graph input), canonical attention compiled or not, and the output still
+    generate()'s."""
     from transformers import AutoModelForCausalLM
 
+    monkeypatch.setattr(attention, "COMPILE", attention.COMPILE)  # the head sets it from its settings
     path = zoo["qwen2-tied"]
     session = Head.open(Settings(model=str(path), draft=str(zoo["draft"]), k=5, tree_budget=budget,
-                                        device="cuda", dtype="float32", compile_draft=False))
+                                 device="cuda", dtype="float32", compile_draft=False, compile_attention=compiled))
     engine = session.engine
     rows = AUTO_FRAME_ROWS  # every forward of the target at one row count on a GPU
     assert engine.head.captured(rows, tree=True) and ("expand", False) in engine.drafter.graphs
@@ -250,10 +253,15 @@ def test_graphed_engine_with_segmented_halves_keeps_greedy_parity(zoo, monkeypat
     assert list(fin.token_ids) == ref[0, len(ids):].tolist()
 
 
+@pytest.mark.parametrize("compiled", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_a_canonical_row_comes_out_the_same_over_every_window_on_the_gpu(zoo, monkeypatch, dtype):
+def test_a_canonical_row_comes_out_the_same_over_every_window_on_the_gpu(zoo, monkeypatch, dtype, compiled):
     from test_attention import over_windows  # the CPU test's frame, on the GPU's kernels
 
+    monkeypatch.setattr(attention, "COMPILE", compiled)
     outs = over_windows(zoo["qwen2-untied"], dtype, torch.device("cuda"), monkeypatch)
     assert [w for w, _ in outs] == [32, 64, 80]
     assert all(torch.equal(out, outs[0][1]) for _, out in outs[1:])
+    outs = over_windows(zoo["qwen2-untied"], dtype, torch.device("cuda"), monkeypatch, committed=60)
+    assert [w for w, _ in outs] == [64, 80]  # a context part in four blocks, then in five
+    assert torch.equal(outs[0][1], outs[1][1])

@@ -21,11 +21,18 @@ with the mask their cache's ``begin`` returned (``kv.StaticKV``):
   when it ran.
 
 Both parts run on a GPU through PyTorch's memory-efficient attention kernel (which returns the
-log-sum-exp), on a CPU as the same arithmetic in float32 matrix products. Knows nothing of
-trees, frames or the wire.
+log-sum-exp), on a CPU as the same arithmetic in float32 matrix products. On a GPU, with
+``compile_on_gpu(True)``, the rest of ``canonical`` (the own part's gathers, the merge) is compiled
+by torch.compile (``on_gpu``): a few fused kernels in place of ~20 small ones a layer, one
+compiled program per shape, so every forward of one shape runs the same code whatever the mode;
+the merge's only reduction over blocks is a maximum (exact in any order) and its sums stay
+``pairwise``'s explicit additions, rounded as written. A GPU that cannot compile runs the plain
+functions for the whole process (warned once). Knows nothing of trees, frames or the wire.
 """
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 from transformers import AttentionInterface
@@ -35,6 +42,11 @@ from sfchat.model import kv
 from sfchat.model.kv import Attend
 
 NAME = "sfchat"
+COMPILE = False  # on a GPU, run ``canonical`` compiled by torch.compile (``on_gpu``; ``compile_on_gpu``)
+# Inductor's options for that compile (those the installed version knows): its code rounds as written
+# (no fused multiply-adds: ``emulate_precision_casts``) and no timing picks a choice that changes numbers
+OPTIONS: dict = {"emulate_precision_casts": True, "deterministic": True}
+RECOMPILES = 1024  # compiled programs allowed for ``canonical``: a slice's windows x segments x models in a process
 
 
 def fused(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bias: torch.Tensor, scale: float
@@ -122,11 +134,61 @@ def merge(outs: torch.Tensor, lses: torch.Tensor, has: torch.Tensor, own: torch.
     return (context + own * mine[..., None]) / (total + mine)[..., None]
 
 
+_compiled = None  # ``canonical`` compiled (the first GPU call), or the plain function where that failed
+
+
+def compile_on_gpu(on: bool) -> None:
+    """Whether a GPU runs ``canonical`` compiled (a node's ``--compile-attention``; off by default);
+    set before the first forward: forwards of one shape must all run one code."""
+    global COMPILE
+    COMPILE = bool(on)
+_proven = False  # the compiled function has run once: a later failure is an error, not a fallback
+
+
+def on_gpu():
+    """What runs ``canonical`` on a GPU: compiled by torch.compile (each shape its own program; more
+    shapes than ``RECOMPILES`` raise rather than quietly run another code), or the plain function
+    with ``COMPILE`` off or where compiling failed at the first call (then for the whole process, so
+    that every forward of a shape runs one code)."""
+    global _compiled
+    if not COMPILE:
+        return canonical
+    if _compiled is None:
+        import torch._dynamo as dynamo
+        from torch._inductor import config as inductor
+        dynamo.config.recompile_limit = max(dynamo.config.recompile_limit, RECOMPILES)
+        dynamo.config.accumulated_recompile_limit = max(dynamo.config.accumulated_recompile_limit, RECOMPILES)
+        dynamo.config.fail_on_recompile_limit_hit = True
+        options = {k: v for k, v in OPTIONS.items() if hasattr(inductor, k)}
+        _compiled = torch.compile(canonical, dynamic=False, fullgraph=True, options=options or None)
+    return _compiled
+
+
+def run_on_gpu(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, how: Attend, scale: float
+               ) -> torch.Tensor:
+    """``canonical`` as ``on_gpu`` runs it; where the first compiled call fails (a GPU or an install
+    that cannot compile), warned once, the plain function from then on."""
+    global _compiled, _proven
+    run = on_gpu()
+    if run is canonical or _proven:
+        return run(query, key, value, how, scale)
+    try:
+        out = run(query, key, value, how, scale)
+    except Exception as exc:  # noqa: BLE001 - whatever stops compiling: the plain function, for the process
+        warnings.warn(f"canonical attention runs uncompiled ({type(exc).__name__}: {exc})", RuntimeWarning,
+                      stacklevel=2)
+        _compiled = canonical
+        return canonical(query, key, value, how, scale)
+    _proven = True
+    return out
+
+
 def attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
               **kwargs):
     if isinstance(attention_mask, Attend):
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        return canonical(query, key, value, attention_mask, scale), None
+        run = run_on_gpu if query.device.type == "cuda" else canonical
+        return run(query, key, value, attention_mask, scale), None
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                   **kwargs)
 

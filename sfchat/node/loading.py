@@ -31,6 +31,7 @@ from sfchat.engine.draft import CHILDREN, WIDTH, Drafter
 from sfchat.engine.speculator import Speculator
 from sfchat.engine.verifier import Verifier
 from sfchat.events import LoadProgress, RuntimeReady
+from sfchat.model import attention
 from sfchat.model.decoder import n_layers
 from sfchat.model.devices import DTYPE_NAMES, default_draft_device, pick_dtype, resolve_device, resolve_devices
 from sfchat.model.memory import DraftPlan, check_head, head_reserve, place_draft
@@ -67,6 +68,7 @@ def open_engine(s: Settings, on_event: Callable = lambda e: None, link=None,
     Token ids only: no tokenizer is needed (benchmarks use random-weight checkpoints)."""
     devices = resolve_devices(s.device)
     device = devices[0]
+    attention.compile_on_gpu(s.compile_attention)
     quant, dquant = s.quant(), ("nf4" if s.draft_load_in_4bit else "none")
     src = src or ModelSource.open(s.model, s.revision, progress_events(on_event, "head"))
     L = n_layers(src.config)

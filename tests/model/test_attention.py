@@ -202,15 +202,16 @@ def test_a_frame_over_the_window_its_scratch_reaches_reads_its_whole_context_par
     assert torch.allclose(outs[0], outs[1], rtol=1e-4, atol=1e-3), (outs[0] - outs[1]).abs().max()
 
 
-def over_windows(path, dtype, device, monkeypatch) -> list[tuple[int, torch.Tensor]]:
-    """A frame below a context of 20 positions, computed over each window that holds the context
-    (windows of 32, 64 and 80 slots of a cache of 80: context parts of 2, 4 and 5 blocks of 16, the
-    deepest row's keys in two of them): (the window, the frame's output)."""
+def over_windows(path, dtype, device, monkeypatch, committed: int = 20) -> list[tuple[int, torch.Tensor]]:
+    """A frame below a context of ``committed`` positions, computed over each window that holds the
+    context (of 20: windows of 32, 64 and 80 slots of a cache of 80: context parts of 2, 4 and 5
+    blocks of 16, the deepest row's keys in two of them; of 60: windows of 64 and 80, its keys in
+    four): (the window, the frame's output)."""
     monkeypatch.setattr(kv, "SPAN", SPAN)
     monkeypatch.setattr(kv, "BLOCK", 16)
     monkeypatch.setattr(kv, "MIN_WINDOW", 8)
     sl = load(path, dtype, device=device, max_len=80)
-    slots, mask, x, scratch = path_frame(sl, 20, device)
+    slots, mask, x, scratch = path_frame(sl, committed, device)
     windows = [w for w in sl.windows if w >= sl.window_for(scratch.reach)]
     return [(w, sl.forward(x, slots, window=w, tree=mask).clone()) for w in windows]
 
