@@ -213,13 +213,13 @@ def run_mode(spec, inflight: int, ahead: int, plan: str, link, hello, prompts, n
         ids_out.append(got)
     del spec.frame
     counts = driver.policy.counts
-    decisions = [{"verdict": d.verdict, "rates": d.rates, "chosen": d.chosen, "trial": d.trial}
+    decisions = [{"verdict": d.verdict, "rates": d.rates, "chosen": d.chosen, "trial": d.trial, "sure": d.sure}
                  for d in driver.policy.decisions]
     if len(counts) > 1:
         p = driver.policy
         print("measured tokens/ms: " + ", ".join(f"{k} {m.rate():.4f} ({m.counted})" for k, m in p.measured.items())
               + f"; the link fitted as {p.base_ms:.1f} ms + {p.ms_per_byte * 1e6:.1f} ms/MB; choices: "
-              + "; ".join(f"after verdict {d['verdict']}: {d['chosen']}{' (trial)' if d['trial'] else ''} on "
+              + "; ".join(f"after verdict {d['verdict']}: {d['chosen']}{' (trial)' if d['trial'] else ' (sure)' if d['sure'] else ''} on "
                           + ", ".join(f"{k} {r:.4f} ({n})" for k, (r, n) in d["rates"].items()) for d in decisions)
               + ("none yet" if not decisions else ""),
               file=sys.stderr)

@@ -12,9 +12,12 @@ Per RTT and per ratio of the schedules' true rates (stream's over round's), over
 runs of ``--ms`` of decoding each: the share of run pairs that spent most of their time under
 different schedules, the share of runs that spent most of it under the slower one, and the tokens committed against the faster schedule
 followed all the time (the trials and the switches included); ``--trials`` tries other lengths of
-a trial (``TRIAL_MS:TRIAL_VERDICTS``, the product's first).
+a trial (``TRIAL_MS:TRIAL_VERDICTS``, the product's first); ``--rules`` other decision rules
+(``CONFIDENCE:MAX_TRIALS:UNSURE_MS``, the product's first; ``0:2:0`` is the rule before them: the
+better mean after one trial of each).
 
     python3 bench/policy_flips.py [--runs 200] [--ms 30000,6000] [--rtts 86,175] [--trials 1000:12,4000:48]
+                                  [--rules 2:6:4000,0:2:0]
 """
 
 from __future__ import annotations
@@ -72,14 +75,18 @@ def main() -> None:
     ap.add_argument("--ratios", default="0.8,0.9,0.95,1.0,1.05,1.1,1.25")
     ap.add_argument("--trials", default=f"{pol.TRIAL_MS:.0f}:{pol.TRIAL_VERDICTS}",
                     help="trial lengths to try, TRIAL_MS:TRIAL_VERDICTS, comma-separated")
+    ap.add_argument("--rules", default=f"{pol.CONFIDENCE:g}:{pol.MAX_TRIALS}:{pol.UNSURE_MS:.0f}",
+                    help="decision rules to try, CONFIDENCE:MAX_TRIALS:UNSURE_MS, comma-separated")
     args = ap.parse_args()
     print("SIMULATED (bench/policy_flips.py): the product's policy fed seeded noisy verdicts; "
           f"CVs {CV}, {args.runs} runs per row\n")
-    print("| trial: ms, verdicts | decoding ms | RTT ms | stream / round, true rate | two runs mostly under "
+    print("| rule: confidence, trials, unsure ms | trial: ms, verdicts | decoding ms | RTT ms | stream / round, true rate | two runs mostly under "
           "different schedules | runs mostly under the slower | tokens vs the faster followed all along |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     trials = [(float(t.split(":")[0]), int(t.split(":")[1])) for t in args.trials.split(",")]
-    for (pol.TRIAL_MS, pol.TRIAL_VERDICTS), ms in ((t, float(x)) for t in trials for x in args.ms.split(",")):
+    rules = [(float(r.split(":")[0]), int(r.split(":")[1]), float(r.split(":")[2])) for r in args.rules.split(",")]
+    for (pol.CONFIDENCE, pol.MAX_TRIALS, pol.UNSURE_MS), (pol.TRIAL_MS, pol.TRIAL_VERDICTS), ms in (
+            (r, t, float(x)) for r in rules for t in trials for x in args.ms.split(",")):
         for rtt in (float(x) for x in args.rtts.split(",")):
             round_rate = ROUND_TOKENS / (rtt + BUILD_MS + TAIL_MS)
             for ratio in (float(x) for x in args.ratios.split(",")):
@@ -90,7 +97,7 @@ def main() -> None:
                 on_slower = sum(e[0] == slower for e in ends) / len(ends) if slower else float("nan")
                 best = max(round_rate, ratio * round_rate) * ms
                 share = sum(e[1] for e in ends) / len(ends) / best
-                print(f"| {pol.TRIAL_MS:.0f}, {pol.TRIAL_VERDICTS} | {ms:.0f} | {rtt:.0f} | {ratio:.2f} | {differ:.0%} | "
+                print(f"| {pol.CONFIDENCE:g}, {pol.MAX_TRIALS}, {pol.UNSURE_MS:.0f} | {pol.TRIAL_MS:.0f}, {pol.TRIAL_VERDICTS} | {ms:.0f} | {rtt:.0f} | {ratio:.2f} | {differ:.0%} | "
                       f"{'-' if slower is None else f'{on_slower:.0%}'} | {share:.2f}x |", flush=True)
 
 

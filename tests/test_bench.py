@@ -27,3 +27,15 @@ def test_every_mode_drafts_at_the_same_quality(children):
     share = sum(hits) / n
     assert share == pytest.approx(sum(RANKS[:children]) / sum(RANKS), abs=0.01)
     assert max(hits) == 1  # the target's token once at most, decoys elsewhere
+
+
+def test_the_policy_simulator_prints_a_row_per_rule():
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, str(root / "bench" / "policy_flips.py"), "--runs", "4", "--ms", "3000",
+                          "--rtts", "86", "--ratios", "1.25", "--rules", "2:6:4000,0:2:0"],
+                         capture_output=True, text=True, check=True, timeout=300).stdout
+    rows = [line for line in out.splitlines() if line.startswith("| 2, 6, 4000 |") or line.startswith("| 0, 2, 0 |")]
+    assert [r.split(" | ")[0] for r in rows] == ["| 2, 6, 4000", "| 0, 2, 0"]
+    assert all(r.split(" | ")[1:5] == ["1000, 12", "3000", "86", "1.25"] for r in rows)

@@ -15,14 +15,19 @@ has the one shape of the frame layout):
   bets on their outcomes): so the policy measures each schedule's committed tokens per ms on
   a trial (``TRIAL_MS`` and ``TRIAL_VERDICTS`` at least; stream first: where the round trip is
   long its verdicts come often and it is the likelier winner, where it is short its trial is
-  over soon), then follows the best one, and measures
-  the others again after ``REVISIT_MS`` (the link may change). Only verdicts of steady frames (no
+  over soon), with the rate's standard error from the verdicts' spread. It follows the best once
+  its lead is ``CONFIDENCE`` standard errors of the difference (sure); short of that it follows
+  the better mean for ``UNSURE_MS`` and then tries the other again, each schedule's verdicts
+  adding up over the comparison, until one leads so or ``MAX_TRIALS`` trials were run (then the
+  better mean: schedules that close cost little either way). After ``REVISIT_MS`` under a sure
+  choice it compares anew (the link may change): the best's rate over the time it was followed
+  against the others' fresh trials. Only verdicts of steady frames (no
   prefill) count, and none of the first after a switch (``SETTLE`` beyond the frames in flight
   before and after it: the pipeline drains and fills). ``schedule()`` is the schedule now (its
   ``steps``: the cap on a frame's own draft steps, None: the frame's ``--k``), ``choose()`` its
   frames in flight, ``counts`` the verdicts taken under each schedule, ``decisions`` the latest
-  ``DECISIONS`` choices (``Decision``: after which verdict, each schedule's rate and verdicts
-  counted, the one chosen, a trial or not) for a report;
+  ``DECISIONS`` choices (``Decision``: after which verdict, each schedule's rate and the verdicts
+  it is over, the one chosen, a trial or not, sure or not) for a report;
 * the link: a verdict's latency less the tail's compute, fitted as ``base + bytes x cost`` over
   the frames (frames of different byte counts, prefill ones among them, show its throughput);
 * compute: the head's time to build a frame (draft and head slice, steady frames only, per
@@ -52,6 +57,9 @@ WEIGHT = 0.2  # of the newest frame in every running estimate
 MIN_YIELD = 0.25  # a frame sent while others are in flight must be expected to commit this many tokens
 STREAM_STEPS = 2  # a streamed frame's own draft steps at most (bench/pipeline_sim.py: 2 was best or near it at 30-175 ms)
 TRIAL_MS, TRIAL_VERDICTS = 1000.0, 12  # a schedule's trial: at least this long and this many verdicts
+CONFIDENCE = 2.0  # the best must lead by this many standard errors of the difference to be followed at once
+MAX_TRIALS = 6  # trials in one comparison at most; then the best by its mean, whatever the spread
+UNSURE_MS = 4000.0  # time under the better mean, short of a sure lead, before the other's next trial
 SETTLE = 2  # verdicts after a switch that do not count, beyond the frames in flight (the pipeline fills or drains)
 REVISIT_MS = 60_000.0  # time under the best schedule before the others are measured again
 DECISIONS = 64  # choices kept for a report
@@ -67,9 +75,10 @@ class Schedule:
 @dataclass(frozen=True)
 class Decision:
     verdict: int  # the verdicts observed when it was made
-    rates: dict[str, tuple[float, int]]  # per schedule: committed tokens per ms, verdicts counted
+    rates: dict[str, tuple[float, int]]  # per schedule: committed tokens per ms, the verdicts it is over
     chosen: str
     trial: bool  # measuring the chosen one (else following the best)
+    sure: bool = False  # following one that leads by CONFIDENCE (or after MAX_TRIALS), for REVISIT_MS
 
 
 ROUND = Schedule("round", None, 1)
@@ -77,27 +86,38 @@ STREAM = Schedule("stream", STREAM_STEPS, None)
 
 
 class _Measured:
-    """One schedule's figures: committed tokens per ms over its latest period (a trial, or the time
-    it was followed), the period under way, a steady frame's build."""
+    """One schedule's figures: committed tokens per ms over the verdicts counted since its figures
+    were last restarted (one comparison's trials together, or the time it was followed), with the
+    standard error of that rate; a steady frame's build."""
 
     def __init__(self) -> None:
         self.build: float | None = None
-        self.counted = 0  # verdicts counted, over every period
-        self.tokens = self.ms = 0.0  # the period under way
-        self.last: float | None = None  # tokens per ms of the latest period
+        self.counted = 0  # verdicts counted, ever
+        self.restart()
+
+    def restart(self) -> None:
+        self.n = 0
+        self.tokens = self.ms = self.tt = self.mm = self.tm = 0.0
 
     def add(self, tokens: float, ms: float) -> None:
+        self.n += 1
+        self.counted += 1
         self.tokens += tokens
         self.ms += ms
-        self.counted += 1
-
-    def close(self) -> None:
-        if self.ms > 0:
-            self.last = self.tokens / self.ms
-        self.tokens = self.ms = 0.0
+        self.tt += tokens * tokens
+        self.mm += ms * ms
+        self.tm += tokens * ms
 
     def rate(self) -> float:
-        return self.last if self.last is not None else 0.0
+        return self.tokens / self.ms if self.ms > 0 else 0.0
+
+    def error(self) -> float:
+        """The rate's standard error (a ratio of sums: its first-order spread), inf below 2 verdicts."""
+        if self.n < 2 or self.ms <= 0:
+            return math.inf
+        r = self.rate()
+        spread = max(0.0, self.tt - 2 * r * self.tm + r * r * self.mm) / (self.n - 1)  # of tokens - r x ms
+        return math.sqrt(spread / self.n) / (self.ms / self.n)
 
 
 class PipelinePolicy:
@@ -114,6 +134,8 @@ class PipelinePolicy:
         self._settle = SETTLE  # of them, those that do not count
         self._left_ms, self._left_n = TRIAL_MS, TRIAL_VERDICTS  # counted time and verdicts before the next choice
         self._trial = True  # measuring the current schedule (else following the best)
+        self._trials = 1  # trials run in the comparison under way
+        self._sure = False  # the schedule followed leads by CONFIDENCE (else only by its mean)
         self.build: float | None = None  # the current schedule's steady frame build
         self.tail = self.bytes = 0.0
         self.tokens: float | None = None  # committed per verdict
@@ -165,26 +187,46 @@ class PipelinePolicy:
             self._next()
 
     def _next(self) -> None:
-        """Done measuring or following the current schedule: the next one not measured yet; after
-        a trial, the best; after following the best, a trial of the one measured least."""
-        self.measured[self.current.name].close()
-        unmeasured = [sc for sc in self.schedules if self.measured[sc.name].counted == 0]
+        """Done measuring or following the current schedule. After a trial: the next one not
+        measured yet; else the best, followed for ``REVISIT_MS`` when it leads the others by
+        ``CONFIDENCE`` standard errors of the difference or ``MAX_TRIALS`` trials were run, else
+        for ``UNSURE_MS``, its verdicts adding to its figures, and then another trial of the
+        one measured least, adding to its. After ``REVISIT_MS`` under the best: a new comparison,
+        from a trial of the one measured least (its figures afresh)."""
+        unmeasured = [sc for sc in self.schedules if self.measured[sc.name].n == 0]
         best = max(self.schedules, key=lambda sc: self.measured[sc.name].rate())
         others = [sc for sc in self.schedules if sc is not best]
-        if unmeasured:
-            nxt, self._trial = unmeasured[0], True
-        elif self._trial or not others:
-            nxt, self._trial = best, False
+        least = min((sc for sc in self.schedules if sc is not self.current),
+                    key=lambda sc: self.measured[sc.name].n, default=self.current)
+        fresh = False  # the next schedule's figures start anew
+        if not self._trial:  # the best was followed: sure, compare anew; unsure, try the other again
+            nxt, self._trial = least, True
+            self._trials, fresh = (1, True) if self._sure else (self._trials + 1, False)
+        elif unmeasured:
+            nxt, self._trials = unmeasured[0], self._trials + 1
         else:
-            nxt, self._trial = min(others, key=lambda sc: self.measured[sc.name].counted), True
-        self._left_ms, self._left_n = (TRIAL_MS, TRIAL_VERDICTS) if self._trial else (REVISIT_MS, 0)
-        self.decisions.append(Decision(self.verdicts, {k: (m.rate(), m.counted) for k, m in self.measured.items()},
-                                       nxt.name, self._trial))
+            self._sure = not others or self._trials >= MAX_TRIALS or self._leads(best, others)
+            nxt, self._trial, fresh = best, False, self._sure  # sure: its rate from here is the time it is followed
+        self._left_ms, self._left_n = ((TRIAL_MS, TRIAL_VERDICTS) if self._trial
+                                       else (REVISIT_MS if self._sure else UNSURE_MS, 0))
+        self.decisions.append(Decision(self.verdicts, {k: (m.rate(), m.n) for k, m in self.measured.items()},
+                                       nxt.name, self._trial, not self._trial and self._sure))
+        if fresh:
+            self.measured[nxt.name].restart()
         if nxt is not self.current:
             drain = self.choose()  # the frames in flight under the schedule left behind
             self.current, self._since_switch = nxt, 0
             self.build = self.measured[nxt.name].build
             self._settle = SETTLE + max(drain, self.choose())  # they drain, the new schedule's fill
+
+    def _leads(self, best: Schedule, others: list[Schedule]) -> bool:
+        """Whether ``best``'s rate beats every other's by ``CONFIDENCE`` standard errors of the difference."""
+        b = self.measured[best.name]
+        for sc in others:
+            o = self.measured[sc.name]
+            if b.rate() - o.rate() <= CONFIDENCE * math.hypot(b.error(), o.error()):
+                return False
+        return True
 
     def _fit(self, x: float, y: float) -> None:
         self._x, self._y = _ema(self._x, x), _ema(self._y, y)

@@ -106,3 +106,59 @@ def test_verdicts_of_frames_built_under_another_schedule_or_carrying_a_prefill_d
     feed(policy, n=50, schedule="stream", round_ms=10.0, expected=9.0, build_ms=None)  # prefill frames
     assert policy.measured["round"].counted == 0 and policy.schedule() is STREAM
     assert policy.measured["stream"].counted == 0
+
+
+def noisy(policy, rates: dict[str, tuple[tuple[float, float], float]], verdicts: int) -> None:
+    """Verdicts whose expected tokens alternate between the two values ``rates`` gives the schedule
+    followed, each taking its ms."""
+    for i in range(verdicts):
+        name = policy.schedule().name
+        pair, ms = rates[name]
+        tokens = pair[i % 2]
+        policy.observe(tokens=round(tokens), sent_bytes=20_000, rtt_ms=86.0, tail_ms=8.0, build_ms=10.0,
+                       round_ms=ms, schedule=name, expected=tokens)
+
+
+def test_schedules_within_the_noise_are_compared_over_more_trials_before_one_is_followed():
+    policy = PipelinePolicy(8)
+    # stream 2 +- 1 tokens per 30 ms (0.067 per ms), round 6 +- 1 per 100 ms (0.060): 10 % apart,
+    # within two standard errors of the difference after one trial of each
+    noisy(policy, {"stream": ((1.0, 3.0), 30.0), "round": ((5.0, 7.0), 100.0)}, 2000)
+    chosen = [(d.chosen, d.trial, d.sure) for d in policy.decisions]
+    # round's trial; stream, the better mean, followed while unsure; round tried again; then sure
+    assert chosen[:4] == [("round", True, False), ("stream", False, False), ("round", True, False),
+                          ("stream", False, True)]
+    assert policy.decisions[3].rates["stream"][1] > pol.UNSURE_MS / 30.0  # its verdicts while followed count
+    assert policy.decisions[3].rates["round"][1] >= 2 * pol.TRIAL_VERDICTS
+
+
+def test_schedules_never_told_apart_are_settled_by_their_means_after_the_last_trial():
+    policy = PipelinePolicy(8)
+    # stream 0.0667 per ms against round 0.0665: no number of trials tells them apart
+    noisy(policy, {"stream": ((1.0, 3.0), 30.0), "round": ((5.65, 7.65), 100.0)}, 5000)
+    chosen = [(d.chosen, d.trial, d.sure) for d in policy.decisions]
+    sure = chosen.index(("stream", False, True))
+    assert chosen[:sure] == [("round", True, False)] + [("stream", False, False), ("round", True, False)] * (
+        pol.MAX_TRIALS - 2)  # MAX_TRIALS trials in all, stream's first among them
+
+
+def test_a_lead_beyond_the_noise_is_followed_after_one_trial_of_each():
+    policy = PipelinePolicy(8)
+    noisy(policy, {"stream": ((2.0, 4.0), 30.0), "round": ((5.0, 7.0), 100.0)}, 200)  # 0.100 per ms against 0.060
+    chosen = [(d.chosen, d.trial, d.sure) for d in policy.decisions]
+    assert chosen[:2] == [("round", True, False), ("stream", False, True)]
+
+
+def test_a_new_comparison_measures_the_other_schedule_afresh():
+    policy = PipelinePolicy(8)
+    rates = {"round": (5.0, 100.0), "stream": (1.0, 50.0)}
+    for _ in range(5000):  # stream's first trial, round's, round followed for REVISIT_MS: then the revisit
+        run(policy, rates, 1)
+        if len(policy.decisions) == 3:
+            break
+    assert [(d.chosen, d.trial, d.sure) for d in policy.decisions] == [
+        ("round", True, False), ("round", False, True), ("stream", True, False)]
+    assert policy.measured["stream"].n == 0  # its first trial's verdicts no longer count
+    run(policy, {"round": (5.0, 100.0), "stream": (4.0, 20.0)}, 60)  # the link changed: stream is faster now
+    assert policy.decisions[-1].chosen == "stream" and not policy.decisions[-1].trial
+    assert policy.decisions[-1].rates["stream"][0] == pytest.approx(4.0 / 20.0)  # the new trial's rate alone
