@@ -12,13 +12,14 @@ prefilled, and every figure is the mean of many calls (CUDA-synchronised wall ti
     context alone); the 65-row forward's matrix multiplications alone; the host's parts of a frame
     (building the tree's inputs, the hidden states to bytes, the wire encoding);
   * the kernels that take the most time in one eager 65-row tree forward (torch.profiler);
-  * one row count against each forward at its own size (``--frame-rows 64``, a GPU's default, against
-    ``0``; on a GPU canonical attention also compiled by torch.compile, as ``--compile-attention``
-    runs it and with Inductor's own numerics): the same weights as slices of 4096 + scratch slots, a 64-row tree frame graphed,
-    after contexts of ``--context``, 2000 and 4000 tokens: masked SDPA over the smallest window that
-    holds the context against canonical attention (``model.attention``: its context part in blocks
-    over the window holding the context); whether each frame comes out the same bits over its window and over
-    all slots; and the kernels of one eager canonical forward (compiled on a GPU).
+  * one row count against each forward at its own size (``--frame-rows 64``, a GPU's default,
+    against ``0``; on a GPU canonical attention also compiled by torch.compile, as
+    ``--compile-attention`` runs it and with Inductor's own numerics): the same weights as slices
+    of 4096 + scratch slots, a 64-row tree frame graphed, after contexts of ``--context``, 2000
+    and 4000 tokens: masked SDPA over the smallest window that holds the context against canonical
+    attention (``model.attention``: its context part in blocks over the window holding the
+    context); whether each frame comes out the same bits over its window and over all slots; and
+    the kernels of one eager canonical forward (compiled on a GPU).
 
 Run from the repository root:  python3 bench/frame_cost.py [--tiny] [--context 500] [--no-compile] [--rows-only]
 (--tiny: CPU, tiny shapes: checks the script, measures nothing)
@@ -215,7 +216,8 @@ def one_row_count(shape: dict, name: str, dtype, device, cuda: bool, ctx: int, n
     use(key)
     sl = slices[key]
     kernels = profiled(lambda: sl.forward(x, slots, window=sl.window_for(scratch.reach), tree=mask), cuda, 70)
-    print(f"\nkernels of one eager {rows}-row canonical tree forward ({key}), most time first:\n\n| kernel | µs | calls |\n"
+    print(f"\nkernels of one eager {rows}-row canonical tree forward ({key}), most time first:\n\n"
+          "| kernel | µs | calls |\n"
           "| --- | --- | --- |")
     for kname, us, calls in kernels[:16]:
         print(f"| {kname} | {us:.0f} | {calls} |")

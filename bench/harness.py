@@ -92,20 +92,18 @@ def relay_and_tail(rtt_ms: int, models_dir: Path, session: str = "bench", mbps: 
             raise RuntimeError(f"sfchat-relay exited with {relay.wait()} before it listened")
         m = re.search(r"listening on ws://[^:]+:(\d+)", line)
         url = f"ws://127.0.0.1:{m.group(1)}" if m else None
-    out = tail_log.open("w") if tail_log is not None else subprocess.DEVNULL
-    tail = subprocess.Popen([sys.executable, "-m", "sfchat.cli", "--tail", "--relay", url, "--token", TOKEN,
-                             "--secret", SECRET, "--session", session, "--device", DEVICE,
-                             "--models-dir", str(models_dir), *tail_args], env=env,
-                            stdout=subprocess.DEVNULL, stderr=out)
-    try:
-        yield url
-    finally:
-        tail.terminate()
-        relay.terminate()
-        tail.wait(30)
-        relay.wait(30)
-        if tail_log is not None:
-            out.close()
+    with open(tail_log, "w") if tail_log is not None else contextlib.nullcontext(subprocess.DEVNULL) as out:
+        tail = subprocess.Popen([sys.executable, "-m", "sfchat.cli", "--tail", "--relay", url, "--token", TOKEN,
+                                 "--secret", SECRET, "--session", session, "--device", DEVICE,
+                                 "--models-dir", str(models_dir), *tail_args], env=env,
+                                stdout=subprocess.DEVNULL, stderr=out)
+        try:
+            yield url
+        finally:
+            tail.terminate()
+            relay.terminate()
+            tail.wait(30)
+            relay.wait(30)
 
 
 def head_link(url: str, session: str = "bench"):

@@ -97,7 +97,9 @@ def main() -> None:
                 on_slower = sum(e[0] == slower for e in ends) / len(ends) if slower else float("nan")
                 best = max(round_rate, ratio * round_rate) * ms
                 share = sum(e[1] for e in ends) / len(ends) / best
-                print(f"| {pol.CONFIDENCE:g}, {pol.MAX_TRIALS}, {pol.UNSURE_MS:.0f} | {pol.TRIAL_MS:.0f}, {pol.TRIAL_VERDICTS} | {ms:.0f} | {rtt:.0f} | {ratio:.2f} | {differ:.0%} | "
+                rule = f"{pol.CONFIDENCE:g}, {pol.MAX_TRIALS}, {pol.UNSURE_MS:.0f}"
+                print(f"| {rule} | {pol.TRIAL_MS:.0f}, {pol.TRIAL_VERDICTS} | {ms:.0f} | {rtt:.0f} | {ratio:.2f} | "
+                      f"{differ:.0%} | "
                       f"{'-' if slower is None else f'{on_slower:.0%}'} | {share:.2f}x |", flush=True)
 
 

@@ -143,6 +143,8 @@ def test_graphed_tree_engine_keeps_greedy_parity(zoo, monkeypatch, budget, compi
     model = AutoModelForCausalLM.from_pretrained(path).cuda().eval()
     ref = model.generate(torch.tensor([ids], device="cuda"), max_new_tokens=32, do_sample=False, pad_token_id=0)
     assert list(fin.token_ids) == ref[0, len(ids):].tolist()
+    if compiled:  # it did compile (a failed compile falls back, warned, to the plain function)
+        assert attention._proven and attention._compiled is not attention.canonical
 
 
 def test_graphed_tree_forward_is_bit_identical_to_eager(zoo):
@@ -265,3 +267,4 @@ def test_a_canonical_row_comes_out_the_same_over_every_window_on_the_gpu(zoo, mo
     outs = over_windows(zoo["qwen2-untied"], dtype, torch.device("cuda"), monkeypatch, committed=60)
     assert [w for w, _ in outs] == [64, 80]  # a context part in four blocks, then in five
     assert torch.equal(outs[0][1], outs[1][1])
+    assert not compiled or (attention._proven and attention._compiled is not attention.canonical)

@@ -21,7 +21,7 @@ has the one shape of the frame layout):
   adding up over the comparison, until one leads so or ``MAX_TRIALS`` trials were run (then the
   better mean: schedules that close cost little either way). After ``REVISIT_MS`` under a sure
   choice it compares anew (the link may change): the best's rate over the time it was followed
-  against the others' fresh trials. Only verdicts of steady frames (no
+  against fresh trials of the others. Only verdicts of steady frames (no
   prefill) count, and none of the first after a switch (``SETTLE`` beyond the frames in flight
   before and after it: the pipeline drains and fills). ``schedule()`` is the schedule now (its
   ``steps``: the cap on a frame's own draft steps, None: the frame's ``--k``), ``choose()`` its
@@ -192,16 +192,23 @@ class PipelinePolicy:
         ``CONFIDENCE`` standard errors of the difference or ``MAX_TRIALS`` trials were run, else
         for ``UNSURE_MS``, its verdicts adding to its figures, and then another trial of the
         one measured least, adding to its. After ``REVISIT_MS`` under the best: a new comparison,
-        from a trial of the one measured least (its figures afresh)."""
+        the others' figures afresh (their trials count from 1, the best's time followed stands
+        for its own). With one schedule: that one, throughout."""
         unmeasured = [sc for sc in self.schedules if self.measured[sc.name].n == 0]
         best = max(self.schedules, key=lambda sc: self.measured[sc.name].rate())
         others = [sc for sc in self.schedules if sc is not best]
         least = min((sc for sc in self.schedules if sc is not self.current),
                     key=lambda sc: self.measured[sc.name].n, default=self.current)
         fresh = False  # the next schedule's figures start anew
-        if not self._trial:  # the best was followed: sure, compare anew; unsure, try the other again
-            nxt, self._trial = least, True
-            self._trials, fresh = (1, True) if self._sure else (self._trials + 1, False)
+        if len(self.schedules) == 1:  # nothing to compare: follow it
+            nxt, self._trial, self._sure = self.current, False, True
+        elif not self._trial and self._sure:  # followed for REVISIT_MS: compare anew, the others afresh
+            for sc in self.schedules:
+                if sc is not self.current:
+                    self.measured[sc.name].restart()
+            nxt, self._trial, self._trials = least, True, 1
+        elif not self._trial:  # followed the better mean while unsure: try the other again
+            nxt, self._trial, self._trials = least, True, self._trials + 1
         elif unmeasured:
             nxt, self._trials = unmeasured[0], self._trials + 1
         else:

@@ -135,52 +135,74 @@ def merge(outs: torch.Tensor, lses: torch.Tensor, has: torch.Tensor, own: torch.
 
 
 _compiled = None  # ``canonical`` compiled (the first GPU call), or the plain function where that failed
+_proven = False  # the compiled function has run once: a later failure is an error, not a fallback
+# torch's names for the recompile settings, newest first (older releases call them cache_size_limit ...)
+LIMITS = (("recompile_limit", "cache_size_limit"), ("accumulated_recompile_limit", "accumulated_cache_size_limit"))
 
 
 def compile_on_gpu(on: bool) -> None:
-    """Whether a GPU runs ``canonical`` compiled (a node's ``--compile-attention``; off by default);
-    set before the first forward: forwards of one shape must all run one code."""
+    """Whether a GPU runs ``canonical`` compiled (a node's ``--compile-attention``; off by default).
+    A node sets it once, before its first forward: forwards of one shape must all run one code."""
     global COMPILE
     COMPILE = bool(on)
-_proven = False  # the compiled function has run once: a later failure is an error, not a fallback
 
 
 def on_gpu():
     """What runs ``canonical`` on a GPU: compiled by torch.compile (each shape its own program; more
-    shapes than ``RECOMPILES`` raise rather than quietly run another code), or the plain function
-    with ``COMPILE`` off or where compiling failed at the first call (then for the whole process, so
-    that every forward of a shape runs one code)."""
+    shapes than ``RECOMPILES`` raise rather than quietly run another code: dynamo's recompile
+    settings are raised and made strict for the whole process), or the plain function with
+    ``COMPILE`` off or where compiling failed at the first call (then for the whole process, so that
+    every forward of a shape runs one code). An option of ``OPTIONS`` the installed Inductor lacks
+    is left out, warned."""
     global _compiled
     if not COMPILE:
         return canonical
     if _compiled is None:
         import torch._dynamo as dynamo
         from torch._inductor import config as inductor
-        dynamo.config.recompile_limit = max(dynamo.config.recompile_limit, RECOMPILES)
-        dynamo.config.accumulated_recompile_limit = max(dynamo.config.accumulated_recompile_limit, RECOMPILES)
-        dynamo.config.fail_on_recompile_limit_hit = True
+        for names in LIMITS:
+            name = next((n for n in names if hasattr(dynamo.config, n)), None)
+            if name is not None:
+                setattr(dynamo.config, name, max(getattr(dynamo.config, name), RECOMPILES))
+        for name in ("fail_on_recompile_limit_hit", "fail_on_cache_limit_hit"):
+            if hasattr(dynamo.config, name):
+                setattr(dynamo.config, name, True)
+                break
         options = {k: v for k, v in OPTIONS.items() if hasattr(inductor, k)}
+        if len(options) < len(OPTIONS):
+            warnings.warn(f"canonical attention compiles without {sorted(set(OPTIONS) - set(options))}: this "
+                          f"torch's Inductor lacks them", RuntimeWarning, stacklevel=2)
         _compiled = torch.compile(canonical, dynamic=False, fullgraph=True, options=options or None)
     return _compiled
 
 
 def run_on_gpu(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, how: Attend, scale: float
                ) -> torch.Tensor:
-    """``canonical`` as ``on_gpu`` runs it; where the first compiled call fails (a GPU or an install
-    that cannot compile), warned once, the plain function from then on."""
-    global _compiled, _proven
-    run = on_gpu()
-    if run is canonical or _proven:
-        return run(query, key, value, how, scale)
+    """``canonical`` as ``on_gpu`` runs it; where compiling or the first compiled call fails (a GPU
+    or an install that cannot compile), warned once, the plain function from then on."""
+    global _proven
+    if _proven or not COMPILE:
+        return on_gpu()(query, key, value, how, scale)
+    try:
+        run = on_gpu()
+    except Exception as exc:  # noqa: BLE001 - an install that cannot even set up the compile
+        run = _uncompiled(exc)
+    if run is canonical:
+        return canonical(query, key, value, how, scale)
     try:
         out = run(query, key, value, how, scale)
     except Exception as exc:  # noqa: BLE001 - whatever stops compiling: the plain function, for the process
-        warnings.warn(f"canonical attention runs uncompiled ({type(exc).__name__}: {exc})", RuntimeWarning,
-                      stacklevel=2)
-        _compiled = canonical
-        return canonical(query, key, value, how, scale)
+        return _uncompiled(exc)(query, key, value, how, scale)
     _proven = True
     return out
+
+
+def _uncompiled(exc: Exception):
+    """The plain function, from now on for the whole process, after ``exc`` stopped compiling."""
+    global _compiled
+    warnings.warn(f"canonical attention runs uncompiled ({type(exc).__name__}: {exc})", RuntimeWarning, stacklevel=3)
+    _compiled = canonical
+    return canonical
 
 
 def attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,

@@ -200,6 +200,7 @@ def test_the_policys_schedules_switching_mid_reply_change_no_token(zoo, draft, m
     monkeypatch.setattr(pol, "TRIAL_MS", 0.0)
     monkeypatch.setattr(pol, "TRIAL_VERDICTS", 2)
     monkeypatch.setattr(pol, "REVISIT_MS", 0.0)
+    monkeypatch.setattr(pol, "UNSURE_MS", 0.0)
     monkeypatch.setattr(pol, "SETTLE", 0)
     s = Settings(model=str(zoo[TARGET]), draft="none" if draft == "none" else str(zoo[draft]), k=K, tree_budget=8, device="cpu", max_in_flight=4)
     policy = pol.PipelinePolicy(4, schedules=(pol.Schedule("stream", pol.STREAM_STEPS, 3), pol.ROUND))

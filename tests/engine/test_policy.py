@@ -162,3 +162,9 @@ def test_a_new_comparison_measures_the_other_schedule_afresh():
     run(policy, {"round": (5.0, 100.0), "stream": (4.0, 20.0)}, 60)  # the link changed: stream is faster now
     assert policy.decisions[-1].chosen == "stream" and not policy.decisions[-1].trial
     assert policy.decisions[-1].rates["stream"][0] == pytest.approx(4.0 / 20.0)  # the new trial's rate alone
+
+
+def test_with_one_schedule_it_is_followed_without_trials():
+    policy = PipelinePolicy(1)  # local mode: round only
+    run(policy, {"round": (5.0, 100.0)}, 2 * int(pol.REVISIT_MS / 100) + 50)
+    assert policy.decisions and all((d.chosen, d.trial, d.sure) == ("round", False, True) for d in policy.decisions)

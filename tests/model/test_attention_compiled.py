@@ -30,10 +30,15 @@ def inputs(seed: int = 0):
 
 @pytest.fixture
 def fresh(monkeypatch):
-    """``attention``'s compile state as a new process has it, with compiling on."""
+    """``attention``'s compile state as a new process has it, with compiling on; dynamo's settings,
+    which compiling changes for the process, restored afterwards."""
+    import torch._dynamo as dynamo
+
     monkeypatch.setattr(attention, "COMPILE", True)
     monkeypatch.setattr(attention, "_compiled", None)
     monkeypatch.setattr(attention, "_proven", False)
+    for name in ("recompile_limit", "accumulated_recompile_limit", "fail_on_recompile_limit_hit"):
+        monkeypatch.setattr(dynamo.config, name, getattr(dynamo.config, name))
 
 
 def test_compiled_canonical_attention_computes_what_the_plain_function_does(fresh):
@@ -43,14 +48,6 @@ def test_compiled_canonical_attention_computes_what_the_plain_function_does(fres
     got, want = attention.run_on_gpu(*args), attention.canonical(*args)
     assert attention._proven and attention._compiled is run
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-6), (got - want).abs().max()
-
-
-def test_a_node_turns_compiling_on_and_off(monkeypatch):
-    monkeypatch.setattr(attention, "COMPILE", attention.COMPILE)
-    attention.compile_on_gpu(False)
-    assert attention.on_gpu() is attention.canonical
-    attention.compile_on_gpu(True)
-    assert attention.COMPILE is True
 
 
 def test_the_head_applies_its_setting_before_it_loads(zoo, monkeypatch):
@@ -88,6 +85,31 @@ def test_a_first_compiled_call_that_fails_leaves_the_plain_function_for_the_proc
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert torch.equal(attention.run_on_gpu(*inputs(1)), attention.canonical(*inputs(1)))
+
+
+def test_an_install_that_cannot_set_up_the_compile_runs_the_plain_function(fresh, monkeypatch):
+    def cannot(fn, **kw):
+        raise RuntimeError("torch.compile is not supported here")
+
+    monkeypatch.setattr(torch, "compile", cannot)
+    args = inputs()
+    with pytest.warns(RuntimeWarning, match=r"runs uncompiled \(RuntimeError: torch.compile is not supported"):
+        assert torch.equal(attention.run_on_gpu(*args), attention.canonical(*args))
+    assert attention._compiled is attention.canonical
+
+
+def test_an_option_this_torch_lacks_is_left_out_and_said(fresh, monkeypatch):
+    given = {}
+
+    def compiled(fn, **kw):
+        given.update(kw["options"] or {})
+        return lambda *args: fn(*args)
+
+    monkeypatch.setattr(torch, "compile", compiled)
+    monkeypatch.setattr(attention, "OPTIONS", {"emulate_precision_casts": True, "no_such_option": 1})
+    with pytest.warns(RuntimeWarning, match=r"compiles without \['no_such_option'\]"):
+        attention.run_on_gpu(*inputs())
+    assert given == {"emulate_precision_casts": True} and attention._proven
 
 
 def test_after_a_compiled_call_ran_a_failure_is_an_error_not_another_code(fresh, monkeypatch):
