@@ -174,7 +174,8 @@ def build(target: Path, draft: Path, device: str, dtype: str, synthetic=None, ro
         if dev.type == "cuda":
             if drafter is not None:
                 drafter.capture()
-            head.capture(rows or size, tree=True, span=head_pool)
+            if not head.captured(rows or size, tree=True):  # one row count: every mode's frames one graph
+                head.capture(rows or size, tree=True, span=head_pool)
         specs[mode] = Speculator(head, drafter, max_context=MAX_CONTEXT, frame_size=size, steps=K if drafter else 0,
                                  head_pool=head_pool)
     frames = (rows,) if rows else tuple(sorted({f for f, *_ in MODES.values()}))
