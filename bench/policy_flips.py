@@ -14,15 +14,17 @@ different schedules, the share of runs that spent most of it under the slower on
 followed all the time (the trials and the switches included); ``--trials`` tries other lengths of
 a trial (``TRIAL_MS:TRIAL_VERDICTS``, the product's first); ``--rules`` other decision rules
 (``CONFIDENCE:MAX_TRIALS:UNSURE_MS``, the product's first; ``0:2:0`` is the rule before them: the
-better mean after one trial of each).
+better mean after one trial of each); ``--burst RHO`` makes streamed verdicts correlated, each with
+the one before (frames in flight do that), where the policy's standard error assumes them independent.
 
     python3 bench/policy_flips.py [--runs 200] [--ms 30000,6000] [--rtts 86,175] [--trials 1000:12,4000:48]
-                                  [--rules 2:6:4000,0:2:0]
+                                  [--rules 2:6:4000,0:2:0] [--burst 0.6]
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import random
 import sys
 from pathlib import Path
@@ -45,9 +47,21 @@ def positive(rng: random.Random, mean: float, cv: float) -> float:
     return rng.gammavariate(shape, mean / shape)
 
 
-def one_run(seed: int, rtt: float, ratio: float, ms: float) -> tuple[str, float]:
-    """A run of ``ms`` virtual ms: the schedule it spent the most time under, and the tokens committed."""
+def correlated(rng: random.Random, state: list[float], i: int, mean: float, cv: float, rho: float) -> float:
+    """A lognormal draw around ``mean`` with coefficient of variation ``cv`` whose log is ``state[i]``,
+    an AR(1) process with coefficient ``rho`` (stepped here)."""
+    state[i] = rho * state[i] + math.sqrt(1 - rho * rho) * rng.gauss(0.0, 1.0)
+    sigma = math.sqrt(math.log(1 + cv * cv))
+    return mean * math.exp(sigma * state[i] - sigma * sigma / 2)
+
+
+def one_run(seed: int, rtt: float, ratio: float, ms: float, burst: float = 0.0) -> tuple[str, float]:
+    """A run of ``ms`` virtual ms: the schedule it spent the most time under, and the tokens committed.
+    ``burst`` > 0: a streamed verdict's ms and tokens are correlated with the verdict's before it
+    (each a lognormal draw whose log follows an AR(1) process with that coefficient), as frames in
+    flight make them; 0: independent gamma draws."""
     rng = random.Random(seed)
+    state = [0.0, 0.0]  # the AR(1) processes of a streamed verdict's tokens and ms
     round_ms = rtt + BUILD_MS + TAIL_MS
     means = {"round": (ROUND_TOKENS, round_ms),
              "stream": (STREAM_TOKENS, STREAM_TOKENS / (ratio * ROUND_TOKENS / round_ms))}
@@ -57,7 +71,11 @@ def one_run(seed: int, rtt: float, ratio: float, ms: float) -> tuple[str, float]
     while clock < ms:
         name = policy.schedule().name
         (t_mean, ms_mean), (t_cv, ms_cv) = means[name], CV[name]
-        expected, took = positive(rng, t_mean, t_cv), positive(rng, ms_mean, ms_cv)
+        if burst > 0 and name == "stream":
+            expected, took = (correlated(rng, state, i, mean, cv, burst)
+                              for i, mean, cv in ((0, t_mean, t_cv), (1, ms_mean, ms_cv)))
+        else:
+            expected, took = positive(rng, t_mean, t_cv), positive(rng, ms_mean, ms_cv)
         committed = max(0, round(expected + rng.gauss(0.0, 1.0)))
         policy.observe(tokens=committed, sent_bytes=20_000, rtt_ms=rtt, tail_ms=TAIL_MS, build_ms=BUILD_MS,
                        round_ms=took, schedule=name, expected=expected)
@@ -77,11 +95,14 @@ def main() -> None:
                     help="trial lengths to try, TRIAL_MS:TRIAL_VERDICTS, comma-separated")
     ap.add_argument("--rules", default=f"{pol.CONFIDENCE:g}:{pol.MAX_TRIALS}:{pol.UNSURE_MS:.0f}",
                     help="decision rules to try, CONFIDENCE:MAX_TRIALS:UNSURE_MS, comma-separated")
+    ap.add_argument("--burst", type=float, default=0.0,
+                    help="streamed verdicts correlated with the one before, AR(1) coefficient (0: independent)")
     args = ap.parse_args()
     print("SIMULATED (bench/policy_flips.py): the product's policy fed seeded noisy verdicts; "
-          f"CVs {CV}, {args.runs} runs per row\n")
-    print("| rule: confidence, trials, unsure ms | trial: ms, verdicts | decoding ms | RTT ms | stream / round, true rate | two runs mostly under "
-          "different schedules | runs mostly under the slower | tokens vs the faster followed all along |")
+          f"CVs {CV}, streamed verdicts' AR(1) coefficient {args.burst:g}, {args.runs} runs per row\n")
+    print("| rule: confidence, trials, unsure ms | trial: ms, verdicts | decoding ms | RTT ms | stream / round, "
+          "true rate | two runs mostly under different schedules | runs mostly under the slower | tokens vs the "
+          "faster followed all along |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     trials = [(float(t.split(":")[0]), int(t.split(":")[1])) for t in args.trials.split(",")]
     rules = [(float(r.split(":")[0]), int(r.split(":")[1]), float(r.split(":")[2])) for r in args.rules.split(",")]
@@ -90,7 +111,7 @@ def main() -> None:
         for rtt in (float(x) for x in args.rtts.split(",")):
             round_rate = ROUND_TOKENS / (rtt + BUILD_MS + TAIL_MS)
             for ratio in (float(x) for x in args.ratios.split(",")):
-                ends = [one_run(seed, rtt, ratio, ms) for seed in range(args.runs)]
+                ends = [one_run(seed, rtt, ratio, ms, args.burst) for seed in range(args.runs)]
                 pairs = list(zip(ends[0::2], ends[1::2]))
                 differ = sum(a[0] != b[0] for a, b in pairs) / len(pairs)
                 slower = "round" if ratio > 1 else "stream" if ratio < 1 else None

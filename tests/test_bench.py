@@ -34,7 +34,7 @@ def test_the_policy_simulator_prints_a_row_per_rule():
 
     root = Path(__file__).resolve().parents[1]
     out = subprocess.run([sys.executable, str(root / "bench" / "policy_flips.py"), "--runs", "4", "--ms", "3000",
-                          "--rtts", "86", "--ratios", "1.25", "--rules", "2:6:4000,0:2:0"],
+                          "--rtts", "86", "--ratios", "1.25", "--rules", "2:6:4000,0:2:0", "--burst", "0.5"],
                          capture_output=True, text=True, check=True, timeout=300).stdout
     rows = [line for line in out.splitlines() if line.startswith("| 2, 6, 4000 |") or line.startswith("| 0, 2, 0 |")]
     assert [r.split(" | ")[0] for r in rows] == ["| 2, 6, 4000", "| 0, 2, 0"]
