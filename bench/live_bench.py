@@ -52,6 +52,8 @@ Run from the repository root:
     python3 bench/live_bench.py --pair DIR [--rtts 0,30,86,175] [--new 128] [--save out.json]
     python3 bench/live_bench.py --ranks ranks.json [--rtts 0,30,86,175]
     python3 bench/live_bench.py --smoke   (tiny shapes on the CPU: checks the script, measures nothing)
+    python3 bench/live_bench.py --self tiny --device cpu --k 4 --rtts 200 --new 160 --modes tree,stream,auto
+        (a tiny random model drafting for itself on the CPU: every draft accepted; head and tail share the cores)
 """
 
 from __future__ import annotations
@@ -73,7 +75,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import harness  # noqa: E402
 from harness import QWEN25_05B, QWEN25_15B, QWEN25_7B, TINY_DRAFT, TINY_TARGET, head_link, relay_and_tail  # noqa: E402
 from sfchat.engine.draft import WIDTH, Drafter  # noqa: E402
-from sfchat.engine.policy import ROUND, STREAM, PipelinePolicy, Schedule  # noqa: E402
+from sfchat.engine.policy import ROUND, SCHEDULES, STREAM, PipelinePolicy, Schedule  # noqa: E402
 from sfchat.engine.speculator import Speculator  # noqa: E402
 from sfchat.model import attention  # noqa: E402
 from sfchat.model.decoder import n_layers  # noqa: E402
@@ -103,7 +105,7 @@ SELF_SHAPES = {"tiny": TINY_TARGET, "0.5b": QWEN25_05B, "1.5b": QWEN25_15B, "7b"
 
 def schedules(name: str) -> tuple[Schedule, ...]:
     if name == "auto":
-        return (ROUND, STREAM)
+        return SCHEDULES  # the product's, in its order
     if name.startswith("stream") and name[6:]:
         return (Schedule(name, int(name[6:]), None),)
     return {"round": (ROUND,), "stream": (STREAM,)}[name]
@@ -257,11 +259,13 @@ def prompts_for(target: Path, synthetic: bool, count: int) -> list[list[int]]:
 
 
 def main() -> None:
+    global K
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--pair", type=Path, help="a real target's model directory; its round4 copy drafts")
     ap.add_argument("--ranks", type=Path, help="synthetic: a real pair's rank histogram (JSON list)")
     ap.add_argument("--self", dest="self_shape", choices=sorted(SELF_SHAPES),
                     help="a random checkpoint of this shape drafting for itself")
+    ap.add_argument("--k", type=int, default=K, help="draft steps per frame (a chain's nodes: K + 1)")
     ap.add_argument("--rtts", default="0,30,86,175")
     ap.add_argument("--mbps", type=float, default=0.0, help="the relay's emulated bandwidth each way (0: unlimited)")
     ap.add_argument("--new", type=int, default=128, help="tokens per reply")
@@ -280,6 +284,8 @@ def main() -> None:
     ap.add_argument("--ranks-out", type=Path)
     args = ap.parse_args()
     harness.DEVICE = "cpu" if args.smoke else args.device
+    K = args.k
+    MODES["chain"] = (K + 1, *MODES["chain"][1:])
     rtts = [int(x) for x in args.rtts.split(",")]
     synthetic = None
     if args.pair:

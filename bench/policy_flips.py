@@ -5,7 +5,7 @@ Why: two runs of ``auto`` on one GPU, over the same prompts, followed different 
 (``sfchat.engine.policy.PipelinePolicy``, the product's own, torch-free) is fed verdicts here on a
 virtual clock: each schedule has a true rate, and each verdict draws what the tree expected the frame
 to commit and the ms since the verdict before from seeded noise (the CVs below, as a plausible
-spread, not measured ones). Nothing else runs: no models, no link. The figures are SIMULATED: what the
+spread, not measured ones), and commits that plus noise (the policy counts the tokens committed). Nothing else runs: no models, no link. The figures are SIMULATED: what the
 decision rule does with noise of that size, never a measurement of a run.
 
 Per RTT and per ratio of the schedules' true rates (stream's over round's), over ``--runs`` seeded
@@ -78,7 +78,7 @@ def one_run(seed: int, rtt: float, ratio: float, ms: float, burst: float = 0.0) 
             expected, took = positive(rng, t_mean, t_cv), positive(rng, ms_mean, ms_cv)
         committed = max(0, round(expected + rng.gauss(0.0, 1.0)))
         policy.observe(tokens=committed, sent_bytes=20_000, rtt_ms=rtt, tail_ms=TAIL_MS, build_ms=BUILD_MS,
-                       round_ms=took, schedule=name, expected=expected)
+                       round_ms=took, schedule=name)
         clock += took
         tokens += committed
         spent[name] += took

@@ -13,17 +13,19 @@ has the one shape of the frame layout):
   nodes of the live tree (a stream of shallow frames whose nodes hang below those in flight).
   Which pays depends on the round trip against a draft step (a frame built under frames in flight
   bets on their outcomes): so the policy measures each schedule's committed tokens per ms on
-  a trial (``TRIAL_MS`` and ``TRIAL_VERDICTS`` at least; stream first: where the round trip is
-  long its verdicts come often and it is the likelier winner, where it is short its trial is
-  over soon), with the rate's standard error from the verdicts' spread. It follows the best once
-  its lead is ``CONFIDENCE`` standard errors of the difference (sure); short of that it follows
-  the better mean for ``UNSURE_MS`` and then tries the other again, each schedule's verdicts
-  adding up over the comparison, until one leads so or ``MAX_TRIALS`` trials were run (then the
-  better mean: schedules that close cost little either way). After ``REVISIT_MS`` under a sure
-  choice it compares anew (the link may change): the best's rate over the time it was followed
-  against fresh trials of the others. Only verdicts of steady frames (no
-  prefill) count, and none of the first after a switch (``SETTLE`` beyond the frames in flight
-  before and after it: the pipeline drains and fills). ``schedule()`` is the schedule now (its
+  a trial (``TRIAL_MS`` and ``TRIAL_VERDICTS`` at least, or ``EARLY_VERDICTS`` once every
+  schedule was measured and the best leads by ``EARLY_CONFIDENCE`` standard errors: a verdict per
+  round trip is slow to come by; ``SCHEDULES``' order, stream first: where the round trip is long
+  its verdicts come often and it is the likelier winner, where it is short its trial is over soon),
+  with the rate's standard error from the verdicts' spread. It follows the best once its lead is
+  ``CONFIDENCE`` standard errors of the difference (sure); short of that it follows the better
+  mean for ``UNSURE_MS`` and then tries the other again, each schedule's verdicts adding up over
+  the comparison, until one leads so or ``MAX_TRIALS`` trials were run (then the better mean:
+  schedules that close cost little either way). After ``REVISIT_MS`` under a sure choice it
+  compares anew (the link may change): the best's rate over the time it was followed against
+  fresh trials of the others. Only verdicts of steady frames (no prefill) built under the schedule
+  count, and none of the first after a switch (one frame at a time: the first; frames in flight:
+  their fill and ``SETTLE`` more). ``schedule()`` is the schedule now (its
   ``steps``: the cap on a frame's own draft steps, None: the frame's ``--k``), ``choose()`` its
   frames in flight, ``counts`` the verdicts taken under each schedule, ``decisions`` the latest
   ``DECISIONS`` choices (``Decision``: after which verdict, each schedule's rate and the verdicts
@@ -57,10 +59,11 @@ WEIGHT = 0.2  # of the newest frame in every running estimate
 MIN_YIELD = 0.25  # a frame sent while others are in flight must be expected to commit this many tokens
 STREAM_STEPS = 2  # a streamed frame's own draft steps at most (bench/pipeline_sim.py: 2 was best or near it at 30-175 ms)
 TRIAL_MS, TRIAL_VERDICTS = 1000.0, 12  # a schedule's trial: at least this long and this many verdicts
+EARLY_VERDICTS, EARLY_CONFIDENCE = 5, 3.0  # or this long and this many, when one leads by this many standard errors
 CONFIDENCE = 2.0  # the best must lead by this many standard errors of the difference to be followed at once
 MAX_TRIALS = 6  # trials in one comparison at most; then the best by its mean, whatever the spread
 UNSURE_MS = 4000.0  # time under the better mean, short of a sure lead, before the other's next trial
-SETTLE = 2  # verdicts after a switch that do not count, beyond the frames in flight (the pipeline fills or drains)
+SETTLE = 2  # verdicts after a switch to frames in flight that do not count, beyond them (the pipeline fills)
 REVISIT_MS = 60_000.0  # time under the best schedule before the others are measured again
 DECISIONS = 64  # choices kept for a report
 
@@ -83,6 +86,7 @@ class Decision:
 
 ROUND = Schedule("round", None, 1)
 STREAM = Schedule("stream", STREAM_STEPS, None)
+SCHEDULES = (STREAM, ROUND)  # compared, in this order, where frames may be in flight
 
 
 class _Measured:
@@ -123,7 +127,7 @@ class _Measured:
 class PipelinePolicy:
     min_yield = MIN_YIELD  # tokens a frame sent while others are in flight must be expected to commit
 
-    def __init__(self, max_in_flight: int = 1, schedules: tuple[Schedule, ...] = (STREAM, ROUND)):
+    def __init__(self, max_in_flight: int = 1, schedules: tuple[Schedule, ...] = SCHEDULES):
         self.max_in_flight = max(1, max_in_flight)
         self.schedules = schedules if self.max_in_flight > 1 else (ROUND,)
         self.measured = {sc.name: _Measured() for sc in self.schedules}
@@ -149,13 +153,14 @@ class PipelinePolicy:
     # -- learning ------------------------------------------------------------------------------
     def observe(self, *, tokens: int, sent_bytes: int, rtt_ms: float, tail_ms: float,
                 build_ms: float | None = None, overhead_ms: float | None = None, round_ms: float | None = None,
-                step_ms: float | None = None, schedule: str | None = None, expected: float | None = None) -> None:
+                step_ms: float | None = None, schedule: str | None = None) -> None:
         """One verdict of a frame that committed ``tokens``, sent ``sent_bytes``, came back ``rtt_ms``
         after sending (the tail's ``tail_ms`` excluded); ``build_ms`` of a steady frame; ``round_ms``
         since the verdict before; ``step_ms`` of the frame's draft steps, when it ran any;
-        ``schedule``: the name of the one the frame was built under; ``expected``: the tokens the
-        tree expected the frame to commit (a schedule's rate counts these: they vary far less from
-        frame to frame than the tokens committed, and agree with them on average)."""
+        ``schedule``: the name of the one the frame was built under. A schedule's rate counts the
+        tokens committed, never the tree's estimate of a frame's yield: that one is steadier but
+        biased, most where it matters (a young calibration, frames hung below frames in flight
+        whose every unverified ancestor multiplies the error in)."""
         first = self.verdicts == 0
         self.verdicts += 1
         self.tail = tail_ms if first else _ema(self.tail, tail_ms)
@@ -180,11 +185,23 @@ class PipelinePolicy:
         self._since_switch += 1
         if self._since_switch <= self._settle:
             return
-        m.add(tokens if expected is None else expected, round_ms)
+        m.add(float(tokens), round_ms)
         self._left_ms -= round_ms
         self._left_n -= 1
-        if self._left_ms <= 0 and self._left_n <= 0:
+        if self._left_ms <= 0 and (self._left_n <= 0 or self._decided()):
             self._next()
+
+    def _decided(self) -> bool:
+        """Whether the trial under way may end before its ``TRIAL_VERDICTS``: it has run
+        ``EARLY_VERDICTS``, every schedule was measured, and the best leads every other by
+        ``EARLY_CONFIDENCE`` standard errors of the difference (a schedule whose verdicts take a
+        round trip each, far slower than the other, need not spend a dozen round trips to show it)."""
+        if not self._trial or self.measured[self.current.name].n < EARLY_VERDICTS:
+            return False
+        if any(self.measured[sc.name].n == 0 for sc in self.schedules):
+            return False
+        best = max(self.schedules, key=lambda sc: self.measured[sc.name].rate())
+        return self._leads(best, [sc for sc in self.schedules if sc is not best], EARLY_CONFIDENCE)
 
     def _next(self) -> None:
         """Done measuring or following the current schedule. After a trial: the next one not
@@ -221,17 +238,19 @@ class PipelinePolicy:
         if fresh:
             self.measured[nxt.name].restart()
         if nxt is not self.current:
-            drain = self.choose()  # the frames in flight under the schedule left behind
             self.current, self._since_switch = nxt, 0
             self.build = self.measured[nxt.name].build
-            self._settle = SETTLE + max(drain, self.choose())  # they drain, the new schedule's fill
+            # what does not count: one frame at a time, its first verdict (those of the frames left in
+            # flight by the schedule before are not its own, so never count); frames in flight, their
+            # fill and SETTLE more
+            self._settle = 1 if nxt.frames == 1 else SETTLE + self.choose()
 
-    def _leads(self, best: Schedule, others: list[Schedule]) -> bool:
-        """Whether ``best``'s rate beats every other's by ``CONFIDENCE`` standard errors of the difference."""
+    def _leads(self, best: Schedule, others: list[Schedule], confidence: float = CONFIDENCE) -> bool:
+        """Whether ``best``'s rate beats every other's by ``confidence`` standard errors of the difference."""
         b = self.measured[best.name]
         for sc in others:
             o = self.measured[sc.name]
-            if b.rate() - o.rate() <= CONFIDENCE * math.hypot(b.error(), o.error()):
+            if b.rate() - o.rate() <= confidence * math.hypot(b.error(), o.error()):
                 return False
         return True
 

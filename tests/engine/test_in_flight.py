@@ -244,3 +244,35 @@ def test_a_chat_that_leaves_turns_out_stays_exact_with_trees_in_flight(zoo):
         assert held == (ids + list(events[-1].token_ids))[:len(held)]
         messages.append({"role": "assistant", "content": events[-1].text})
     assert any(b > a for a, b in zip(dropped, dropped[1:])), dropped
+
+
+def test_the_policy_rates_schedules_by_the_tokens_their_frames_committed(zoo, monkeypatch):
+    """A schedule's rate counts the tokens each verdict committed, not the tree's estimate of the
+    frame's yield (steadier, but biased while the calibration is young and for frames hung below
+    frames in flight)."""
+    from sfchat.engine import policy as pol
+
+    monkeypatch.setattr(pol, "TRIAL_MS", 0.0)
+    monkeypatch.setattr(pol, "TRIAL_VERDICTS", 3)
+    monkeypatch.setattr(pol, "UNSURE_MS", 0.0)
+    s = Settings(model=str(zoo[TARGET]), draft=str(zoo[TARGET]), k=K, tree_budget=8, device="cpu", max_in_flight=4)
+    policy = pol.PipelinePolicy(4, schedules=(pol.Schedule("stream", pol.STREAM_STEPS, 3), pol.ROUND))
+    session = Head.open(s, link=Pipelined(), policy=policy)
+    session.eos = set()
+    counted = {"stream": 0, "round": 0}
+    observe = policy.observe
+
+    def recorded(**kw):
+        before = {name: m.n for name, m in policy.measured.items()}
+        observe(**kw)
+        for name, m in policy.measured.items():
+            if m.n == before[name] + 1:  # counted (a restart only ever sets n to 0)
+                counted[name] += kw["tokens"]
+            elif m.n != before[name]:
+                counted[name] = 0 if m.n == 0 else counted[name]
+
+    policy.observe = recorded
+    finished(session, session.encode(PROMPT), 64)
+    assert policy.measured["stream"].n > 0 or policy.measured["round"].n > 0
+    for name, m in policy.measured.items():
+        assert m.tokens == counted[name], (name, m.tokens, counted[name])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from sfchat.engine import policy as pol
@@ -9,10 +11,10 @@ from sfchat.engine.policy import ROUND, STREAM, PipelinePolicy
 
 
 def feed(policy, n=30, tokens=4, sent_bytes=20_000, rtt_ms=86.0, tail_ms=10.0, build_ms=8.0, overhead_ms=1.0,
-         round_ms=None, schedule=None, expected=None):
+         round_ms=None, schedule=None):
     for _ in range(n):
         policy.observe(tokens=tokens, sent_bytes=sent_bytes, rtt_ms=rtt_ms, tail_ms=tail_ms, build_ms=build_ms,
-                       overhead_ms=overhead_ms, round_ms=round_ms, schedule=schedule, expected=expected)
+                       overhead_ms=overhead_ms, round_ms=round_ms, schedule=schedule)
 
 
 def streaming(max_in_flight: int) -> PipelinePolicy:
@@ -57,8 +59,8 @@ def run(policy, rates: dict[str, tuple[float, float]], verdicts: int) -> list[st
     for _ in range(verdicts):
         name = policy.schedule().name
         tokens, ms = rates[name]
-        policy.observe(tokens=round(tokens), sent_bytes=20_000, rtt_ms=86.0, tail_ms=8.0, build_ms=10.0,
-                       round_ms=ms, schedule=name, expected=tokens)
+        policy.observe(tokens=tokens, sent_bytes=20_000, rtt_ms=86.0, tail_ms=8.0, build_ms=10.0,
+                       round_ms=ms, schedule=name)
         seen.append(name)
     return seen
 
@@ -78,7 +80,8 @@ def test_each_schedule_is_measured_then_the_faster_one_is_followed(faster):
     chosen = [(d.chosen, d.trial) for d in policy.decisions]
     assert chosen[:2] == [("round", True), (faster, False)]
     last = policy.decisions[1]
-    assert last.rates["round"][0] == pytest.approx(5 / 120) and last.rates["round"][1] >= pol.TRIAL_VERDICTS
+    # a lead without noise is clear at once: round's trial ends after TRIAL_MS, short of TRIAL_VERDICTS
+    assert last.rates["round"][0] == pytest.approx(5 / 120) and last.rates["round"][1] == math.ceil(pol.TRIAL_MS / 120)
     assert 0 < last.verdict <= policy.verdicts
     if faster == "stream":
         assert policy.schedule().steps == pol.STREAM_STEPS and policy.choose() > 1
@@ -102,28 +105,28 @@ def test_a_trial_lasts_long_enough_and_the_others_are_measured_again():
 
 def test_verdicts_of_frames_built_under_another_schedule_or_carrying_a_prefill_do_not_count():
     policy = PipelinePolicy(8)
-    feed(policy, n=50, schedule="round", round_ms=10.0, expected=9.0)  # frames of the schedule before: drained
-    feed(policy, n=50, schedule="stream", round_ms=10.0, expected=9.0, build_ms=None)  # prefill frames
+    feed(policy, n=50, schedule="round", round_ms=10.0, tokens=9)  # frames of the schedule before: drained
+    feed(policy, n=50, schedule="stream", round_ms=10.0, tokens=9, build_ms=None)  # prefill frames
     assert policy.measured["round"].counted == 0 and policy.schedule() is STREAM
     assert policy.measured["stream"].counted == 0
 
 
 def noisy(policy, rates: dict[str, tuple[tuple[float, float], float]], verdicts: int) -> None:
-    """Verdicts whose expected tokens alternate between the two values ``rates`` gives the schedule
+    """Verdicts whose committed tokens alternate between the two values ``rates`` gives the schedule
     followed, each taking its ms."""
     for i in range(verdicts):
         name = policy.schedule().name
         pair, ms = rates[name]
         tokens = pair[i % 2]
-        policy.observe(tokens=round(tokens), sent_bytes=20_000, rtt_ms=86.0, tail_ms=8.0, build_ms=10.0,
-                       round_ms=ms, schedule=name, expected=tokens)
+        policy.observe(tokens=tokens, sent_bytes=20_000, rtt_ms=86.0, tail_ms=8.0, build_ms=10.0,
+                       round_ms=ms, schedule=name)
 
 
 def test_schedules_within_the_noise_are_compared_over_more_trials_before_one_is_followed():
     policy = PipelinePolicy(8)
     # stream 2 +- 1 tokens per 30 ms (0.067 per ms), round 6 +- 1 per 100 ms (0.060): 10 % apart,
     # within two standard errors of the difference after one trial of each
-    noisy(policy, {"stream": ((1.0, 3.0), 30.0), "round": ((5.0, 7.0), 100.0)}, 2000)
+    noisy(policy, {"stream": ((1, 3), 30.0), "round": ((5, 7), 100.0)}, 2000)
     chosen = [(d.chosen, d.trial, d.sure) for d in policy.decisions]
     # round's trial; stream, the better mean, followed while unsure; round tried again; then sure
     assert chosen[:4] == [("round", True, False), ("stream", False, False), ("round", True, False),
@@ -134,8 +137,8 @@ def test_schedules_within_the_noise_are_compared_over_more_trials_before_one_is_
 
 def test_schedules_never_told_apart_are_settled_by_their_means_after_the_last_trial():
     policy = PipelinePolicy(8)
-    # stream 0.0667 per ms against round 0.0665: no number of trials tells them apart
-    noisy(policy, {"stream": ((1.0, 3.0), 30.0), "round": ((5.65, 7.65), 100.0)}, 5000)
+    # stream 0.0667 per ms against round 0.0666: no number of trials tells them apart
+    noisy(policy, {"stream": ((1, 3), 30.0), "round": ((5, 8), 97.6)}, 5000)
     chosen = [(d.chosen, d.trial, d.sure) for d in policy.decisions]
     sure = chosen.index(("stream", False, True))
     assert chosen[:sure] == [("round", True, False)] + [("stream", False, False), ("round", True, False)] * (
@@ -144,7 +147,7 @@ def test_schedules_never_told_apart_are_settled_by_their_means_after_the_last_tr
 
 def test_a_lead_beyond_the_noise_is_followed_after_one_trial_of_each():
     policy = PipelinePolicy(8)
-    noisy(policy, {"stream": ((2.0, 4.0), 30.0), "round": ((5.0, 7.0), 100.0)}, 200)  # 0.100 per ms against 0.060
+    noisy(policy, {"stream": ((2, 4), 30.0), "round": ((5, 7), 100.0)}, 200)  # 0.100 per ms against 0.060
     chosen = [(d.chosen, d.trial, d.sure) for d in policy.decisions]
     assert chosen[:2] == [("round", True, False), ("stream", False, True)]
 
@@ -168,3 +171,33 @@ def test_with_one_schedule_it_is_followed_without_trials():
     policy = PipelinePolicy(1)  # local mode: round only
     run(policy, {"round": (5.0, 100.0)}, 2 * int(pol.REVISIT_MS / 100) + 50)
     assert policy.decisions and all((d.chosen, d.trial, d.sure) == ("round", False, True) for d in policy.decisions)
+
+
+def test_a_trial_of_slow_verdicts_ends_once_the_lead_is_clear():
+    policy = PipelinePolicy(8)
+    # stream 2 +- 1 tokens per 20 ms (0.1 per ms); round 5 or 6 per 250 ms (0.022): a verdict a round trip
+    noisy(policy, {"stream": ((1, 3), 20.0), "round": ((5, 6), 250.0)}, 200)
+    chosen = [(d.chosen, d.trial, d.sure) for d in policy.decisions]
+    assert chosen[:2] == [("round", True, False), ("stream", False, True)]
+    # round's trial: EARLY_VERDICTS (TRIAL_MS was over after 4), not TRIAL_VERDICTS round trips
+    assert policy.decisions[1].rates["round"][1] == pol.EARLY_VERDICTS < pol.TRIAL_VERDICTS
+
+
+def test_a_trial_of_slow_verdicts_within_the_noise_runs_its_length():
+    policy = PipelinePolicy(8)
+    # stream 1 +- 1 per 20 ms (0.05 per ms), round 12 +- 4 per 250 ms (0.048): 4 % apart, noisy
+    noisy(policy, {"stream": ((0, 2), 20.0), "round": ((8, 16), 250.0)}, 200)
+    assert policy.decisions[1].rates["round"][1] == pol.TRIAL_VERDICTS
+
+
+def test_after_a_switch_to_one_frame_at_a_time_only_its_first_verdict_does_not_count():
+    policy = PipelinePolicy(8)
+    rates = {"stream": ((1, 3), 20.0)}
+    while len(policy.decisions) == 0:  # stream's trial
+        noisy(policy, rates, 1)
+    assert policy.schedule() is ROUND and policy.measured["round"].n == 0
+    streamed = policy.measured["stream"].n
+    feed(policy, n=8, schedule="stream", round_ms=20.0, tokens=2)  # the frames stream left in flight drain
+    feed(policy, n=3, schedule="round", round_ms=250.0, tokens=5)
+    assert policy.measured["round"].n == 2  # the round frames' verdicts but the first
+    assert policy.measured["stream"].n == streamed  # the drained frames counted for neither
