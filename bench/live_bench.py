@@ -231,6 +231,8 @@ def run_mode(spec, inflight: int, ahead: int, plan: str, link, hello, prompts, n
                "decisions": decisions,
                "frame_draft_ms": statistics.fmean(b[0] for b in built) if built else 0.0,
                "frame_head_ms": statistics.fmean(b[1] for b in built) if built else 0.0,
+               "frame_head_ms_median": statistics.median(b[1] for b in built) if built else 0.0,
+               "frame_head_ms_max": max((b[1] for b in built), default=0.0),
                "frame_steps": statistics.fmean(b[2] for b in built) if built else 0.0})
 
 
@@ -323,6 +325,8 @@ def main() -> None:
                 res[(mode, rtt)] = r = run_mode(specs[mode], *MODES[mode][3:], link, hello, prompts, args.new,
                                                 Sampling(temperature=args.temperature, seed=args.seed))
                 print(f"rtt {rtt} {mode}: " + row(r, None, rtt), file=sys.stderr, flush=True)  # a run cut short keeps it
+                print(f"rtt {rtt} {mode}: a frame's head ms: mean {r['frame_head_ms']:.2f}, median "
+                      f"{r['frame_head_ms_median']:.2f}, max {r['frame_head_ms_max']:.1f}", file=sys.stderr, flush=True)
             link.close()
     modes = args.modes.split(",")
     trees = [m for m in ("auto", "stream", "tree", "tree-ahead") if m in modes]
