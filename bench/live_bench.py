@@ -75,6 +75,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import harness  # noqa: E402
 from harness import QWEN25_05B, QWEN25_15B, QWEN25_7B, TINY_DRAFT, TINY_TARGET, head_link, relay_and_tail  # noqa: E402
 from sfchat.engine.draft import WIDTH, Drafter  # noqa: E402
+from sfchat.engine.live import LiveTree  # noqa: E402
 from sfchat.engine.policy import ROUND, SCHEDULES, STREAM, PipelinePolicy, Schedule  # noqa: E402
 from sfchat.engine.speculator import Speculator  # noqa: E402
 from sfchat.model import attention  # noqa: E402
@@ -186,9 +187,37 @@ def build(target: Path, draft: Path, device: str, dtype: str, synthetic=None, ro
     return specs, hello
 
 
+def timed_parts(targets, cuda: bool):
+    """Each (object, method name) of ``targets`` wrapped so that its calls are timed, synchronized on
+    a GPU before and after (so a part's time is its own, queued work included): the dict of name ->
+    ms per call, and a function that puts the methods back."""
+    parts: dict[str, list[float]] = {}
+    undo = []
+    for obj, name in targets:
+        fn, own = getattr(obj, name), name in vars(obj)
+
+        def wrapped(*a, _fn=fn, _name=name, **kw):
+            if cuda:
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            out = _fn(*a, **kw)
+            if cuda:
+                torch.cuda.synchronize()
+            parts.setdefault(_name, []).append((time.perf_counter() - t) * 1e3)
+            return out
+        setattr(obj, name, wrapped)
+        undo.append((obj, name, own, fn))
+
+    def restore() -> None:
+        for obj, name, own, fn in undo:
+            setattr(obj, name, fn) if own else delattr(obj, name)
+    return parts, restore
+
+
 def run_mode(spec, inflight: int, ahead: int, plan: str, link, hello, prompts, n_new: int,
-             sampling: Sampling = GREEDY):
-    """Every prompt's whole reply in one mode: tokens, wall time, per-verdict figures, token ids."""
+             sampling: Sampling = GREEDY, parts: bool = False):
+    """Every prompt's whole reply in one mode: tokens, wall time, per-verdict figures, token ids;
+    with ``parts``, the median ms of each part of a frame's build (synchronized: slower frames)."""
     driver = RoundDriver(spec, link, policy=PipelinePolicy(inflight, schedules(plan)), max_in_flight=inflight,
                          round_timeout=120, ahead_steps=ahead)
     driver.connect(hello)
@@ -203,6 +232,9 @@ def run_mode(spec, inflight: int, ahead: int, plan: str, link, hello, prompts, n
         return f
 
     spec.frame = recorded
+    timed, restore = timed_parts([(spec, "_grow"), (LiveTree, "choose"), (spec.scratch, "tree_inputs"),
+                                  (spec.head, "run"), (spec, "_encode")], spec.device.type == "cuda") if parts \
+        else ({}, lambda: None)
     stats, ids_out, wall = [], [], 0.0
     for ids in prompts:
         t0 = time.perf_counter()
@@ -215,6 +247,7 @@ def run_mode(spec, inflight: int, ahead: int, plan: str, link, hello, prompts, n
         wall += time.perf_counter() - t0
         ids_out.append(got)
     del spec.frame
+    restore()
     counts = driver.policy.counts
     decisions = [{"verdict": d.verdict, "rates": d.rates, "chosen": d.chosen, "trial": d.trial, "sure": d.sure}
                  for d in driver.policy.decisions]
@@ -233,6 +266,7 @@ def run_mode(spec, inflight: int, ahead: int, plan: str, link, hello, prompts, n
                "frame_head_ms": statistics.fmean(b[1] for b in built) if built else 0.0,
                "frame_head_ms_median": statistics.median(b[1] for b in built) if built else 0.0,
                "frame_head_ms_max": max((b[1] for b in built), default=0.0),
+               "frame_parts_ms": {k: (statistics.median(v), len(v)) for k, v in timed.items()},
                "frame_steps": statistics.fmean(b[2] for b in built) if built else 0.0})
 
 
@@ -279,6 +313,9 @@ def main() -> None:
     ap.add_argument("--compile-attention", action="store_true",
                     help="head and tail run canonical attention compiled (sfchat --compile-attention)")
     ap.add_argument("--tail-logs", type=Path, help="write each RTT's tail output to DIR/tail-RTT.log")
+    ap.add_argument("--frame-parts", action="store_true",
+                    help="time a frame's parts (draft, choosing, tree inputs, head forward, encoding), each "
+                         "synchronized: the median ms per call (slows every frame a little)")
     ap.add_argument("--temperature", type=float, default=0.0, help="sample at T (0: greedy)")
     ap.add_argument("--seed", type=int, default=1, help="the sampled replies' seed")
     ap.add_argument("--smoke", action="store_true")
@@ -323,10 +360,13 @@ def main() -> None:
             link = head_link(url, f"live-{rtt}")
             for mode in args.modes.split(","):
                 res[(mode, rtt)] = r = run_mode(specs[mode], *MODES[mode][3:], link, hello, prompts, args.new,
-                                                Sampling(temperature=args.temperature, seed=args.seed))
+                                                Sampling(temperature=args.temperature, seed=args.seed),
+                                                parts=args.frame_parts)
                 print(f"rtt {rtt} {mode}: " + row(r, None, rtt), file=sys.stderr, flush=True)  # a run cut short keeps it
                 print(f"rtt {rtt} {mode}: a frame's head ms: mean {r['frame_head_ms']:.2f}, median "
-                      f"{r['frame_head_ms_median']:.2f}, max {r['frame_head_ms_max']:.1f}", file=sys.stderr, flush=True)
+                      f"{r['frame_head_ms_median']:.2f}, max {r['frame_head_ms_max']:.1f}"
+                      + "".join(f"; {k} {ms:.2f} ({n} calls)" for k, (ms, n) in r["frame_parts_ms"].items()),
+                      file=sys.stderr, flush=True)
             link.close()
     modes = args.modes.split(",")
     trees = [m for m in ("auto", "stream", "tree", "tree-ahead") if m in modes]

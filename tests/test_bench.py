@@ -39,3 +39,20 @@ def test_the_policy_simulator_prints_a_row_per_rule():
     rows = [line for line in out.splitlines() if line.startswith("| 2, 6, 4000 |") or line.startswith("| 0, 2, 0 |")]
     assert [r.split(" | ")[0] for r in rows] == ["| 2, 6, 4000", "| 0, 2, 0"]
     assert all(r.split(" | ")[1:5] == ["1000, 12", "3000", "86", "1.25"] for r in rows)
+
+
+def test_timed_parts_times_each_call_and_puts_the_methods_back():
+    from live_bench import timed_parts
+
+    class Part:
+        def step(self, x):
+            return x + 1
+
+    obj = Part()
+    obj.own = lambda x: x * 2  # an instance's own attribute stays its own
+    parts, restore = timed_parts([(obj, "own"), (Part, "step")], cuda=False)
+    assert obj.step(1) == 2 and obj.step(2) == 3 and obj.own(4) == 8
+    assert len(parts["step"]) == 2 and len(parts["own"]) == 1 and all(ms >= 0 for ms in parts["step"])
+    restore()
+    assert "step" not in vars(obj) and vars(Part)["step"].__name__ == "step" and obj.own(4) == 8
+    assert obj.step(5) == 6 and len(parts["step"]) == 2  # no longer timed
