@@ -47,6 +47,7 @@ from __future__ import annotations
 import math
 import time
 
+import numpy as np
 import torch
 
 from sfchat import UserError
@@ -64,12 +65,23 @@ from sfchat.protocol import wire
 LOOKUP_TOKENS = 8  # tokens of a prompt-lookup continuation grafted under the root
 
 
+# a float's exponent bits: all set means inf or nan (the word's width, the mask)
+_EXPONENT = {torch.float32: (np.uint32, 0x7F800000), torch.float16: (np.uint16, 0x7C00),
+             torch.bfloat16: (np.uint16, 0x7F80)}
+
+
 def hidden_bytes(h: torch.Tensor, what: str) -> bytes:
-    """The hidden states as raw bytes; a UserError if any is not finite (fp16 overflow)."""
-    h = h.contiguous().cpu()
-    if not bool(torch.isfinite(h).all()):
+    """The hidden states as raw bytes; a UserError if any is not finite (fp16 overflow).
+
+    The check reads the copied bits with numpy, on one thread: torch's own CPU op over a frame's
+    rows runs on the intra-op thread pool, and on a GPU host whose cores other processes' pools
+    spin on (the tail's, the compiler's workers) that took 38 ms a frame, measured on an H100
+    host, against 0.1 here."""
+    raw = h.contiguous().cpu().view(torch.uint8).numpy()
+    word, mask = _EXPONENT[h.dtype]
+    if bool(((raw.view(word) & mask) == mask).any()):
         raise UserError(what)
-    return h.view(torch.uint8).numpy().tobytes()
+    return raw.tobytes()
 
 
 class Speculator:

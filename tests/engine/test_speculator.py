@@ -303,3 +303,29 @@ def test_drafting_ahead_leaves_the_next_frames_own_steps_their_room(zoo):
         grown += 1
     d = spec.drafter
     assert grown > 0 and d.scratch.free >= spec.steps * d.width + d.rows
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_a_frames_hidden_states_are_checked_finite_on_their_bits_not_on_torchs_thread_pool(dtype, monkeypatch):
+    """The head refuses to send states that are not finite (fp16 overflow) with its remedies. It
+    checks the copied bits with numpy: torch's own CPU op over a frame's rows runs on the
+    intra-op pool, which cost a compiled tree frame 38 ms on an H100 host (RESULTS, seventh
+    session), so the op is not called at all here."""
+    from sfchat import UserError
+    from sfchat.engine.speculator import hidden_bytes
+
+    def pooled(*a, **kw):
+        raise AssertionError("torch.isfinite on the host: the intra-op thread pool")
+    monkeypatch.setattr(torch, "isfinite", pooled)
+    info = torch.finfo(dtype)
+    edge = torch.tensor([info.max, -info.max, info.tiny, info.tiny / 4, 0.0, -0.0, 1.5], dtype=dtype)
+    good = torch.randn(64, 48).to(dtype)
+    good.view(-1)[:len(edge)] = edge  # the largest, the smallest and subnormal values are finite
+    assert hidden_bytes(good, "x") == good.view(torch.uint8).numpy().tobytes()
+    assert hidden_bytes(good.t(), "x") == good.t().contiguous().view(torch.uint8).numpy().tobytes()
+    for bad in (float("inf"), float("-inf"), float("nan")):
+        for at in (0, 1234, 64 * 48 - 1):
+            h = good.clone()
+            h.view(-1)[at] = bad
+            with pytest.raises(UserError, match="not finite"):
+                hidden_bytes(h, "states that are not finite; use --dtype bfloat16")
