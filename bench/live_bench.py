@@ -16,7 +16,7 @@ same prompts in every mode, each reply timed whole (prefill included), EOS ignor
 
 ``--frame-rows N`` (default 64, the product's on a GPU; 0: off) runs every forward of the target,
 on head and tail, at N rows: frames padded, the prompt in pieces of N; ``--compile-attention``
-runs their canonical attention compiled (``sfchat --compile-attention``) on head and tail;
+runs their canonical attention compiled (``sfchat --compile-attention``: the head's, its hello tells the tail);
 ``--tail-logs DIR`` keeps each tail's output. ``--temperature T``
 (default 0: greedy) samples every reply at T, seeded by ``--seed`` (each prompt's reply drawn from
 the same per-position random stream in every mode, so a mode that computes the target's
@@ -59,6 +59,7 @@ Run from the repository root:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import statistics
@@ -347,15 +348,15 @@ def main() -> None:
         synthetic = (torch.randperm(vocab, generator=torch.Generator().manual_seed(1234)), ranks)
     dtype = "float32" if args.smoke or args.device == "cpu" else args.dtype
     attention.compile_on_gpu(args.compile_attention)
-    tail_args = ("--compile-attention",) if args.compile_attention else ()
     if args.tail_logs:
         args.tail_logs.mkdir(parents=True, exist_ok=True)
     specs, hello = build(target, draft, harness.DEVICE, dtype, synthetic, args.frame_rows)
+    hello = dataclasses.replace(hello, compiled_attention=args.compile_attention)  # the tail follows it
     prompts = prompts_for(target, synthetic is not None or bool(args.self_shape), args.prompts)
     res = {}
     for rtt in rtts:
         log = args.tail_logs / f"tail-{rtt}.log" if args.tail_logs else None
-        with relay_and_tail(rtt, target.parent, session=f"live-{rtt}", mbps=args.mbps, tail_args=tail_args,
+        with relay_and_tail(rtt, target.parent, session=f"live-{rtt}", mbps=args.mbps,
                             tail_log=log) as url:
             link = head_link(url, f"live-{rtt}")
             for mode in args.modes.split(","):

@@ -87,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="skip torch.compile of the draft model (faster start, slower drafting)")
     g.add_argument("--compile-attention", action="store_true",
                    help="compile canonical attention's gathers and merge with torch.compile on a GPU (one-shape "
-                        "forwards: --frame-rows; fewer kernels a layer, a longer start; each node decides its own)")
+                        "forwards: --frame-rows; fewer kernels a layer, a longer start; a head's setting, which its tail follows)")
     g.add_argument("--max-in-flight", type=int, metavar="N",
                    help=f"frames sent over the relay before their verdicts come when the head streams shallow "
                         f"frames (it measures whether that beats one frame per round trip on the link), each "

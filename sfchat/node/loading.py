@@ -87,7 +87,8 @@ def open_engine(s: Settings, on_event: Callable = lambda e: None, link=None,
     kv_len = max_context + layout.scratch  # the live nodes' scratch after the context
     hello = Hello(model=s.model, revision=s.revision, split=split, dtype=DTYPE_NAMES[dtype], max_len=kv_len,
                   n_layers=L, hidden_size=src.config.hidden_size, frames=(layout.shape,), graphs=s.cuda_graphs,
-                  quant=quant, one_shape=bool(layout.rows))
+                  quant=quant, one_shape=bool(layout.rows),
+                  compiled_attention=s.compile_attention)
     local = link is None
     target = dict(devices=devices, dtype=dtype, quant=quant, max_len=kv_len, verifies=hello.shapes(), local=local,
                   graphs=s.cuda_graphs, head_span=layout.head_pool, one_shape=bool(layout.rows))

@@ -50,7 +50,6 @@ from sfchat.link.listener import TOKEN_REFUSALS, Listener, sealed  # noqa: F401 
 from sfchat.link.direct import DirectServer, address
 from sfchat.link.relay import RelayLink
 from sfchat.link.resume import ResumeFile
-from sfchat.model import attention
 from sfchat.model.devices import resolve_devices
 from sfchat.engine.verifier import TailError, Verifier
 from sfchat.node.tail_loader import TailLoader
@@ -83,7 +82,8 @@ def serve(s: Settings, once: bool = False) -> int:
         raise UserError("--tail needs the relay token: SFCHAT_TOKEN (or --token T)")
     require_secret(s.secret, s.insecure, role="tail")
     devices = resolve_devices(s.device)
-    attention.compile_on_gpu(s.compile_attention)
+    if s.compile_attention:  # the head's choice, told in its hello: both halves of a token run one code
+        log("--compile-attention is the head's setting: this tail runs canonical attention as each head's hello says")
     verifier = Verifier(TailLoader(devices[0], devices, models_dirs(s), log), log=log)
     passcode = resumption = None
     if not s.insecure:

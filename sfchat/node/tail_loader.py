@@ -4,7 +4,8 @@ Contract: ``TailLoader(device, devices, models_dirs, log)`` is the callable a ``
 given (by ``sfchat --tail`` and by local mode alike): it opens the model a HELLO names, refuses
 what this tail may not open or cannot hold (a ``UserError``, answered to the head as an ERROR)
 and loads the tail's slice; ``shapes(model, hello)`` then captures a CUDA graph per frame shape
-the hello names, after checking that memory holds them (refused as ``tail cannot capture the
+the hello names (canonical attention compiled or not, as the hello says: set when the slice
+is loaded), after checking that memory holds them (refused as ``tail cannot capture the
 head's frame shapes: ...``), or drops the graphs when the head runs without them. It knows
 nothing of the head's engine.
 """
@@ -17,6 +18,7 @@ from typing import Callable
 import torch
 
 from sfchat import UserError
+from sfchat.model import attention
 from sfchat.model.decoder import n_layers
 from sfchat.model.devices import DTYPE_NAMES, pick_dtype, runnable_dtype
 from sfchat.model.memory import check_graphs, check_tail, unequal_free
@@ -47,6 +49,7 @@ class TailLoader:
                 self.log(f"fetching {detail}")
             progress(stage, done, total, detail)
 
+        attention.compile_on_gpu(hello.compiled_attention)  # the head's setting: one code for both halves
         try:
             src = ModelSource.open(hello.model, hello.revision, report, allowed_dirs=self.models_dirs)
         except UserError as exc:

@@ -5,8 +5,9 @@ Contract
 ``Hello`` is what a head tells its tail (the model, revision, split, dtype, quantisation and
 context size to load, ``frames``: the node counts a tree frame is padded to, each verified at
 that one shape (the tail captures a verify graph for each), ``one_shape``: every forward of the
-tail at the one frame shape, its prefill in pieces of it, padded (``ModelSlice(rows=)``), and
-whether to capture CUDA graphs); ``Ready`` is the tail's answer (what
+tail at the one frame shape, its prefill in pieces of it, padded (``ModelSlice(rows=)``),
+whether to capture CUDA graphs, and ``compiled_attention``: whether a GPU tail runs canonical
+attention compiled, as the head does, so that both halves of a token run one code); ``Ready`` is the tail's answer (what
 it loaded and computes in). ``to_frame()`` encodes one as a wire Control frame; ``parse(data)``
 builds one from a decoded Control's JSON object and raises ``wire.WireError`` (a ``one_shape``
 hello with other than one frame shape included) for a missing
@@ -45,6 +46,7 @@ class Hello:
     graphs: bool = True
     quant: str = "none"
     one_shape: bool = False  # every tail forward at the frames' one row count: its prefill's pieces too
+    compiled_attention: bool = False  # canonical attention compiled on a GPU tail (the head's --compile-attention)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "frames", tuple(self.frames))
@@ -61,7 +63,8 @@ class Hello:
 
     def identity(self) -> tuple:
         """What names the slice a tail loads for this hello (equal identities reuse the slice)."""
-        return self.model, self.revision, self.split, self.dtype, self.max_len, self.quant, self.rows
+        return (self.model, self.revision, self.split, self.dtype, self.max_len, self.quant, self.rows,
+                self.compiled_attention)
 
     @property
     def rows(self) -> int | None:
@@ -82,6 +85,7 @@ class Hello:
             frames=_frames(data), graphs=json_field(data, "graphs", bool, True),
             quant=json_field(data, "quant", str, "none", choices=QUANT_MODES, label="quantisation"),  # a head without 4-bit sends none
             one_shape=json_field(data, "one_shape", bool, False),
+            compiled_attention=json_field(data, "compiled_attention", bool, False),  # an older head: plain
         )
 
 

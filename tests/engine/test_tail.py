@@ -51,6 +51,8 @@ def test_tail_refuses_malformed_frames_and_stays_usable(tail_case):
     ({"frames": list(range(1, 9))}, "is not a list of 1 to 6 integers"),
     ({"one_shape": True}, "one_shape with the frame shapes [4, 8]: it takes exactly one"),
     ({"one_shape": 1}, "incomplete hello"),
+    ({"compiled_attention": 1}, "incomplete hello"),
+    ({"compiled_attention": "true"}, "incomplete hello"),
 ])
 def test_tail_refuses_a_bad_hello_and_stays_usable(tail_case, changes, message):
     good, other, ref, fwd = tail_case
@@ -289,3 +291,35 @@ def test_a_one_shape_tail_refuses_a_frame_deeper_than_its_span_and_serves_one_at
     assert replies(v, fwd[0], fails=False) == []
     message = replies(v, fwd[1], fails=True)
     assert message == f"a tree frame with a node {K} positions past the context; at most {K - 1} may be"
+
+
+def test_the_tail_runs_canonical_attention_as_the_heads_hello_says(tail_case, monkeypatch):
+    """Compiled canonical attention gives other bits than the plain form (RESULTS, seventh session:
+    0 of 6 replies the same), so both halves of a token must run one code: the head's
+    ``--compile-attention`` goes in its hello, and the tail sets it before it loads and captures
+    the slice. A change of it is a reload (graphs capture the code); an older head's hello, without
+    the field, means plain."""
+    from sfchat.model import attention
+
+    monkeypatch.setattr(attention, "COMPILE", False)
+    good, _, ref, fwd = tail_case
+    v = Verifier(TailLoader(torch.device("cpu")))
+    ready = replies(v, hello_for(good, compiled_attention=True), fails=False)[-1]
+    assert ready.type is MsgType.READY and not ready.data["reused"] and attention.COMPILE is True
+    assert replies(v, hello_for(good, compiled_attention=True), fails=False)[-1].data["reused"]
+    ready = replies(v, hello_for(good), fails=False)[-1]  # an older head's hello: plain, and a reload
+    assert ready.type is MsgType.READY and not ready.data["reused"] and attention.COMPILE is False
+    check_serves(v, good, ref, fwd)  # served exactly
+
+
+def test_a_heads_compile_attention_goes_in_its_hello(zoo, monkeypatch):
+    """The head's setting reaches its tail (here local mode's): the hello names it."""
+    from sfchat.config import Settings
+    from sfchat.model import attention
+    from sfchat.node.head import Head
+
+    monkeypatch.setattr(attention, "COMPILE", False)
+    path = str(zoo["qwen2-untied"])
+    for on in (True, False):
+        session = Head.open(Settings(model=path, draft=path, k=2, device="cpu", compile_attention=on))
+        assert session.engine.link.verifier.hello.compiled_attention is on and attention.COMPILE is on
