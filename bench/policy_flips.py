@@ -12,7 +12,7 @@ Per RTT and per ratio of the schedules' true rates (stream's over round's), over
 runs of ``--ms`` of decoding each: the share of run pairs that spent most of their time under
 different schedules, the share of runs that spent most of it under the slower one, and the tokens committed against the faster schedule
 followed all the time (the trials and the switches included); ``--trials`` tries other lengths of
-a trial (``TRIAL_MS:TRIAL_VERDICTS``, the product's first); ``--rules`` other decision rules
+a trial (``MIN-MAX:VERDICTS``: ``TRIAL_TRIPS`` trips within MIN and MAX ms, or ``MS:VERDICTS``; the product's first); ``--rules`` other decision rules
 (``CONFIDENCE:MAX_TRIALS:UNSURE_MS``, the product's first; ``0:2:0`` is the rule before them: the
 better mean after one trial of each); ``--burst RHO`` makes streamed verdicts correlated, each with
 the one before (frames in flight do that), where the policy's standard error assumes them independent.
@@ -91,8 +91,9 @@ def main() -> None:
     ap.add_argument("--ms", default="30000,6000", help="virtual ms of decoding per run (a session, a short reply)")
     ap.add_argument("--rtts", default="86,175")
     ap.add_argument("--ratios", default="0.8,0.9,0.95,1.0,1.05,1.1,1.25")
-    ap.add_argument("--trials", default=f"{pol.TRIAL_MS:.0f}:{pol.TRIAL_VERDICTS}",
-                    help="trial lengths to try, TRIAL_MS:TRIAL_VERDICTS, comma-separated")
+    ap.add_argument("--trials", default=f"{pol.TRIAL_MIN_MS:.0f}-{pol.TRIAL_MS:.0f}:{pol.TRIAL_VERDICTS}",
+                    help="trial lengths to try, comma-separated: MIN-MAX:VERDICTS (a trial of TRIAL_TRIPS "
+                         "frame trips within MIN and MAX ms, and VERDICTS), or MS:VERDICTS (MS whatever the trip)")
     ap.add_argument("--rules", default=f"{pol.CONFIDENCE:g}:{pol.MAX_TRIALS}:{pol.UNSURE_MS:.0f}",
                     help="decision rules to try, CONFIDENCE:MAX_TRIALS:UNSURE_MS, comma-separated")
     ap.add_argument("--burst", type=float, default=0.0,
@@ -104,9 +105,10 @@ def main() -> None:
           "true rate | two runs mostly under different schedules | runs mostly under the slower | tokens vs the "
           "faster followed all along |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
-    trials = [(float(t.split(":")[0]), int(t.split(":")[1])) for t in args.trials.split(",")]
+    trials = [(*(float(x) for x in (t.split(":")[0] + "-" + t.split(":")[0]).split("-")[:2]), int(t.split(":")[1]))
+              for t in args.trials.split(",")]
     rules = [(float(r.split(":")[0]), int(r.split(":")[1]), float(r.split(":")[2])) for r in args.rules.split(",")]
-    for (pol.CONFIDENCE, pol.MAX_TRIALS, pol.UNSURE_MS), (pol.TRIAL_MS, pol.TRIAL_VERDICTS), ms in (
+    for (pol.CONFIDENCE, pol.MAX_TRIALS, pol.UNSURE_MS), (pol.TRIAL_MIN_MS, pol.TRIAL_MS, pol.TRIAL_VERDICTS), ms in (
             (r, t, float(x)) for r in rules for t in trials for x in args.ms.split(",")):
         for rtt in (float(x) for x in args.rtts.split(",")):
             round_rate = ROUND_TOKENS / (rtt + BUILD_MS + TAIL_MS)
@@ -119,7 +121,9 @@ def main() -> None:
                 best = max(round_rate, ratio * round_rate) * ms
                 share = sum(e[1] for e in ends) / len(ends) / best
                 rule = f"{pol.CONFIDENCE:g}, {pol.MAX_TRIALS}, {pol.UNSURE_MS:.0f}"
-                print(f"| {rule} | {pol.TRIAL_MS:.0f}, {pol.TRIAL_VERDICTS} | {ms:.0f} | {rtt:.0f} | {ratio:.2f} | "
+                trial = f"{pol.TRIAL_MS:.0f}" if pol.TRIAL_MIN_MS >= pol.TRIAL_MS else \
+                    f"{pol.TRIAL_TRIPS} trips in {pol.TRIAL_MIN_MS:.0f}-{pol.TRIAL_MS:.0f}"
+                print(f"| {rule} | {trial}, {pol.TRIAL_VERDICTS} | {ms:.0f} | {rtt:.0f} | {ratio:.2f} | "
                       f"{differ:.0%} | "
                       f"{'-' if slower is None else f'{on_slower:.0%}'} | {share:.2f}x |", flush=True)
 

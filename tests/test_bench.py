@@ -38,7 +38,11 @@ def test_the_policy_simulator_prints_a_row_per_rule():
                          capture_output=True, text=True, check=True, timeout=300).stdout
     rows = [line for line in out.splitlines() if line.startswith("| 2, 6, 4000 |") or line.startswith("| 0, 2, 0 |")]
     assert [r.split(" | ")[0] for r in rows] == ["| 2, 6, 4000", "| 0, 2, 0"]
-    assert all(r.split(" | ")[1:5] == ["1000, 12", "3000", "86", "1.25"] for r in rows)
+    assert all(r.split(" | ")[1:5] == ["10 trips in 300-1000, 12", "3000", "86", "1.25"] for r in rows)
+    fixed = subprocess.run([sys.executable, str(root / "bench" / "policy_flips.py"), "--runs", "2", "--ms", "1000",
+                            "--rtts", "0", "--ratios", "1.0", "--trials", "1000:12"],
+                           capture_output=True, text=True, check=True, timeout=300).stdout
+    assert "| 2, 6, 4000 | 1000, 12 | 1000 | 0 | 1.00 |" in fixed  # a trial of 1000 ms whatever the trip
 
 
 def test_timed_parts_times_each_call_and_puts_the_methods_back():

@@ -13,7 +13,8 @@ has the one shape of the frame layout):
   nodes of the live tree (a stream of shallow frames whose nodes hang below those in flight).
   Which pays depends on the round trip against a draft step (a frame built under frames in flight
   bets on their outcomes): so the policy measures each schedule's committed tokens per ms on
-  a trial (``TRIAL_MS`` and ``TRIAL_VERDICTS`` at least, or ``EARLY_VERDICTS`` once every
+  a trial (``TRIAL_VERDICTS`` and ``trial_ms()`` at least: ``TRIAL_TRIPS`` of a frame's time from
+  built to verdict, within ``TRIAL_MIN_MS`` and ``TRIAL_MS``; or ``EARLY_VERDICTS`` once every
   schedule was measured and the best leads by ``EARLY_CONFIDENCE`` standard errors: a verdict per
   round trip is slow to come by; ``SCHEDULES``' order, stream first: where the round trip is long
   its verdicts come often and it is the likelier winner, where it is short its trial is over soon),
@@ -58,7 +59,8 @@ from dataclasses import dataclass
 WEIGHT = 0.2  # of the newest frame in every running estimate
 MIN_YIELD = 0.25  # a frame sent while others are in flight must be expected to commit this many tokens
 STREAM_STEPS = 2  # a streamed frame's own draft steps at most (bench/pipeline_sim.py: 2 was best or near it at 30-175 ms)
-TRIAL_MS, TRIAL_VERDICTS = 1000.0, 12  # a schedule's trial: at least this long and this many verdicts
+TRIAL_MS, TRIAL_VERDICTS = 1000.0, 12  # a schedule's trial: this many verdicts, and this long at most (below)
+TRIAL_TRIPS, TRIAL_MIN_MS = 10, 300.0  # ...and at least this many of a frame's trips from built to verdict, or this
 EARLY_VERDICTS, EARLY_CONFIDENCE = 5, 3.0  # a trial over TRIAL_MS may end at this many verdicts: a lead of this many SEs
 CONFIDENCE = 2.0  # the best must lead by this many standard errors of the difference to be followed at once
 MAX_TRIALS = 6  # trials in one comparison at most; then the best by its mean, whatever the spread
@@ -136,7 +138,8 @@ class PipelinePolicy:
         self.current = self.schedules[0]
         self._since_switch = 0  # steady verdicts under the current schedule since it was chosen
         self._settle = SETTLE  # of them, those that do not count
-        self._left_ms, self._left_n = TRIAL_MS, TRIAL_VERDICTS  # counted time and verdicts before the next choice
+        self._ran_ms, self._left_n = 0.0, TRIAL_VERDICTS  # counted time in this phase; verdicts before the next choice
+        self._follow_ms = 0.0  # how long the best is followed (when not on a trial)
         self._trial = True  # measuring the current schedule (else following the best)
         self._trials = 1  # trials run in the comparison under way
         self._sure = False  # the schedule followed leads by CONFIDENCE (else only by its mean)
@@ -186,9 +189,10 @@ class PipelinePolicy:
         if self._since_switch <= self._settle:
             return
         m.add(float(tokens), round_ms)
-        self._left_ms -= round_ms
+        self._ran_ms += round_ms
         self._left_n -= 1
-        if self._left_ms <= 0 and (self._left_n <= 0 or self._decided()):
+        if self._ran_ms >= (self.trial_ms() if self._trial else self._follow_ms) and (
+                self._left_n <= 0 or self._decided()):
             self._next()
 
     def _decided(self) -> bool:
@@ -231,8 +235,8 @@ class PipelinePolicy:
         else:
             self._sure = not others or self._trials >= MAX_TRIALS or self._leads(best, others)
             nxt, self._trial, fresh = best, False, self._sure  # sure: its rate from here is the time it is followed
-        self._left_ms, self._left_n = ((TRIAL_MS, TRIAL_VERDICTS) if self._trial
-                                       else (REVISIT_MS if self._sure else UNSURE_MS, 0))
+        self._ran_ms, self._left_n = 0.0, TRIAL_VERDICTS if self._trial else 0
+        self._follow_ms = REVISIT_MS if self._sure else UNSURE_MS
         self.decisions.append(Decision(self.verdicts, {k: (m.rate(), m.n) for k, m in self.measured.items()},
                                        nxt.name, self._trial, not self._trial and self._sure))
         if fresh:
@@ -268,6 +272,13 @@ class PipelinePolicy:
         build = (self.build or 0.0) + self.overhead
         link = self.bytes * self.ms_per_byte
         return build + self.base_ms + link + self.tail, max(build, self.tail, link, 1e-3)
+
+    def trial_ms(self) -> float:
+        """How long a trial runs at least: ``TRIAL_TRIPS`` of a frame's time from built to verdict
+        (frames in flight fill over about one; a trial spans a few more), within ``TRIAL_MIN_MS``
+        and ``TRIAL_MS``. At a short round trip a schedule far behind then costs a third of a
+        second, not a whole one (bench/policy_flips.py, RESULTS seventh session)."""
+        return min(TRIAL_MS, max(TRIAL_MIN_MS, TRIAL_TRIPS * self.timing()[0]))
 
     def in_flight(self) -> int:
         """Frames enough to keep the slowest stage busy over one frame's round trip."""

@@ -201,3 +201,29 @@ def test_after_a_switch_to_one_frame_at_a_time_only_its_first_verdict_does_not_c
     feed(policy, n=3, schedule="round", round_ms=250.0, tokens=5)
     assert policy.measured["round"].n == 2  # the round frames' verdicts but the first
     assert policy.measured["stream"].n == streamed  # the drained frames counted for neither
+
+
+def test_a_trial_lasts_ten_of_a_frames_trips_within_its_floor_and_cap():
+    """At a short round trip a schedule far behind costs a third of a second, not a whole one: a
+    trial runs TRIAL_TRIPS of a frame's time from built to verdict, at least TRIAL_MIN_MS (on
+    an H100 at 0 ms, stream's first trial was a second of a 3.5 s run at 0.7x round's rate;
+    RESULTS, seventh session); at a long one it stays at TRIAL_MS."""
+    def verdicts(policy, rtt_ms, n):
+        for _ in range(n):
+            name = policy.schedule().name
+            tokens, ms = (1, 10.0) if name == "stream" else (5, 20.0 + rtt_ms)
+            policy.observe(tokens=tokens, sent_bytes=20_000, rtt_ms=rtt_ms, tail_ms=8.0, build_ms=10.0,
+                           round_ms=ms, schedule=name)
+
+    near = PipelinePolicy(8)
+    verdicts(near, 0.5, 200)
+    assert near.trial_ms() == pol.TRIAL_MIN_MS  # 10 trips of ~19 ms: the floor
+    first = near.decisions[0]
+    assert first.chosen == "round" and first.rates["stream"][1] == pol.TRIAL_MIN_MS / 10.0  # 30, not 100 verdicts
+    assert near.decisions[1].chosen == "round" and near.decisions[1].sure
+    far = PipelinePolicy(8)
+    verdicts(far, 200.0, 200)
+    assert far.trial_ms() == pol.TRIAL_MS and far.decisions[0].rates["stream"][1] == pol.TRIAL_MS / 10.0
+    mid = PipelinePolicy(8)
+    verdicts(mid, 40.0, 1)
+    assert mid.trial_ms() == pytest.approx(pol.TRIAL_TRIPS * (10.0 + 40.0 + 8.0))  # build + link + tail
