@@ -368,6 +368,8 @@ def main() -> None:
                       f"{r['frame_head_ms_median']:.2f}, max {r['frame_head_ms_max']:.1f}"
                       + "".join(f"; {k} {ms:.2f} ({n} calls)" for k, (ms, n) in r["frame_parts_ms"].items()),
                       file=sys.stderr, flush=True)
+                if args.save:  # each mode as it ends: a run cut short by a timeout keeps its token ids
+                    save(args.save, res)
             link.close()
     modes = args.modes.split(",")
     trees = [m for m in ("auto", "stream", "tree", "tree-ahead") if m in modes]
@@ -375,8 +377,14 @@ def main() -> None:
     print_table(res, rtts, modes, ranks)
     if args.ranks_out:
         args.ranks_out.write_text(json.dumps(ranks))
-    if args.save:
-        args.save.write_text(json.dumps([{"mode": m, "rtt": r, **v} for (m, r), v in res.items()]))
+
+
+def save(path: Path, res: dict) -> None:
+    """Every mode's results so far as JSON rows (mode, rtt, figures, token ids), replacing ``path``
+    whole (written beside it, then renamed: a run killed mid-write leaves the last complete file)."""
+    part = path.with_name(path.name + ".part")
+    part.write_text(json.dumps([{"mode": m, "rtt": r, **v} for (m, r), v in res.items()]))
+    part.replace(path)
 
 
 def row(r: dict, base: float | None, rtt: int) -> str:

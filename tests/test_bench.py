@@ -60,3 +60,21 @@ def test_timed_parts_times_each_call_and_puts_the_methods_back():
     restore()
     assert "step" not in vars(obj) and vars(Part)["step"].__name__ == "step" and obj.own(4) == 8
     assert obj.step(5) == 6 and len(parts["step"]) == 2  # no longer timed
+
+
+def test_live_bench_saves_every_mode_as_it_ends_whole_files_only(tmp_path):
+    """A GPU run cut by its timeout lost every reply's token ids (seventh session): the results
+    are written after each mode, each time a whole file renamed into place."""
+    import json
+
+    from live_bench import save
+
+    out = tmp_path / "run.json"
+    res = {("chain", 0): {"tps": 1.5, "ids": [[1, 2]]}}
+    save(out, res)
+    assert json.loads(out.read_text()) == [{"mode": "chain", "rtt": 0, "tps": 1.5, "ids": [[1, 2]]}]
+    res[("tree", 86)] = {"tps": 2.0, "ids": [[3]]}
+    save(out, res)
+    assert [(r["mode"], r["rtt"], r["ids"]) for r in json.loads(out.read_text())] == [("chain", 0, [[1, 2]]),
+                                                                                     ("tree", 86, [[3]])]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.json"]
