@@ -275,7 +275,8 @@ def summary(stats, tokens: int, wall: float, inflight: int) -> dict:
     n = len(stats)
     out = {"tps": tokens / wall, "tokens": tokens, "verdicts": n, "tokens_per_verdict": tokens / n,
            "in_flight": sum(s.in_flight for s in stats) / n, "max_in_flight": inflight,
-           "frame_nodes": sum(s.tree_nodes for s in stats) / n}
+           "frame_nodes": sum(s.tree_nodes for s in stats) / n,
+           "empty": sum(s.committed == 0 for s in stats) / n}  # verdicts that committed nothing (a voided frame)
     for f in FIELDS:
         out[f] = statistics.fmean(getattr(s, f) for s in stats)
     out["rest_ms"] = out["round_ms"] - out["draft_ms"] - out["head_ms"] - out["overlap_ms"] - out["wait_ms"]
@@ -364,7 +365,8 @@ def main() -> None:
                                                 Sampling(temperature=args.temperature, seed=args.seed),
                                                 parts=args.frame_parts)
                 print(f"rtt {rtt} {mode}: " + row(r, None, rtt), file=sys.stderr, flush=True)  # a run cut short keeps it
-                print(f"rtt {rtt} {mode}: a frame's head ms: mean {r['frame_head_ms']:.2f}, median "
+                print(f"rtt {rtt} {mode}: verdicts that committed nothing {r['empty']:.1%}; "
+                      f"a frame's head ms: mean {r['frame_head_ms']:.2f}, median "
                       f"{r['frame_head_ms_median']:.2f}, max {r['frame_head_ms_max']:.1f}"
                       + "".join(f"; {k} {ms:.2f} ({n} calls)" for k, (ms, n) in r["frame_parts_ms"].items()),
                       file=sys.stderr, flush=True)

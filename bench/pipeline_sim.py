@@ -209,7 +209,8 @@ def main() -> None:
             link = SimLink(clock, verifier, rtt, args.mbps, costs)
             res[(mode, rtt)] = r = live_bench.run_mode(specs[mode], *live_bench.MODES[mode][3:], link, hello, prompts,
                                                        args.new)
-            print(f"rtt {rtt:g} {mode}: " + live_bench.row(r, None, rtt), file=sys.stderr, flush=True)
+            print(f"rtt {rtt:g} {mode}: " + live_bench.row(r, None, rtt) + f" verdicts that committed nothing: "
+                  f"{r['empty']:.1%}", file=sys.stderr, flush=True)
     print(f"SIMULATED on a virtual clock (bench/pipeline_sim.py), costs {costs}, {args.mbps or 'unlimited'} Mbit/s")
     live_bench.print_table(res, rtts, modes, specs[modes[-1]].calibration.ranks)
 
