@@ -78,3 +78,15 @@ def test_live_bench_saves_every_mode_as_it_ends_whole_files_only(tmp_path):
     assert [(r["mode"], r["rtt"], r["ids"]) for r in json.loads(out.read_text())] == [("chain", 0, [[1, 2]]),
                                                                                      ("tree", 86, [[3]])]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run.json"]
+
+
+def test_live_bench_counts_the_verdicts_that_committed_nothing():
+    from live_bench import summary
+
+    from sfchat.events import RoundStats
+
+    def verdict(committed):
+        return RoundStats(accepted=max(0, committed - 1), committed=committed, draft_ms=1.0, head_ms=1.0,
+                          tail_ms=1.0, rtt_ms=1.0, round_ms=5.0)
+    out = summary([verdict(3), verdict(0), verdict(0), verdict(1)], tokens=4, wall=0.02, inflight=4)
+    assert out["empty"] == 0.5 and out["tokens_per_verdict"] == 1.0 and out["verdicts"] == 4
