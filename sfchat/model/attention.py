@@ -141,8 +141,10 @@ LIMITS = (("recompile_limit", "cache_size_limit"), ("accumulated_recompile_limit
 
 
 def compile_on_gpu(on: bool) -> None:
-    """Whether a GPU runs ``canonical`` compiled (a node's ``--compile-attention``; off by default).
-    A node sets it once, before its first forward: forwards of one shape must all run one code."""
+    """Whether a GPU runs ``canonical`` compiled (the head's ``--compile-attention``; off by default).
+    The head sets it once, before its first forward; a tail as each hello says, before it loads and
+    captures the slice for it (the setting is part of the slice's identity): the forwards of a
+    slice all run one code."""
     global COMPILE
     COMPILE = bool(on)
 
