@@ -85,6 +85,13 @@ def one_run(seed: int, rtt: float, ratio: float, ms: float, burst: float = 0.0) 
     return max(spent, key=spent.get), tokens
 
 
+def trial_length(text: str) -> tuple[float, float, int]:
+    """``MIN-MAX:VERDICTS`` or ``MS:VERDICTS`` (MIN = MAX = MS) as (TRIAL_MIN_MS, TRIAL_MS, TRIAL_VERDICTS)."""
+    span, _, verdicts = text.partition(":")
+    low, _, high = span.partition("-")
+    return float(low), float(high or low), int(verdicts)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--runs", type=int, default=200)
@@ -105,8 +112,7 @@ def main() -> None:
           "true rate | two runs mostly under different schedules | runs mostly under the slower | tokens vs the "
           "faster followed all along |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
-    trials = [(*(float(x) for x in (t.split(":")[0] + "-" + t.split(":")[0]).split("-")[:2]), int(t.split(":")[1]))
-              for t in args.trials.split(",")]
+    trials = [trial_length(t) for t in args.trials.split(",")]
     rules = [(float(r.split(":")[0]), int(r.split(":")[1]), float(r.split(":")[2])) for r in args.rules.split(",")]
     for (pol.CONFIDENCE, pol.MAX_TRIALS, pol.UNSURE_MS), (pol.TRIAL_MIN_MS, pol.TRIAL_MS, pol.TRIAL_VERDICTS), ms in (
             (r, t, float(x)) for r in rules for t in trials for x in args.ms.split(",")):
