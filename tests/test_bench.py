@@ -90,3 +90,23 @@ def test_live_bench_counts_the_verdicts_that_committed_nothing():
                           tail_ms=1.0, rtt_ms=1.0, round_ms=5.0)
     out = summary([verdict(3), verdict(0), verdict(0), verdict(1)], tokens=4, wall=0.02, inflight=4)
     assert out["empty"] == 0.5 and out["tokens_per_verdict"] == 1.0 and out["verdicts"] == 4
+
+
+def test_shape_cost_times_every_variant_over_the_same_rows(tmp_path):
+    """bench/shape_cost.py compares a verify forward at its own row count with the one row shape
+    (plain and compiled canonical attention): its figures mean something only when every variant
+    computes the same real rows of the same chain over the same context (fp32 on the CPU: equal to
+    rounding)."""
+    import json
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "cost.json"
+    subprocess.run([sys.executable, str(root / "bench" / "shape_cost.py"), "--self", "tiny", "--device", "cpu",
+                    "--dtype", "float32", "--reps", "2", "--context", "70", "--rows", "16", "--plain-rows", "1,5",
+                    "--variants", "plain,one", "--save", str(out)], check=True, capture_output=True, timeout=600)
+    rows = json.loads(out.read_text())
+    assert [(r["slice"], r["variant"], r["rows"], r["nodes"]) for r in rows] == [
+        (s, v, n, k) for s in ("head", "tail") for v, n, k in
+        (("plain 1", 1, 1), ("plain 5", 5, 5), ("one shape", 16, 1), ("one shape", 16, 5))]
+    assert all(r["ms"] > 0 and r["diff"] < 1e-4 for r in rows), rows
