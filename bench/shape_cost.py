@@ -33,6 +33,7 @@ from harness import QWEN25_05B, QWEN25_7B, QWEN25_15B, TINY_TARGET  # noqa: E402
 from sfchat.engine.scratch import Scratch  # noqa: E402
 from sfchat.model import attention  # noqa: E402
 from sfchat.model.decoder import n_layers  # noqa: E402
+from sfchat.model.kv import PREFILL_CHUNK  # noqa: E402
 from sfchat.model.devices import DTYPES  # noqa: E402
 from sfchat.model.slices import ModelSlice  # noqa: E402
 from sfchat.model.source import ModelSource  # noqa: E402
@@ -134,6 +135,19 @@ def measure(model: ModelSlice, name: str, tail: bool, args, dev, cuda: bool, sha
     return row
 
 
+def prefill(model: ModelSlice, name: str, tail: bool, args, dev, cuda: bool) -> dict:
+    """A prompt of ``--prompt`` positions written after the context (pieces of the slice's rows, or
+    of ``PREFILL_CHUNK`` without one): its median ms."""
+    gen = torch.Generator().manual_seed(3)
+    if model.embed_tokens is not None:
+        x = torch.randint(0, model.config.vocab_size, (args.prompt,), generator=gen).to(dev)
+    else:
+        x = torch.randn(args.prompt, model.config.hidden_size, generator=gen).to(dev, model.dtype)
+    ms = timed(lambda: model.feed(x, args.context), max(3, args.reps // 5), cuda)
+    return {"variant": name, "slice": "tail" if tail else "head", "rows": model.rows or PREFILL_CHUNK,
+            "nodes": args.prompt, "ms": ms, "captured": None, "diff": 0.0, "prefill": True}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--self", dest="shape", choices=sorted(SHAPES), default="1.5b")
@@ -144,6 +158,7 @@ def main() -> None:
     ap.add_argument("--plain-rows", default="1,9,64", help="the row counts of the plain forwards")
     ap.add_argument("--pool", type=int, default=65, help="scratch slots (a frame's and the trash slot)")
     ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--prompt", type=int, default=0, help="also time a prefill of N positions (0: none)")
     ap.add_argument("--variants", default="plain,one,compiled")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--top", type=int, default=8)
@@ -153,7 +168,7 @@ def main() -> None:
     cuda = dev.type == "cuda"
     variants = args.variants.split(",")
     plain_rows = [int(r) for r in args.plain_rows.split(",")]
-    max_len = args.context + args.pool + 512
+    max_len = args.context + max(args.pool, args.prompt) + 512
     results, outs = [], {}
     harness.DEVICE = args.device
     with tempfile.TemporaryDirectory() as tmp:
@@ -166,6 +181,8 @@ def main() -> None:
                 context(model, args.context, dev)
                 for r in plain_rows:
                     results.append(measure(model, f"plain {r}", tail, args, dev, cuda, r, r, outs))
+                if args.prompt:
+                    results.append(prefill(model, "plain", tail, args, dev, cuda))
                 del model
             for v in ("one", "compiled"):
                 if v not in variants:
@@ -176,13 +193,17 @@ def main() -> None:
                 for r in plain_rows:
                     results.append(measure(model, "one shape" + (", compiled" if v == "compiled" else ""), tail,
                                            args, dev, cuda, args.rows, min(r, args.rows), outs))
+                if args.prompt:
+                    results.append(prefill(model, "one shape" + (", compiled" if v == "compiled" else ""), tail,
+                                           args, dev, cuda))
                 del model
             if cuda:
                 torch.cuda.empty_cache()
     print("| slice | variant | rows (nodes) | ms a forward | kernels | real rows against the first variant's |")
     print("| --- | --- | --- | --- | --- | --- |")
     for r in results:
-        print(f"| {r['slice']} | {r['variant']} | {r['rows']} ({r['nodes']}) | {r['ms']:.3f} | {r.get('kernels', '')} "
+        what = f"prefill of {r['nodes']} in pieces of {r['rows']}" if r.get("prefill") else f"{r['rows']} ({r['nodes']})"
+        print(f"| {r['slice']} | {r['variant']} | {what} | {r['ms']:.3f} | {r.get('kernels', '')} "
               f"| {r['diff']:.2e} |")
     for r in results:
         if r.get("top"):

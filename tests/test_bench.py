@@ -104,9 +104,10 @@ def test_shape_cost_times_every_variant_over_the_same_rows(tmp_path):
     out = tmp_path / "cost.json"
     subprocess.run([sys.executable, str(root / "bench" / "shape_cost.py"), "--self", "tiny", "--device", "cpu",
                     "--dtype", "float32", "--reps", "2", "--context", "70", "--rows", "16", "--plain-rows", "1,5",
-                    "--variants", "plain,one", "--save", str(out)], check=True, capture_output=True, timeout=600)
+                    "--variants", "plain,one", "--prompt", "40", "--save", str(out)], check=True, capture_output=True, timeout=600)
     rows = json.loads(out.read_text())
     assert [(r["slice"], r["variant"], r["rows"], r["nodes"]) for r in rows] == [
         (s, v, n, k) for s in ("head", "tail") for v, n, k in
-        (("plain 1", 1, 1), ("plain 5", 5, 5), ("one shape", 16, 1), ("one shape", 16, 5))]
+        (("plain 1", 1, 1), ("plain 5", 5, 5), ("plain", 512, 40), ("one shape", 16, 1), ("one shape", 16, 5),
+         ("one shape", 16, 40))]
     assert all(r["ms"] > 0 and r["diff"] < 1e-4 for r in rows), rows
