@@ -236,19 +236,25 @@ class ModelSlice(nn.Module):
     def feed(self, x: torch.Tensor, start: int, chunk: int = PREFILL_CHUNK) -> torch.Tensor | None:
         """Write positions ``start ..`` of ``x`` (token ids or hidden states) to the caches as plain
         forwards: pieces of the slice's one row count, the last padded with rows that write the
-        sink slot, or (no ``rows``) of up to ``chunk``. The real rows' hidden states, or None for a
-        slice with the head (it computes one row of logits per piece, which nobody reads)."""
+        sink slot, or (no ``rows``) of up to ``chunk``. A one-shape slice runs each piece as the tree
+        forward of a chain at slot = position (the same ``Attend`` as a plain forward's: the same
+        arithmetic), so that the captured verify graph replays it (its key: ``rows`` rows, tree, and
+        with the head as many logits), never the eager kernels one by one. The real rows' hidden
+        states, or None for a slice with the head (its logits are computed and nobody reads them)."""
         size, n_logits, outs = self.rows or chunk, int(self.lm_head is not None), []
         for i in range(0, x.shape[0], size):
             piece = x[i:i + size]
             n = piece.shape[0]
             positions = torch.arange(start + i, start + i + n, device=x.device)
-            if n < (self.rows or 0):
-                piece = torch.cat([piece, piece.new_zeros((self.rows - n,) + piece.shape[1:])])
-                positions = torch.cat([positions, positions.new_full((self.rows - n,), self.max_len)])
-            out = self.run(piece, positions, n_logits, end=start + i + n)
+            rows = None
+            if self.rows:  # a chain at slot = position is a tree forward: the verify's own graph replays it
+                if n < self.rows:
+                    piece = torch.cat([piece, piece.new_zeros((self.rows - n,) + piece.shape[1:])])
+                    positions = torch.cat([positions, positions.new_full((self.rows - n,), self.max_len)])
+                rows, n_logits = RowKeys(positions, causal_keys(positions)), n_logits and self.rows
+            out = self.run(piece, positions, n_logits, end=start + i + n, tree=rows)
             outs.append(out[:n])
-        return None if n_logits else torch.cat(outs)
+        return None if self.lm_head is not None else torch.cat(outs)
 
     @torch.no_grad()
     def forward(self, x: torch.Tensor, positions: torch.Tensor, n_logits: int = 0,
