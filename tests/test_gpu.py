@@ -268,3 +268,37 @@ def test_a_canonical_row_comes_out_the_same_over_every_window_on_the_gpu(zoo, mo
     assert [w for w, _ in outs] == [64, 80]  # a context part in four blocks, then in five
     assert torch.equal(outs[0][1], outs[1][1])
     assert not compiled or (attention._proven and attention._compiled is not attention.canonical)
+
+
+@pytest.mark.parametrize("head", [False, True], ids=["head slice", "tail slice"])
+def test_a_one_shape_prefill_replays_the_verify_graph_bit_identically(zoo, monkeypatch, head):
+    """A one-shape slice's prefill pieces are tree forwards of a chain: the captured verify graph
+    replays every piece (eagerly they cost ~8x as much on an H100), and the K/V and hidden rows are
+    the bits the plain padded forwards give."""
+    from sfchat.model import graphs as graphs_mod
+
+    src = ModelSource.open(str(zoo["qwen2-untied"]))
+    dev, rows = torch.device("cuda"), 16
+    sl = ModelSlice.load(src, 0 if head else 2, 2 if head else 4, embed=head, head=not head, dtype=torch.bfloat16,
+                         device=dev, max_len=96, rows=rows)
+    assert sl.capture(rows, 0 if head else rows, tree=True, span=rows + 1)
+    replays = []
+    call = graphs_mod.Graphed.__call__
+    monkeypatch.setattr(graphs_mod.Graphed, "__call__", lambda self, *xs: replays.append(1) or call(self, *xs))
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randint(0, 300, (40,), generator=gen) if head
+         else torch.randn(40, src.config.hidden_size, generator=gen).to(torch.bfloat16)).to(dev)
+    sl.reset(zero=True)
+    fed = sl.feed(x, 0)
+    assert len(replays) == 3  # 40 positions in three pieces of 16, every one replayed
+    fed_kv = [t.clone() for t in sl.kv_tensors()]
+    sl.reset(zero=True)
+    pieces = []
+    for i in range(0, 40, rows):
+        n = min(rows, 40 - i)
+        piece = torch.cat([x[i:i + n], x.new_zeros((rows - n,) + x.shape[1:])])
+        positions = torch.cat([torch.arange(i, i + n), torch.full((rows - n,), sl.max_len)]).to(dev)
+        pieces.append(sl.forward(piece, positions, 0 if head else 1, window=sl.window_for(i + n))[:n])
+    assert all(torch.equal(a, b) for a, b in zip(fed_kv, sl.kv_tensors()))
+    if head:
+        assert torch.equal(fed, torch.cat(pieces))
