@@ -42,20 +42,27 @@ from sfchat.protocol import wire  # noqa: E402
 
 # H200, bf16, Qwen2.5-7B halves and 0.5B draft (bench/frame_cost.py, RESULTS.md 2026-12-02)
 H200 = dict(step_ms=3.9, step_row_ms=0.007, head_ms=4.2, head_row_ms=0.007, hidden_bytes=3584 * 2,
-            d2h_gbps=1.0, tail_ms=5.6, tail_row_ms=0.025, seal_gbps=1.5)
+            d2h_gbps=1.0, tail_ms=5.6, tail_row_ms=0.025, seal_gbps=1.5, take_ms=0.0)
+# take_ms: the head's time to take a verdict (0: this machine's own Python time for it); live_bench on a
+# GPU shows more as "rest" (the syncs behind the K/V moves, the tree's bookkeeping)
 
 
 class Clock:
     """Virtual time: real time, less the real time of the modelled calls, plus their modelled cost."""
 
-    def __init__(self) -> None:
+    def __init__(self, gpu: SharedGpu | None = None) -> None:
         self.offset = 0.0
+        self.gpu = gpu  # head and tail on one GPU (None: two machines)
 
     def now(self) -> float:
         return time.perf_counter() + self.offset
 
     @contextlib.contextmanager
-    def charged(self, ms: float):
+    def charged(self, ms: float, gpu: bool = False):
+        """The block costs ``ms`` of virtual time instead of its real time; ``gpu``: it is GPU work,
+        stretched by the tail's verifies it meets on a shared GPU."""
+        if gpu and self.gpu is not None:
+            ms = self.gpu.stretch(self.now(), ms)
         t = time.perf_counter()
         try:
             yield
@@ -73,6 +80,38 @@ class Clock:
 
     def sleep(self, s: float) -> None:
         self.offset += s
+
+
+class SharedGpu:
+    """One GPU under both the head and the tail, as in `bench/live_bench.py` (two processes on one
+    card): each tail verify holds it over its modelled interval, and head work (a draft step, a
+    head frame) that meets such an interval gets only ``1 - share`` of the GPU while it lasts
+    (``share`` 1: the head waits the verify out; 0: two machines, nothing shared). The tail's
+    verifies are not slowed in turn (a simplification: the share is fitted to the head's)."""
+
+    def __init__(self, share: float):
+        self.share = share
+        self.busy: list[tuple[float, float]] = []  # the tail's verifies, (start, end) in clock seconds
+
+    def book(self, start: float, end: float) -> None:
+        self.busy.append((start, end))
+        self.busy.sort()
+
+    def stretch(self, now: float, ms: float) -> float:
+        """The ms head work of ``ms`` on its own takes from ``now``, the verifies it meets included."""
+        self.busy = [(a, b) for a, b in self.busy if b > now]
+        t, left, speed = now, ms / 1e3, 1.0 - self.share
+        for a, b in self.busy:
+            if a > t:
+                if left <= a - t:
+                    break
+                left -= a - t
+                t = a
+            if speed > 0 and left <= (b - t) * speed:
+                return (t + left / speed - now) * 1e3
+            left -= (b - t) * speed
+            t = b
+        return (t + left - now) * 1e3
 
 
 class SimLink:
@@ -112,6 +151,8 @@ class SimLink:
                 tail_ms = c["tail_ms"] + c["tail_row_ms"] * rows
                 start = max(at_tail, self.tail_free)
                 self.tail_free = start + tail_ms / 1e3
+                if self.clock.gpu is not None:
+                    self.clock.gpu.book(start, self.tail_free)
                 raw = wire.encode(wire.Verdict(reply.round, reply.tree, reply.path, reply.tokens, int(tail_ms * 1e3)))
                 self._deliver(self.tail_free + self.half, raw)
             else:
@@ -150,17 +191,26 @@ def charge_models(clock: Clock, specs: dict, costs: dict) -> None:
         run = d.graphs.run
 
         def step(key, fn, inputs, window, _run=run, _d=d):
-            with clock.charged(c["step_ms"] + c["step_row_ms"] * _d.rows):
+            with clock.charged(c["step_ms"] + c["step_row_ms"] * _d.rows, gpu=True):
                 return _run(key, fn, inputs, window)
 
         d.graphs.run = step
+    for spec in specs.values():
+        take = spec.take
+
+        def taken(*args, _take=take, **kw):
+            with clock.charged(c["take_ms"]):
+                return _take(*args, **kw)
+
+        if c["take_ms"]:
+            spec.take = taken
     head = next(iter(specs.values())).head
     run = head.run
 
     def head_run(ids, *args, _run=run, **kw):
         rows = ids.shape[0]
         ms = c["head_ms"] + c["head_row_ms"] * rows + rows * c["hidden_bytes"] / (c["d2h_gbps"] * 1e6)
-        with clock.charged(ms):
+        with clock.charged(ms, gpu=True):
             return _run(ids, *args, **kw)
 
     head.run = head_run
@@ -175,6 +225,9 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--ranks", type=Path, default=Path(__file__).parent / "results" / "pair_ranks.json")
     ap.add_argument("--costs", type=json.loads, default={}, help="JSON overrides of the modelled costs")
+    ap.add_argument("--shared-gpu", type=float, default=0.0, metavar="SHARE",
+                    help="head and tail on one GPU, as live_bench runs them: while a verify runs the head's work "
+                         "gets 1 - SHARE of it (0: two machines, the default; 1: it waits the verify out)")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=SIZE,WIDTH,CHILDREN,INFLIGHT,AHEAD,PLAN",
                     help="a mode of your own: nodes per frame, per draft step, kept per node, frames in flight at "
                          "most, draft steps while a verdict travels, schedules (round, stream, streamN, auto)")
@@ -194,7 +247,9 @@ def main() -> None:
     specs, hello = live_bench.build(root / "target", root / "draft", "cpu", "float32", synthetic)
     prompts = live_bench.prompts_for(root / "target", True, args.prompts)
     prompts = [[t % vocab for t in p] for p in prompts]
-    clock = Clock()
+    if not 0.0 <= args.shared_gpu <= 1.0:
+        ap.error("--shared-gpu takes a share in 0..1")
+    clock = Clock(SharedGpu(args.shared_gpu) if args.shared_gpu else None)
     charge_models(clock, specs, costs)
     import sfchat.engine.speculator as speculator_mod
     import sfchat.node.driver as driver_mod
@@ -211,7 +266,8 @@ def main() -> None:
                                                        args.new)
             print(f"rtt {rtt:g} {mode}: " + live_bench.row(r, None, rtt) + f" verdicts that committed nothing: "
                   f"{r['empty']:.1%}", file=sys.stderr, flush=True)
-    print(f"SIMULATED on a virtual clock (bench/pipeline_sim.py), costs {costs}, {args.mbps or 'unlimited'} Mbit/s")
+    print(f"SIMULATED on a virtual clock (bench/pipeline_sim.py), costs {costs}, {args.mbps or 'unlimited'} Mbit/s"
+          + (f", head and tail on one GPU (share {args.shared_gpu:g})" if args.shared_gpu else ", two machines"))
     live_bench.print_table(res, rtts, modes, specs[modes[-1]].calibration.ranks)
 
 

@@ -151,3 +151,21 @@ def test_identity_table_refuses_what_it_cannot_compare(tmp_path, capsys):
     assert main(["x"]) == 2 and "expected RUN=FILE" in capsys.readouterr().err
     (tmp_path / "bad.json").write_text('{"mode": 1}')
     assert main([f"x={tmp_path / 'bad.json'}"]) == 2 and "not a live_bench --save file" in capsys.readouterr().err
+
+
+def test_a_shared_gpu_stretches_head_work_by_the_verifies_it_meets():
+    """pipeline_sim --shared-gpu: live_bench runs head and tail on one GPU, where a draft step that
+    meets a verify gets only part of the card; two machines (share 0) share nothing."""
+    from pipeline_sim import SharedGpu
+
+    gpu = SharedGpu(0.5)
+    gpu.book(0.010, 0.016)  # a verify from 10 to 16 ms
+    assert gpu.stretch(0.0, 5.0) == pytest.approx(5.0)  # done before it starts
+    assert gpu.stretch(0.008, 5.0) == pytest.approx(2 + 6 + 0)  # 2 ms alone, 3 ms at half speed in 6 ms
+    assert gpu.stretch(0.012, 1.0) == pytest.approx(2.0)  # inside it: half speed
+    assert gpu.stretch(0.012, 4.0) == pytest.approx(4 + 2)  # 2 ms of it at half speed, then 2 alone
+    waits = SharedGpu(1.0)
+    waits.book(0.010, 0.016)
+    assert waits.stretch(0.008, 5.0) == pytest.approx(2 + 6 + 3)  # waits the verify out
+    assert waits.stretch(0.020, 5.0) == pytest.approx(5.0)  # past it: as alone
+    assert waits.busy == []  # verifies already over are forgotten
