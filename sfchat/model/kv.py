@@ -2,9 +2,9 @@
 
 Contract
 --------
-* Buffers are allocated once (``max_len`` slots per layer; a canonical cache's ``total``, below)
-  and never reallocated, so the
-  forwards that use them can be captured in CUDA graphs.
+* Buffers are allocated once (``max_len`` slots per layer; a canonical cache's ``total``, below;
+  one tensor for every layer's keys and values, each layer's a view of it) and never
+  reallocated, so the forwards that use them can be captured in CUDA graphs.
 * Before a forward, the caller sets the absolute positions of the new tokens with
   ``begin(positions, window)``; transformers' attention modules then call
   ``update(k, v, layer_idx)``, which writes the new keys/values at those positions
@@ -123,9 +123,10 @@ class StaticKV:
                  dtype: torch.dtype, device: torch.device, canonical: bool = False, group: int = 1):
         self.canonical, self.group = canonical, group  # group: query heads per key head
         self.total = cache_slots(max_len, canonical)
-        shape = (1, n_kv_heads, self.total, head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        # every layer's keys and values in one buffer (2, layers, 1, heads, slots, dim), each layer's a
+        # view: a verdict's move and a clear are one call for them all, not one per layer and tensor
+        self.buffer = torch.zeros((2, n_layers, 1, n_kv_heads, self.total, head_dim), dtype=dtype, device=device)
+        self.keys, self.values = list(self.buffer[0]), list(self.buffer[1])
         self.max_len = max_len
         self.slots = torch.arange(self.total, device=device)
         self.neg = torch.finfo(dtype).min
@@ -200,14 +201,12 @@ class StaticKV:
         pairs = [(s, d) for s, d in zip(src, dst) if s != d]
         if not pairs:
             return
-        device = self.keys[0].device
+        device = self.buffer.device
         s = torch.tensor([p[0] for p in pairs], device=device)
         d = torch.tensor([p[1] for p in pairs], device=device)
-        for buf in self.keys + self.values:
-            buf.index_copy_(2, d, buf.index_select(2, s))
+        self.buffer.index_copy_(4, d, self.buffer.index_select(4, s))  # every layer's slots at once
 
     def clear(self) -> None:
         """Zero every slot (a peer's NaN left in a slot that a later forward's window covers would
         poison its softmax, masked or not)."""
-        for buf in self.keys + self.values:
-            buf.zero_()
+        self.buffer.zero_()

@@ -182,6 +182,27 @@ def test_fetch_downloads_only_the_shards_that_hold_the_names(sharded, monkeypatc
 
 # -- the static KV cache --------------------------------------------------------------------------
 
+def test_static_kv_moves_every_layers_slots_in_one_call(monkeypatch):
+    """A verdict moves the committed keys and values of every layer: one index_copy over the
+    cache's one buffer, not four calls a layer (each a kernel launch and a dispatch on the head's
+    host, every verdict); overlapping sources and destinations read before written."""
+    kv = StaticKV(3, 2, 4, 16, torch.float32, CPU)
+    for buf in kv.keys + kv.values:
+        buf.copy_(torch.randn(buf.shape))
+    before = [buf.clone() for buf in kv.keys + kv.values]
+    calls = []
+    index_copy = torch.Tensor.index_copy_
+    monkeypatch.setattr(torch.Tensor, "index_copy_", lambda self, *a: calls.append(1) or index_copy(self, *a))
+    kv.move([5, 6, 7, 3], [4, 5, 6, 3])  # overlapping, and one slot that stays
+    assert len(calls) == 1
+    for old, new in zip(before, kv.keys + kv.values):
+        assert torch.equal(new[:, :, [4, 5, 6]], old[:, :, [5, 6, 7]])
+        keep = [i for i in range(16) if i not in (4, 5, 6)]
+        assert torch.equal(new[:, :, keep], old[:, :, keep])
+    kv.clear()
+    assert not any(buf.any() for buf in kv.keys + kv.values)
+
+
 def test_static_kv_writes_masks_and_bookkeeping():
     kv = StaticKV(2, 1, 2, 8, torch.float32, CPU)
     mask = kv.begin(torch.tensor([0, 1, 2]))
