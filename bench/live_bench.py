@@ -234,7 +234,7 @@ def run_mode(spec, inflight: int, ahead: int, plan: str, link, hello, prompts, n
 
     spec.frame = recorded
     timed, restore = timed_parts([(spec, "_grow"), (LiveTree, "choose"), (spec.scratch, "tree_inputs"),
-                                  (spec.head, "run"), (spec, "_encode")], spec.device.type == "cuda") if parts \
+                                  (spec.head, "run"), (spec, "_encode"), (spec, "take")], spec.device.type == "cuda") if parts \
         else ({}, lambda: None)
     stats, ids_out, wall = [], [], 0.0
     for ids in prompts:
@@ -316,8 +316,8 @@ def main() -> None:
                     help="head and tail run canonical attention compiled (sfchat --compile-attention)")
     ap.add_argument("--tail-logs", type=Path, help="write each RTT's tail output to DIR/tail-RTT.log")
     ap.add_argument("--frame-parts", action="store_true",
-                    help="time a frame's parts (draft, choosing, tree inputs, head forward, encoding), each "
-                         "synchronized: the median ms per call (slows every frame a little)")
+                    help="time a frame's parts (draft, choosing, tree inputs, head forward, encoding) and the "
+                         "taking of a verdict, each synchronized: the median ms per call (slows every frame a little)")
     ap.add_argument("--temperature", type=float, default=0.0, help="sample at T (0: greedy)")
     ap.add_argument("--seed", type=int, default=1, help="the sampled replies' seed")
     ap.add_argument("--smoke", action="store_true")
