@@ -1,117 +1,105 @@
-"""The identity table (issue 46): whether every mode, RTT and run gave the same replies, from the
-JSON files `bench/live_bench.py --save` writes, and what each mode's tok/s was against a
-"before" configuration.
+"""One answer whatever the network: the identity table from ``live_bench.py --save`` runs.
 
-A GPU call is limited to minutes, so a table of every mode at several RTTs, twice, is measured in
-pieces: each piece a live_bench process saving its own file. This script puts them together.
+Each saved run holds, per (mode, RTT), the token ids of every reply (greedy, or sampled with one
+seed: ``live_bench.py --temperature``) and the tok/s. For each run this prints, per (mode, RTT),
+how many replies equal the reference's (the run's own ``none`` at its first RTT, else the last
+earlier run's: the target alone, one token per round trip) and the tok/s with what it is made of:
+the ms a verdict's round takes and the tokens it commits (tok/s across different texts compares
+their acceptance as much as their cost; the round's ms compares the cost); then, for runs given
+as pairs of the same variant, how many replies each (mode, RTT) repeats from the earlier run.
+Runs may differ in what they vary (``--frame-rows``, the code): name each by its file's stem.
+A run measured in pieces (a GPU call lasts minutes: one live_bench process per piece, each saving
+its own file) is given as ``NAME=FILE,FILE...``: its pieces' cells together, a later piece's cell
+replacing an earlier one's. A file that is not a live_bench save is refused with its reason.
 
-    python3 bench/identity_table.py RUN=FILE[,FILE...] [RUN=FILE...] [--before RUN=FILE...]
-        [--reference MODE]
-
-Every reply (the token ids of a prompt) is compared with the reference: the first run's replies in
-``--reference`` mode (default ``none``, the target's own output) at the lowest RTT it has. A cell
-says how many of its replies equal the reference's; the replies of a cell must be of the same
-prompts, in the same order, as the reference's (checked: the files of one table come from one
-script with one ``--prompts``). With ``--before``, each (mode, RTT) also gets its tok/s against
-the mean of the before runs' (the cost of the change). Prints markdown; exits 1 when a reply
-differs (so a script can tell), 2 on unusable input.
+    python3 bench/identity_table.py off.json on.json [on-again.json]
+    python3 bench/identity_table.py run1=a.json,b.json,c.json run2=d.json,e.json
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
 
-ORDER = ("none", "chain", "tree", "tree-ahead", "stream", "auto")  # live_bench's modes; others after them
+FIELDS = ("mode", "rtt", "ids", "tps", "round_ms", "tokens_per_verdict")  # what a cell is read from
 
 
 class TableError(ValueError):
     pass
 
 
-def load_runs(specs: list[str]) -> dict[str, dict[tuple[str, int], dict]]:
-    """``RUN=FILE[,FILE...]`` -> run -> (mode, rtt) -> the saved entry (a later file's wins)."""
+def load(path: Path) -> dict[tuple[str, int], dict]:
+    try:
+        entries = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise TableError(f"{path}: {exc}") from None
+    if not isinstance(entries, list) or not all(isinstance(e, dict) and set(FIELDS) <= e.keys() for e in entries):
+        raise TableError(f"{path}: not a live_bench --save file (a list of entries with {', '.join(FIELDS)})")
+    return {(e["mode"], e["rtt"]): e for e in entries}
+
+
+def runs_of(args: list[str]) -> dict[str, dict[tuple[str, int], dict]]:
+    """Each argument a run: ``FILE`` (named by its stem) or ``NAME=FILE,FILE...`` (its pieces merged)."""
     runs: dict[str, dict[tuple[str, int], dict]] = {}
-    for spec in specs:
-        name, sep, files = spec.partition("=")
-        if not sep or not name or not files:
-            raise TableError(f"{spec!r}: expected RUN=FILE[,FILE...]")
-        cells = runs.setdefault(name, {})
+    for arg in args:
+        name, sep, files = arg.partition("=")
+        if not sep:
+            name, files = Path(arg).stem, arg
+        if not name or not files or name in runs:
+            raise TableError(f"{arg!r}: give each run as FILE or NAME=FILE[,FILE...], each name once")
+        runs[name] = {}
         for f in files.split(","):
-            try:
-                entries = json.loads(Path(f).read_text())
-            except (OSError, ValueError) as exc:
-                raise TableError(f"{f}: {exc}") from None
-            if not isinstance(entries, list):
-                raise TableError(f"{f}: not a live_bench --save file (a list of entries)")
-            for e in entries:
-                if not isinstance(e, dict) or not {"mode", "rtt", "tps", "ids"} <= e.keys():
-                    raise TableError(f"{f}: an entry without mode, rtt, tps and ids")
-                cells[(str(e["mode"]), int(e["rtt"]))] = e
+            runs[name].update(load(Path(f)))
     return runs
 
 
-def reference(runs: dict, mode: str) -> tuple[tuple[str, int], list]:
-    first = next(iter(runs.values()))
-    rtts = sorted(r for m, r in first if m == mode)
-    if not rtts:
-        raise TableError(f"the first run has no {mode!r} replies to compare with (--reference)")
-    return (mode, rtts[0]), first[(mode, rtts[0])]["ids"]
+def same(a: list[list[int]], b: list[list[int]]) -> int:
+    return sum(x == y for x, y in zip(a, b))
 
 
-def table(runs: dict, before: dict, ref_mode: str) -> tuple[list[str], bool]:
-    """The markdown lines and whether every reply equals the reference."""
-    (rm, rr), ref = reference(runs, ref_mode)
-    keys = sorted({k for cells in runs.values() for k in cells}, key=lambda k: (k[1], ORDER.index(k[0]) if k[0] in ORDER else len(ORDER), k[0]))
-    names = list(runs)
-    head = ["RTT", "mode"] + [f"{n}: same as reference" for n in names] + [f"{n}: tok/s" for n in names]
-    if before:
-        head += ["before: tok/s", "after / before"]
-    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
-    same_all = True
-    for mode, rtt in keys:
-        row = [str(rtt), mode]
-        tps = []
-        for n in names:
-            e = runs[n].get((mode, rtt))
-            if e is None:
-                row.append("")
-                continue
-            if len(e["ids"]) != len(ref):
-                raise TableError(f"run {n}, {mode} at {rtt} ms: {len(e['ids'])} replies, the reference {len(ref)}")
-            same = sum(a == b for a, b in zip(e["ids"], ref))
-            same_all &= same == len(ref)
-            row.append(f"{same} of {len(ref)}")
-            tps.append(float(e["tps"]))
-        row += [f"{runs[n][(mode, rtt)]['tps']:.1f}" if (mode, rtt) in runs[n] else "" for n in names]
-        if before:
-            old = [float(b[(mode, rtt)]["tps"]) for b in before.values() if (mode, rtt) in b]
-            row.append(", ".join(f"{t:.1f}" for t in old))
-            row.append(f"{statistics.fmean(tps) / statistics.fmean(old):.2f}x" if old and tps else "")
-        lines.append("| " + " | ".join(row) + " |")
-    lines.append("")
-    lines.append(f"reference: run {names[0]}, {rm} at {rr} ms; every reply the same: {'yes' if same_all else 'NO'}")
-    return lines, same_all
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("runs", nargs="+", metavar="RUN=FILE[,FILE...]")
-    ap.add_argument("--before", nargs="*", default=[], metavar="RUN=FILE[,FILE...]")
-    ap.add_argument("--reference", default="none", metavar="MODE")
-    args = ap.parse_args(argv)
+def main(args: list[str]) -> int:
     try:
-        lines, same = table(load_runs(args.runs), load_runs(args.before) if args.before else {}, args.reference)
+        runs = runs_of(args)
     except TableError as exc:
         print(f"identity_table: {exc}", file=sys.stderr)
         return 2
-    print("\n".join(lines))
-    return 0 if same else 1
+    if not runs:
+        print("identity_table: name at least one saved run", file=sys.stderr)
+        return 2
+    refs, ref = {}, None  # each run's reference: its own none at its first RTT, else the last earlier run's
+    for name, run in runs.items():
+        ref = next((v for (m, _), v in run.items() if m == "none"), ref)
+        refs[name] = ref
+    keys = list(dict.fromkeys(k for run in runs.values() for k in run))
+    print("| mode | RTT ms | " + " | ".join(f"{name}: same as its none / tok/s / round ms / tokens a verdict"
+                                         for name in runs) + " |")
+    print("| --- | --- |" + " --- |" * len(runs))
+    for key in keys:
+        cells = []
+        for name, run in runs.items():
+            ref = refs[name]
+            if key not in run:
+                cells.append("-")
+                continue
+            r = run[key]
+            told = f"{same(r['ids'], ref['ids'])}/{len(r['ids'])}" if ref else "?"
+            cells.append(f"{told} / {r['tps']:.1f} / {r['round_ms']:.1f} / {r['tokens_per_verdict']:.2f}")
+        print(f"| {key[0]} | {key[1]} | " + " | ".join(cells) + " |")
+    for name, run in runs.items():
+        replies = [v["ids"] for v in run.values()]
+        all_same = sum(all(rep[i] == replies[0][i] for rep in replies) for i in range(len(replies[0])))
+        print(f"{name}: replies identical across every mode and RTT: {all_same} of {len(replies[0])}")
+    names = list(runs)
+    for a, b in zip(names, names[1:]):
+        common = [k for k in runs[a] if k in runs[b]]
+        if common:
+            got = sum(same(runs[a][k]["ids"], runs[b][k]["ids"]) for k in common)
+            total = sum(len(runs[a][k]["ids"]) for k in common)
+            print(f"{a} against {b}: {got} of {total} replies the same, mode by mode")
+    return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

@@ -116,41 +116,41 @@ def test_shape_cost_times_every_variant_over_the_same_rows(tmp_path):
 def _saved(path, cells):
     import json
 
-    path.write_text(json.dumps([{"mode": m, "rtt": r, "tps": t, "ids": ids} for m, r, t, ids in cells]))
+    path.write_text(json.dumps([{"mode": m, "rtt": r, "tps": t, "round_ms": 10.0, "tokens_per_verdict": 2.0, "ids": ids}
+                                for m, r, t, ids in cells]))
     return str(path)
 
 
-def test_identity_table_counts_each_cells_replies_equal_to_the_reference(tmp_path, capsys):
-    """The identity table is measured in pieces (a GPU call is minutes): each run's files merge,
-    every reply is compared with the first run's no-draft replies at its lowest RTT, and the
-    exit status tells whether all were the same."""
+def test_identity_table_merges_a_run_measured_in_pieces(tmp_path, capsys):
+    """A GPU call lasts minutes, so a run of every mode at several RTTs is several live_bench
+    processes: NAME=FILE,FILE... puts a run's pieces together; each cell's replies are counted
+    against the run's own no-draft replies, and the runs against each other."""
     from identity_table import main
 
     a, b = [[1, 2, 3], [4, 5]], [[1, 2, 3], [4, 6]]
-    run1 = _saved(tmp_path / "r1a.json", [("none", 0, 10.0, a), ("chain", 0, 20.0, a)])
-    run1b = _saved(tmp_path / "r1b.json", [("tree", 86, 30.0, a)])
-    run2 = _saved(tmp_path / "r2.json", [("none", 0, 11.0, a), ("chain", 0, 22.0, a), ("tree", 86, 33.0, b)])
-    before = _saved(tmp_path / "old.json", [("chain", 0, 25.0, b), ("tree", 86, 30.0, b)])
-    assert main([f"one={run1},{run1b}", f"two={run2}", "--before", f"old={before}"]) == 1
+    one_a = _saved(tmp_path / "one_a.json", [("none", 0, 10.0, a), ("chain", 0, 20.0, a)])
+    one_b = _saved(tmp_path / "one_b.json", [("tree", 86, 30.0, a)])
+    two = _saved(tmp_path / "two.json", [("none", 0, 11.0, a), ("chain", 0, 22.0, a), ("tree", 86, 33.0, b)])
+    assert main([f"one={one_a},{one_b}", two]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[2:5] == ["| 0 | none | 2 of 2 | 2 of 2 | 10.0 | 11.0 |  |  |",
-                        "| 0 | chain | 2 of 2 | 2 of 2 | 20.0 | 22.0 | 25.0 | 0.84x |",
-                        "| 86 | tree | 2 of 2 | 1 of 2 | 30.0 | 33.0 | 30.0 | 1.05x |"]
-    assert out[-1] == "reference: run one, none at 0 ms; every reply the same: NO"
-    assert main([f"one={run1}"]) == 0
+    assert out[2:5] == ["| none | 0 | 2/2 / 10.0 / 10.0 / 2.00 | 2/2 / 11.0 / 10.0 / 2.00 |",
+                        "| chain | 0 | 2/2 / 20.0 / 10.0 / 2.00 | 2/2 / 22.0 / 10.0 / 2.00 |",
+                        "| tree | 86 | 2/2 / 30.0 / 10.0 / 2.00 | 1/2 / 33.0 / 10.0 / 2.00 |"]
+    assert out[5:] == ["one: replies identical across every mode and RTT: 2 of 2",
+                       "two: replies identical across every mode and RTT: 1 of 2",
+                       "one against two: 5 of 6 replies the same, mode by mode"]
 
 
-def test_identity_table_refuses_what_it_cannot_compare(tmp_path, capsys):
+def test_identity_table_refuses_what_is_not_a_saved_run(tmp_path, capsys):
     from identity_table import main
 
-    short = _saved(tmp_path / "short.json", [("none", 0, 1.0, [[1]]), ("chain", 0, 1.0, [[1], [2]])])
-    assert main([f"x={short}"]) == 2
-    assert "chain at 0 ms: 2 replies, the reference 1" in capsys.readouterr().err
-    assert main([f"x={short}", "--reference", "tree"]) == 2
-    assert "no 'tree' replies" in capsys.readouterr().err
-    assert main(["x"]) == 2 and "expected RUN=FILE" in capsys.readouterr().err
-    (tmp_path / "bad.json").write_text('{"mode": 1}')
-    assert main([f"x={tmp_path / 'bad.json'}"]) == 2 and "not a live_bench --save file" in capsys.readouterr().err
+    good = _saved(tmp_path / "good.json", [("none", 0, 1.0, [[1]])])
+    assert main([f"x={tmp_path / 'nope.json'}"]) == 2 and "No such file" in capsys.readouterr().err
+    (tmp_path / "bad.json").write_text('[{"mode": "none"}]')
+    assert main([str(tmp_path / "bad.json")]) == 2 and "not a live_bench --save file" in capsys.readouterr().err
+    assert main([f"x={good}", f"x={good}"]) == 2 and "each name once" in capsys.readouterr().err
+    assert main(["=" + good]) == 2 and "NAME=FILE" in capsys.readouterr().err
+    assert main([]) == 2 and "at least one" in capsys.readouterr().err
 
 
 def test_a_shared_gpu_stretches_head_work_by_the_verifies_it_meets():
