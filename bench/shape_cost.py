@@ -8,8 +8,12 @@ Variants, each at the context length ``--context`` (the committed positions the 
 * ``one shape, compiled``: the same with ``--compile-attention``.
 
 A frame of ``nodes`` nodes is a chain (each node the child of the one before); ``--profile`` adds the
-kernel count per forward and the kernels that take the most time (torch.profiler). Prints a table;
-``--save`` writes it as JSON. Needs a GPU (a CPU run is a smoke test of the script only).
+kernel count per forward and the kernels that take the most time (torch.profiler), ``--prompt N`` a
+prefill of N positions in the slice's pieces. Prints a table; ``--save`` writes it as JSON. Needs a
+GPU (a CPU run is a smoke test of the script only). Beside `bench/frame_cost.py` (the head's half:
+the draft step, tree frames at their own sizes and the 64-row frame over growing contexts), this
+one puts the head's and the tail's half (its lm_head included) side by side at one chain, padded
+or not, and times the prefill, the forward no graph used to replay.
 
     python3 bench/shape_cost.py --self 1.5b --dtype bfloat16 --context 1024
 """
