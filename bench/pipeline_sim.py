@@ -9,6 +9,9 @@ tail verify is charged what it costs on the GPU (``--costs``: H200 figures of be
 for Qwen2.5-7B/0.5B shapes), the network adds an RTT and a bandwidth, and the host's own Python
 time (tree bookkeeping, choosing, encoding) counts as measured on this machine. The figures are
 therefore SIMULATED: what the schedule would do at those costs, never a measurement of a GPU.
+By default head and tail are two machines, as the product runs them; ``--shared-gpu`` puts them on
+one modelled GPU, as `bench/live_bench.py` runs them on one card, to compare with its figures
+(RESULTS.md, "the simulator with the bench's one shared GPU").
 
 The draft is ``live_bench.SyntheticDrafter``: after each token it proposes the target's next token
 (a fixed permutation) at a rank drawn from a real pair's histogram, the same for every mode.
