@@ -61,6 +61,11 @@ class TailNotebook:
     def said(self) -> str:
         return printed(self.nb)
 
+    def said_before(self, line: str) -> str:
+        """What the notebook printed once ``line`` is among it (the tail prints in order)."""
+        return until(lambda: line in self.said() and self.said() or
+                     (self.failure and pytest.fail(f"the tail notebook failed: {self.failure}")), repr(line))
+
     def code(self) -> str:
         return until(lambda: re.search(r"PAIRING_CODE = \"(\d+-[a-z]+-[a-z]+)\"", self.said()) or
                      (self.failure and pytest.fail(f"the tail notebook failed: {self.failure}")),
@@ -138,7 +143,8 @@ def test_a_tail_restarted_in_the_same_session_and_in_a_new_one_as_the_notebooks_
         tail.stop()
         tail = TailNotebook(tmp_path / "tail-2", relay_url, zoo)
         tail.code()
-        assert "resumes without a code" in tail.said()
+        # the lines after the code arrive a moment later: wait for the greeting, which the tail prints after them
+        assert "resumes without a code" in tail.said_before("waiting for a head")
         said = head.run(f"chat({AGAIN!r})")  # the notebooks: change nothing on the head, go on chatting
         assert shown(second) in said, said
         assert until(lambda: "resumed its pairing" in tail.said(), "resumption in the tail's log")
@@ -148,7 +154,8 @@ def test_a_tail_restarted_in_the_same_session_and_in_a_new_one_as_the_notebooks_
         tail = TailNotebook(tmp_path / "tail-3", relay_url, zoo)
         try:
             new_code = tail.code()
-            assert new_code != parameters["PAIRING_CODE"] and "resumes without a code" not in tail.said()
+            assert new_code != parameters["PAIRING_CODE"]
+            assert "resumes without a code" not in tail.said_before("waiting for a head")
             # the notebooks: give the running server the new code, then go on chatting (no restart)
             head.run(f"server.set_code({new_code!r})\nhistory.clear()")
             said = head.run(f"chat({THIRD!r})")
