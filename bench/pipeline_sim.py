@@ -120,8 +120,9 @@ class SharedGpu:
 class SimLink:
     """A relay link on the virtual clock: a frame reaches the tail RTT/2 (plus its bytes at the
     link's bandwidth) after it was sent, the tail verifies frames one at a time at the modelled
-    cost, and each verdict comes back RTT/2 later. The verifier runs at once (its answer does not
-    depend on time); only its reply's delivery waits."""
+    cost (none for a frame whose nodes are all dead: the ``Verifier`` answers it without a
+    forward), and each verdict comes back RTT/2 later. The verifier runs at once (its answer does
+    not depend on time); only its reply's delivery waits."""
 
     overlaps = True
 
@@ -145,13 +146,14 @@ class SimLink:
         msg = wire.decode(frame)
         rows = len(msg.tokens) if isinstance(msg, wire.Forward) else 0
         replies = []
-        t = time.perf_counter()
+        t, computed = time.perf_counter(), self.verifier.computed
         self.verifier.handle(frame, replies.append)
         self.clock.offset -= time.perf_counter() - t  # the tail is another machine
+        ran = self.verifier.computed > computed  # a frame all of whose nodes are dead runs no forward
         for raw in replies:
             reply = wire.decode(raw)
             if isinstance(reply, wire.Verdict):
-                tail_ms = c["tail_ms"] + c["tail_row_ms"] * rows
+                tail_ms = c["tail_ms"] + c["tail_row_ms"] * rows if ran else 0.0
                 start = max(at_tail, self.tail_free)
                 self.tail_free = start + tail_ms / 1e3
                 if self.clock.gpu is not None:
@@ -219,8 +221,8 @@ def charge_models(clock: Clock, specs: dict, costs: dict) -> None:
     head.run = head_run
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def parser(description: str = __doc__.split("\n")[0]) -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--rtts", default="30,86,175")
     ap.add_argument("--mbps", type=float, default=0.0, help="the link's bandwidth (0: unlimited)")
     ap.add_argument("--modes", default="chain,tree,tree-ahead,stream,auto")
@@ -234,7 +236,15 @@ def main() -> None:
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=SIZE,WIDTH,CHILDREN,INFLIGHT,AHEAD,PLAN",
                     help="a mode of your own: nodes per frame, per draft step, kept per node, frames in flight at "
                          "most, draft steps while a verdict travels, schedules (round, stream, streamN, auto)")
-    args = ap.parse_args()
+    return ap
+
+
+def simulate(args, prepare=lambda mode, spec: contextlib.nullcontext()) -> tuple[dict, dict]:
+    """Every mode of ``args.modes`` at every RTT of ``args.rtts`` on the virtual clock: (live_bench's
+    result per (mode, rtt), the speculator of each mode). ``prepare(mode, spec)``: a context the
+    mode's run goes through (a variant's changes to the product, undone after it)."""
+    if not 0.0 <= args.shared_gpu <= 1.0:
+        raise SystemExit("--shared-gpu takes a share in 0..1")
     for v in args.variant:
         name, _, spec = v.partition("=")
         *mode, plan = spec.split(",")
@@ -250,8 +260,6 @@ def main() -> None:
     specs, hello = live_bench.build(root / "target", root / "draft", "cpu", "float32", synthetic)
     prompts = live_bench.prompts_for(root / "target", True, args.prompts)
     prompts = [[t % vocab for t in p] for p in prompts]
-    if not 0.0 <= args.shared_gpu <= 1.0:
-        ap.error("--shared-gpu takes a share in 0..1")
     clock = Clock(SharedGpu(args.shared_gpu) if args.shared_gpu else None)
     charge_models(clock, specs, costs)
     import sfchat.engine.speculator as speculator_mod
@@ -265,10 +273,18 @@ def main() -> None:
         for mode in modes:
             verifier = Verifier(TailLoader(torch.device("cpu")))
             link = SimLink(clock, verifier, rtt, args.mbps, costs)
-            res[(mode, rtt)] = r = live_bench.run_mode(specs[mode], *live_bench.MODES[mode][3:], link, hello, prompts,
-                                                       args.new)
+            with prepare(mode, specs[mode]):
+                res[(mode, rtt)] = r = live_bench.run_mode(specs[mode], *live_bench.MODES[mode][3:], link, hello,
+                                                           prompts, args.new)
             print(f"rtt {rtt:g} {mode}: " + live_bench.row(r, None, rtt) + f" verdicts that committed nothing: "
                   f"{r['empty']:.1%}", file=sys.stderr, flush=True)
+    return res, specs
+
+
+def main() -> None:
+    args = parser().parse_args()
+    res, specs = simulate(args)
+    rtts, modes, costs = [float(x) for x in args.rtts.split(",")], args.modes.split(","), H200 | args.costs
     print(f"SIMULATED on a virtual clock (bench/pipeline_sim.py), costs {costs}, {args.mbps or 'unlimited'} Mbit/s"
           + (f", head and tail on one GPU (share {args.shared_gpu:g})" if args.shared_gpu else ", two machines"))
     live_bench.print_table(res, rtts, modes, specs[modes[-1]].calibration.ranks)

@@ -169,3 +169,62 @@ def test_a_shared_gpu_stretches_head_work_by_the_verifies_it_meets():
     assert waits.stretch(0.008, 5.0) == pytest.approx(2 + 6 + 3)  # waits the verify out
     assert waits.stretch(0.020, 5.0) == pytest.approx(5.0)  # past it: as alone
     assert waits.busy == []  # verifies already over are forgotten
+
+
+def test_the_simulated_tail_charges_no_verify_for_a_frame_whose_nodes_are_all_dead():
+    """pipeline_sim's tail, like the Verifier, runs no forward for a frame a verdict voided (half
+    of a stream's frames): its verdict comes back after the round trip alone, and the next frame's
+    verify does not queue behind it."""
+    from pipeline_sim import H200, Clock, SimLink
+    from sfchat.protocol import wire
+
+    class Tail:  # the Verifier's side of it: computes the frames flagged live, answers every frame
+        computed = 0
+
+        def handle(self, frame, emit):
+            msg = wire.decode(frame)
+            self.computed += msg.tokens[0] == 1
+            emit(wire.encode(wire.Verdict(msg.round, msg.tree, (), ())))
+
+    def forward(round_, live):
+        return wire.encode(wire.Forward(round=round_, tree=1, start_pos=9, tokens=(1 if live else 2,), hidden=bytes(8),
+                                        dtype=wire.DType.FLOAT32, hidden_size=2, parents=(0,), first_id=round_))
+
+    clock = Clock()
+    link = SimLink(clock, Tail(), 100.0, 0.0, H200 | {"seal_gbps": 1e9})
+    sent = clock.now()
+    link.send(forward(1, live=False))
+    link.send(forward(2, live=True))
+    link.send(forward(3, live=True))
+    arrivals = [(wire.decode(link.recv()).round, (clock.now() - sent) * 1e3) for _ in range(3)]
+    verify = H200["tail_ms"] + H200["tail_row_ms"]
+    assert [r for r, _ in arrivals] == [1, 2, 3]
+    assert [ms for _, ms in arrivals] == pytest.approx([100.0, 100.0 + verify, 100.0 + 2 * verify], abs=0.5)
+
+
+def test_the_hedged_choice_is_the_trees_own_without_a_boost_and_sends_the_alternatives_first_with_one():
+    """bench/hedge_sim.py's variants differ from the product only by the boost: at 1 its choice is
+    ``LiveTree.choose``'s, node for node, on a tree grown under frames in flight."""
+    import random
+
+    from hedge_sim import hedged_choose
+    from sfchat.engine.live import Calibration, LiveTree
+
+    class Exact(Calibration):  # the draft's own probabilities: no two nodes tie (ties may go either way)
+        def step(self, q, rank=0):
+            return q
+
+    rng = random.Random(3)
+    tree = LiveTree([1, 2, 3], Exact())
+    for _ in range(6):  # grow, send a frame, grow below it: candidates under nodes in flight and chosen ones
+        for _ in range(2):
+            for node in tree.expandable(4):
+                probs = sorted((rng.random() for _ in range(3)), reverse=True)
+                tree.expanded(node, [(rng.randrange(1000), p / sum(probs)) for p in probs])
+        ours = hedged_choose(tree, 5, 10_000, 1.0)
+        assert ours == tree.choose(5, 10_000) and len(ours) == 5
+        tree.send(ours)
+    pending = [n for n in tree.nodes() if not n.sent and n.parent.sent]
+    alternative = max((n for n in pending if n.rank > 0), key=lambda n: n.logv)
+    assert tree.choose(1, 10_000)[0] is not alternative  # the tree's first pick is a draft's first choice
+    assert hedged_choose(tree, 1, 10_000, 1e6, alternatives=True) == [alternative]
