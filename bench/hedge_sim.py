@@ -13,6 +13,9 @@ rank histogram):
   outcomes of the verdicts in flight have their continuation sent before the verdict is known;
 * ``stream-altB``: the same for the draft's alternatives alone (not its first choice): the bonus
   tokens of a rejection, whose continuations are what a rejection would otherwise void;
+* ``stream-wideB``: the draft's alternatives valued B times likelier everywhere (at most 1 a
+  step): expanded, sent and weighed against a frame's cut alike, so the draft's steps too go to
+  the outcomes of rejections;
 * ``stream-free``: a frame every node of which a verdict killed leaves the count of frames in
   flight at once (the tail answers it without a forward; its verdict is ignored as stale), so
   the head sends a live frame in its place instead of waiting for that verdict.
@@ -21,7 +24,7 @@ Figures are SIMULATED (modelled GPU costs, this machine's Python time); read the
 verdict beside the tok/s: a hedge that pays commits more per frame.
 
 Run from the repository root:
-    python3 bench/hedge_sim.py [--rtts 86,175] [--boosts 3,10] [--prompts 4]
+    python3 bench/hedge_sim.py [--rtts 86,175] [--boosts 3,10] [--kinds hedge,alt,wide,free] [--prompts 4]
 """
 
 from __future__ import annotations
@@ -87,6 +90,18 @@ def hedged(spec, boost: float, alternatives: bool):
 
 
 @contextlib.contextmanager
+def widened(spec, boost: float):
+    """``spec``'s calibration values the draft's alternatives ``boost`` times higher (its
+    measurements stay as they are)."""
+    step = spec.calibration.step
+    spec.calibration.step = lambda q, rank=0: min(1.0, step(q, rank) * (boost if rank > 0 else 1.0))
+    try:
+        yield
+    finally:
+        del spec.calibration.step
+
+
+@contextlib.contextmanager
 def voids_freed():
     """After each verdict, frames whose nodes are all dead leave the driver's frames in flight."""
     original = RoundDriver._round
@@ -106,19 +121,28 @@ def voids_freed():
 def main(argv: list[str] | None = None) -> None:
     ap = pipeline_sim.parser(__doc__.split("\n")[0])
     ap.add_argument("--boosts", default="3,10", help="the hedged variants' factors")
+    ap.add_argument("--kinds", default="hedge,alt,wide,free", help="the variants to run beside the product's stream")
     ap.set_defaults(rtts="86,175", prompts=4)
     args = ap.parse_args(argv)
-    boosts = {f"stream-{kind}{b}": float(b) for b in args.boosts.split(",") if b for kind in ("hedge", "alt")}
-    if any(b < 1 for b in boosts.values()):
+    kinds = [k for k in args.kinds.split(",") if k]
+    if set(kinds) - {"hedge", "alt", "wide", "free"}:
+        ap.error("--kinds takes hedge, alt, wide and free")
+    boosts = {f"stream-{kind}{b}": (kind, float(b)) for kind in kinds if kind != "free"
+              for b in args.boosts.split(",") if b}
+    if any(b < 1 for _, b in boosts.values()):
         ap.error("--boosts are factors of at least 1")
-    for name in (*boosts, "stream-free"):
+    variants = [*boosts] + (["stream-free"] if "free" in kinds else [])
+    for name in variants:
         live_bench.MODES[name] = live_bench.MODES["stream"]
-    args.modes = ",".join(("stream", *boosts, "stream-free"))
+    args.modes = ",".join(("stream", *variants))
 
     def prepare(mode, spec):
-        if mode in boosts:
-            return hedged(spec, boosts[mode], mode.startswith("stream-alt"))
-        return voids_freed() if mode == "stream-free" else contextlib.nullcontext()
+        if mode == "stream-free":
+            return voids_freed()
+        if mode not in boosts:
+            return contextlib.nullcontext()
+        kind, boost = boosts[mode]
+        return widened(spec, boost) if kind == "wide" else hedged(spec, boost, kind == "alt")
 
     res, _ = pipeline_sim.simulate(args, prepare)
     print(f"SIMULATED (bench/hedge_sim.py), costs {pipeline_sim.H200 | args.costs}, "
