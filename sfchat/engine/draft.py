@@ -47,7 +47,7 @@ class Drafter:
         self.children = min(children, self.vocab)
         self.device = model.device
         self.scratch = Scratch(model, pool)
-        self.forward = model.forward  # compiled by ``capture(compile=True)``
+        self.forward = model.forward  # the expansion step's: compiled by ``capture(compile=True)``
         self.graphs = GraphTable()  # keys: ("expand", sampled)
 
     # -- graphs --------------------------------------------------------------------------------
@@ -82,14 +82,16 @@ class Drafter:
     # -- the context ---------------------------------------------------------------------------
     def sync(self, tokens: list[int]) -> int:
         """Make ``tokens`` the draft's context (the pool starts after it, empty); returns how many
-        positions were fed (the rest was cached)."""
+        positions were fed (the rest was cached). The feeding runs the plain forward, never the
+        step's compiled one: its pieces differ in length from reply to reply, and a compiled
+        forward of fixed shapes would compile anew for each (seconds each, then dynamo's limit)."""
         m = self.model
         start = m.reusable(tokens)
         window = m.window_for(len(tokens) + self.scratch.size)
         for i in range(start, len(tokens), PREFILL_CHUNK):
             piece = tokens[i:i + PREFILL_CHUNK]
             ids = self._ids(piece)
-            self.forward(ids, torch.arange(i, i + len(piece), device=self.device), 1, window)
+            m.forward(ids, torch.arange(i, i + len(piece), device=self.device), 1, window)  # plain: see sync
         m.note(start, tokens[start:])
         self.scratch.reset(len(tokens))
         return len(tokens) - start
