@@ -147,6 +147,27 @@ def test_graphed_tree_engine_keeps_greedy_parity(zoo, monkeypatch, budget, compi
         assert attention._proven and attention._compiled is not attention.canonical
 
 
+def test_the_compiled_draft_compiles_once_whatever_the_prompts(zoo):
+    """A GPU compiles the draft for its expansion step by default: replies to prompts of three
+    lengths compile nothing more (the draft's prefill runs the plain forward: it used to compile
+    anew for each new length) and stay generate()'s."""
+    from torch._dynamo.utils import counters
+    from transformers import AutoModelForCausalLM
+
+    path = zoo["qwen2-tied"]
+    session = Head.open(Settings(model=str(path), draft=str(zoo["draft"]), k=5, device="cuda", dtype="float32"))
+    drafter = session.engine.drafter
+    assert drafter.forward is not drafter.model.forward  # compiled (the default)
+    before = counters["stats"]["unique_graphs"]
+    model = AutoModelForCausalLM.from_pretrained(path).cuda().eval()
+    for text in ("hi", "hello world, how are you today?", "one two three " * 12):
+        ids = session.encode([{"role": "user", "content": text}])
+        fin = [e for e in session.reply(ids, 16, Sampling()) if isinstance(e, ReplyFinished)][0]
+        ref = model.generate(torch.tensor([ids], device="cuda"), max_new_tokens=16, do_sample=False, pad_token_id=0)
+        assert list(fin.token_ids) == ref[0, len(ids):].tolist()
+    assert counters["stats"]["unique_graphs"] == before
+
+
 def test_graphed_tree_forward_is_bit_identical_to_eager(zoo):
     from tree_masks import tree_mask
 
