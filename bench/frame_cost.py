@@ -6,7 +6,9 @@ prefilled, and every figure is the mean of many calls (CUDA-synchronised wall ti
 
   * the draft's expansion step (``Drafter.expand``: one forward of ``width + 1`` rows over its
     scratch, the top-8 continuations of each row, one host sync), replayed from its CUDA graph, at
-    widths 8, 16 and 32, and with the forward compiled by torch.compile under the graph;
+    widths 8, 16 and 32, and with the forward compiled by torch.compile under the graph, over all
+    the cache's slots (``--max-context`` + its pool: the product's way) or over each window;
+    ``--profile-draft`` adds each step's top kernels;
   * the head slice's tree forward over its scratch at 9, 33 and 65 rows, replayed from its graph;
     the same rows as a plain causal forward (no tree mask, no scratch: the attention over the
     context alone); the 65-row forward's matrix multiplications alone; the host's parts of a frame
@@ -22,6 +24,7 @@ prefilled, and every figure is the mean of many calls (CUDA-synchronised wall ti
     the kernels of one eager canonical forward (compiled on a GPU).
 
 Run from the repository root:  python3 bench/frame_cost.py [--tiny] [--context 500] [--no-compile] [--rows-only]
+    [--max-context 2048] [--profile-draft]
 (--tiny: CPU, tiny shapes: checks the script, measures nothing)
 """
 
@@ -72,6 +75,8 @@ def main() -> None:
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--calls", type=int, default=50)
     ap.add_argument("--rows-only", action="store_true", help="only the one-row-count comparison")
+    ap.add_argument("--max-context", type=int, default=2048, help="the draft's cache (the product's default: 4096)")
+    ap.add_argument("--profile-draft", action="store_true", help="the top kernels of each expansion step (profiler)")
     args = ap.parse_args()
     cuda = not args.tiny and torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
@@ -94,20 +99,24 @@ def main() -> None:
         return
 
     # -- the draft's expansion step ------------------------------------------------------------
-    draft = random_slice(draft_shape, dtype, device, max_len=2048 + DRAFT_POOL)
+    draft = random_slice(draft_shape, dtype, device, max_len=args.max_context + DRAFT_POOL)
     tokens = [int(t) for t in torch.randint(0, 300, (ctx,))]
-    for compiled in ([False] if args.no_compile or not cuda else [False, True]):
+    variants = {"": {}} if args.no_compile or not cuda else \
+        {"": {}, " (compiled, over all slots)": dict(compile=True), " (compiled, each window)": dict(compile=True, every_window=True)}
+    for label, how in variants.items():
         for width in (8, 16, 32):
             d = Drafter(draft, width=width, children=8, pool=DRAFT_POOL)
             t0 = time.perf_counter()
             if cuda:
-                d.capture(compile=compiled)
+                d.capture(**how)
             setup = time.perf_counter() - t0
             d.sync(tokens)
             rows = draft_rows(width, ctx)
             ms = timed(lambda: d.expand(rows, Sampling()), n, cuda)
-            rows_out.append((f"{draft_name} expansion step, {width + 1} rows{' (compiled)' if compiled else ''}",
-                             ms, f"{ms / width:.2f} ms per node expanded; capture {setup:.1f} s"))
+            top = profiled(lambda: d.expand(rows, Sampling()), cuda) if args.profile_draft else []
+            rows_out.append((f"{draft_name} expansion step, {width + 1} rows{label}", ms,
+                             f"{ms / width:.2f} ms per node expanded; capture {setup:.1f} s" +
+                             "".join(f"; {k} {us / 1e3:.2f} ms x{c}" for k, us, c in top[:6])))
             d.scratch.reset(ctx)
             draft.reset()
     del draft

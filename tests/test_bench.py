@@ -228,3 +228,17 @@ def test_the_hedged_choice_is_the_trees_own_without_a_boost_and_sends_the_altern
     alternative = max((n for n in pending if n.rank > 0), key=lambda n: n.logv)
     assert tree.choose(1, 10_000)[0] is not alternative  # the tree's first pick is a draft's first choice
     assert hedged_choose(tree, 1, 10_000, 1e6, alternatives=True) == [alternative]
+
+
+def test_frame_cost_prints_each_draft_step_with_its_top_kernels_on_the_cpu():
+    """bench/frame_cost.py --tiny runs the script's code on the CPU (nothing measured there): each
+    expansion step a row, with --profile-draft its busiest ops, at the cache size asked for."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, str(root / "bench" / "frame_cost.py"), "--tiny", "--profile-draft",
+                          "--max-context", "1024"], capture_output=True, text=True, check=True, timeout=600,
+                         cwd=root).stdout
+    steps = [line for line in out.splitlines() if "draft expansion step" in line]
+    assert [s.split(" | ")[0] for s in steps] == [f"| tiny draft expansion step, {r} rows" for r in (9, 17, 33)]
+    assert all("aten::linear" in s for s in steps)

@@ -27,6 +27,7 @@ import torch
 
 from sfchat.engine import sampling
 from sfchat.engine.scratch import Scratch
+from sfchat.model.attention import allow_recompiles
 from sfchat.model.graphs import GraphTable
 from sfchat.model.kv import PREFILL_CHUNK, TreeMask
 from sfchat.model.slices import ModelSlice
@@ -51,19 +52,25 @@ class Drafter:
         self.graphs = GraphTable()  # keys: ("expand", sampled)
 
     # -- graphs --------------------------------------------------------------------------------
-    def capture(self, log=None, compile: bool = False) -> bool:
+    def capture(self, log=None, compile: bool = False, every_window: bool = False) -> bool:
         """Capture the expansion forward, greedy and sampled, as one CUDA graph per attention window
-        that holds the pool (one graph over all slots when compiled: each window would be compiled
-        anew, and a compiled forward over all slots still beats an uncompiled one over few).
+        that holds the pool; compiled, one graph over all slots unless ``every_window`` (each window
+        is then compiled anew: one more compile each at the start).
 
         With ``compile``, the draft's forward is first compiled by torch.compile (Inductor fuses
         the many small elementwise kernels of a small model's step); the compiled code then runs
         inside the hand-captured graph. Compiled numerics differ slightly from eager, which is
-        harmless here: a draft token is only a proposal, the target decides."""
+        harmless here: a draft token is only a proposal, the target decides. Whether compiling
+        pays is measured by bench/frame_cost.py (on an H200, 2026-12-02: not at 9-33 rows over
+        all slots)."""
+        m = self.model
+        windows = [w for w in m.windows if w >= self.scratch.size + 1]
         if compile:
             self.forward = torch.compile(self.model.forward, dynamic=False)
-        m = self.model
-        windows = [m.max_len] if compile else [w for w in m.windows if w >= self.scratch.size + 1]
+            if every_window:
+                allow_recompiles(len(windows))
+            else:
+                windows = [m.max_len]
         inputs = self._inputs([])
         knobs = sampling.Knobs.of(Sampling(temperature=1.0), self.device).tensors()
         for sampled in (False, True):

@@ -140,6 +140,17 @@ _proven = False  # the compiled function has run once: a later failure is an err
 LIMITS = (("recompile_limit", "cache_size_limit"), ("accumulated_recompile_limit", "accumulated_cache_size_limit"))
 
 
+def allow_recompiles(n: int) -> None:
+    """Let dynamo keep ``n`` compiled programs of one function (one per shape) and ``n`` in all,
+    whatever its defaults: the limits are only raised."""
+    import torch._dynamo as dynamo
+
+    for names in LIMITS:
+        name = next((x for x in names if hasattr(dynamo.config, x)), None)
+        if name is not None:
+            setattr(dynamo.config, name, max(getattr(dynamo.config, name), n))
+
+
 def compile_on_gpu(on: bool) -> None:
     """Whether a GPU runs ``canonical`` compiled (the head's ``--compile-attention``; off by default).
     The head sets it once, before its first forward; a tail as each hello says, before it loads and
@@ -162,10 +173,7 @@ def on_gpu():
     if _compiled is None:
         import torch._dynamo as dynamo
         from torch._inductor import config as inductor
-        for names in LIMITS:
-            name = next((n for n in names if hasattr(dynamo.config, n)), None)
-            if name is not None:
-                setattr(dynamo.config, name, max(getattr(dynamo.config, name), RECOMPILES))
+        allow_recompiles(RECOMPILES)
         for name in ("fail_on_recompile_limit_hit", "fail_on_cache_limit_hit"):
             if hasattr(dynamo.config, name):
                 setattr(dynamo.config, name, True)
