@@ -25,7 +25,7 @@ prefilled, and every figure is the mean of many calls (CUDA-synchronised wall ti
     the kernels of one eager canonical forward (compiled on a GPU).
 
 Run from the repository root:  python3 bench/frame_cost.py [--tiny] [--context 500] [--no-compile] [--rows-only]
-    [--max-context 2048] [--profile-draft]
+    [--max-context 2048] [--profile-draft] [--draft-only]
 (--tiny: CPU, tiny shapes: checks the script, measures nothing)
 """
 
@@ -78,6 +78,7 @@ def main() -> None:
     ap.add_argument("--rows-only", action="store_true", help="only the one-row-count comparison")
     ap.add_argument("--max-context", type=int, default=2048, help="the draft's cache (the product's default: 4096)")
     ap.add_argument("--profile-draft", action="store_true", help="the top kernels of each expansion step (profiler)")
+    ap.add_argument("--draft-only", action="store_true", help="only the draft's expansion steps")
     args = ap.parse_args()
     cuda = not args.tiny and torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
@@ -123,6 +124,8 @@ def main() -> None:
     del draft
     if cuda:
         torch.cuda.empty_cache()
+    if args.draft_only:
+        return
 
     # -- the head slice's tree forward -----------------------------------------------------------
     head = random_slice(head_shape, dtype, device, max_len=2048 + HEAD_POOL)

@@ -237,8 +237,9 @@ def test_frame_cost_prints_each_draft_step_with_its_top_kernels_on_the_cpu():
 
     root = Path(__file__).resolve().parents[1]
     out = subprocess.run([sys.executable, str(root / "bench" / "frame_cost.py"), "--tiny", "--profile-draft",
-                          "--max-context", "1024"], capture_output=True, text=True, check=True, timeout=600,
+                          "--max-context", "1024", "--draft-only"], capture_output=True, text=True, check=True, timeout=600,
                          cwd=root).stdout
     steps = [line for line in out.splitlines() if "draft expansion step" in line]
     assert [s.split(" | ")[0] for s in steps] == [f"| tiny draft expansion step, {r} rows" for r in (9, 17, 33)]
     assert all("aten::linear" in s for s in steps)
+    assert "head half" not in out  # --draft-only
