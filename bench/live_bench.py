@@ -320,6 +320,9 @@ def main() -> None:
                          "taking of a verdict, each synchronized: the median ms per call (slows every frame a little)")
     ap.add_argument("--temperature", type=float, default=0.0, help="sample at T (0: greedy)")
     ap.add_argument("--seed", type=int, default=1, help="the sampled replies' seed")
+    ap.add_argument("--reference-once", action="store_true",
+                    help="run mode none at the first RTT only: the identity reference (a token a round trip "
+                         "is slow at a long one)")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--save", type=Path)
     ap.add_argument("--ranks-out", type=Path)
@@ -360,7 +363,7 @@ def main() -> None:
         with relay_and_tail(rtt, target.parent, session=f"live-{rtt}", mbps=args.mbps,
                             tail_log=log) as url:
             link = head_link(url, f"live-{rtt}")
-            for mode in args.modes.split(","):
+            for mode in modes_at(args.modes.split(","), rtt, rtts, args.reference_once):
                 res[(mode, rtt)] = r = run_mode(specs[mode], *MODES[mode][3:], link, hello, prompts, args.new,
                                                 Sampling(temperature=args.temperature, seed=args.seed),
                                                 parts=args.frame_parts)
@@ -376,9 +379,14 @@ def main() -> None:
     modes = args.modes.split(",")
     trees = [m for m in ("auto", "stream", "tree", "tree-ahead") if m in modes]
     ranks = specs[(trees or modes)[0]].calibration.ranks  # a tree's: the draft's proposals ranked
-    print_table(res, rtts, modes, ranks)
+    print_table(res, rtts, modes, ranks, args.reference_once)
     if args.ranks_out:
         args.ranks_out.write_text(json.dumps(ranks))
+
+
+def modes_at(modes: list[str], rtt: int, rtts: list[int], reference_once: bool) -> list[str]:
+    """The modes run at ``rtt``: all of them, or with ``reference_once`` no ``none`` after the first RTT."""
+    return [m for m in modes if not (reference_once and m == "none" and rtt != rtts[0])]
 
 
 def save(path: Path, res: dict) -> None:
@@ -403,7 +411,7 @@ def row(r: dict, base: float | None, rtt: int) -> str:
             + ", ".join(f"{k} {v:.0%}" for k, v in r.get("schedules", {}).items()) + " |")
 
 
-def print_table(res, rtts, modes, ranks) -> None:
+def print_table(res, rtts, modes, ranks, reference_once=False) -> None:
     print("\n| RTT ms | mode | tok/s | vs chain | tokens a round trip | tokens/verdict (predicted) | in flight | draft | "
           "head | tail | net | "
           "wait | overlap | rest (ms per verdict) | draft steps: frames, ahead | a steady frame's build ms (draft + "
@@ -411,7 +419,7 @@ def print_table(res, rtts, modes, ranks) -> None:
     print("|" + " --- |" * 17)
     for rtt in rtts:
         base = res[("chain", rtt)]["tps"] if ("chain", rtt) in res else None
-        for mode in modes:
+        for mode in modes_at(modes, rtt, rtts, reference_once):
             print(f"| {rtt} | {mode} | " + row(res[(mode, rtt)], base, rtt))
     replies = [r["ids"] for r in res.values()]
     same = sum(all(rep[i] == replies[0][i] for rep in replies) for i in range(len(replies[0])))

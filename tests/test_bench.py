@@ -243,3 +243,13 @@ def test_frame_cost_prints_each_draft_step_with_its_top_kernels_on_the_cpu():
     assert [s.split(" | ")[0] for s in steps] == [f"| tiny draft expansion step, {r} rows" for r in (9, 17, 33)]
     assert all("aten::linear" in s for s in steps)
     assert "head half" not in out  # --draft-only
+
+
+def test_live_bench_runs_the_reference_at_the_first_rtt_only_when_asked():
+    from live_bench import modes_at
+
+    modes = ["none", "chain", "auto"]
+    assert modes_at(modes, 0, [0, 86], True) == modes
+    assert modes_at(modes, 86, [0, 86], True) == ["chain", "auto"]
+    assert modes_at(modes, 86, [0, 86], False) == modes
+    assert modes_at(["chain"], 0, [0], True) == ["chain"]
