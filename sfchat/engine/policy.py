@@ -20,8 +20,9 @@ has the one shape of the frame layout):
   its verdicts come often and it is the likelier winner, where it is short its trial is over soon),
   with the rate's standard error from the verdicts' spread. It follows the best once its lead is
   ``CONFIDENCE`` standard errors of the difference (sure); short of that it follows the better
-  mean for ``UNSURE_MS`` and then tries the other again, each schedule's verdicts adding up over
-  the comparison, until one leads so or ``MAX_TRIALS`` trials were run (then the better mean:
+  mean for ``unsure_ms()`` (``UNSURE_MS``, or long enough that trying the other again takes at
+  most ``RETRIAL_SHARE`` of the time) and then tries the other again, each schedule's verdicts
+  adding up over the comparison, until one leads so or ``MAX_TRIALS`` trials were run (then the better mean:
   schedules that close cost little either way). After ``REVISIT_MS`` under a sure choice it
   compares anew (the link may change): the best's rate over the time it was followed against
   fresh trials of the others. Only verdicts of steady frames (no prefill) built under the schedule
@@ -64,7 +65,8 @@ TRIAL_TRIPS, TRIAL_MIN_MS = 10, 300.0  # ...and at least this many of a frame's 
 EARLY_VERDICTS, EARLY_CONFIDENCE = 5, 3.0  # a trial over TRIAL_MS may end at this many verdicts: a lead of this many SEs
 CONFIDENCE = 2.0  # the best must lead by this many standard errors of the difference to be followed at once
 MAX_TRIALS = 6  # trials in one comparison at most; then the best by its mean, whatever the spread
-UNSURE_MS = 4000.0  # time under the better mean, short of a sure lead, before the other's next trial
+UNSURE_MS = 4000.0  # time under the better mean, short of a sure lead, before the other's next trial, at least:
+RETRIAL_SHARE = 0.1  # ...and long enough that the other's next trial (as long as its last) takes at most this share
 SETTLE = 2  # verdicts after a switch to frames in flight that do not count, beyond them (the pipeline fills)
 REVISIT_MS = 60_000.0  # time under the best schedule before the others are measured again
 DECISIONS = 64  # choices kept for a report
@@ -143,6 +145,7 @@ class PipelinePolicy:
         self._trial = True  # measuring the current schedule (else following the best)
         self._trials = 1  # trials run in the comparison under way
         self._sure = False  # the schedule followed leads by CONFIDENCE (else only by its mean)
+        self._trial_ran: dict[str, float] = {}  # per schedule: the counted ms of its last trial
         self.build: float | None = None  # the current schedule's steady frame build
         self.tail = self.bytes = 0.0
         self.tokens: float | None = None  # committed per verdict
@@ -211,7 +214,7 @@ class PipelinePolicy:
         """Done measuring or following the current schedule. After a trial: the next one not
         measured yet; else the best, followed for ``REVISIT_MS`` when it leads the others by
         ``CONFIDENCE`` standard errors of the difference or ``MAX_TRIALS`` trials were run, else
-        for ``UNSURE_MS``, its verdicts adding to its figures, and then another trial of the
+        for ``unsure_ms()``, its verdicts adding to its figures, and then another trial of the
         one measured least, adding to its. After ``REVISIT_MS`` under the best: a new comparison,
         the others' figures afresh (their trials count from 1, the best's time followed stands
         for its own). With one schedule: that one, throughout."""
@@ -221,6 +224,8 @@ class PipelinePolicy:
         least = min((sc for sc in self.schedules if sc is not self.current),
                     key=lambda sc: self.measured[sc.name].n, default=self.current)
         fresh = False  # the next schedule's figures start anew
+        if self._trial:
+            self._trial_ran[self.current.name] = self._ran_ms
         if len(self.schedules) == 1:  # nothing to compare: follow it
             nxt, self._trial, self._sure = self.current, False, True
         elif not self._trial and self._sure:  # followed for REVISIT_MS: compare anew, the others afresh
@@ -236,7 +241,7 @@ class PipelinePolicy:
             self._sure = not others or self._trials >= MAX_TRIALS or self._leads(best, others)
             nxt, self._trial, fresh = best, False, self._sure  # sure: its rate from here is the time it is followed
         self._ran_ms, self._left_n = 0.0, TRIAL_VERDICTS if self._trial else 0
-        self._follow_ms = REVISIT_MS if self._sure else UNSURE_MS
+        self._follow_ms = REVISIT_MS if self._sure else self.unsure_ms(others)
         self.decisions.append(Decision(self.verdicts, {k: (m.rate(), m.n) for k, m in self.measured.items()},
                                        nxt.name, self._trial, not self._trial and self._sure))
         if fresh:
@@ -248,6 +253,14 @@ class PipelinePolicy:
             # flight by the schedule before are not its own, so never count); frames in flight, their
             # fill and SETTLE more
             self._settle = 1 if nxt.frames == 1 else SETTLE + self.choose()
+
+    def unsure_ms(self, others: list[Schedule]) -> float:
+        """How long the better mean is followed, short of a sure lead, before the others' next
+        trial: ``UNSURE_MS``, or longer where their last trial was long, so that trying them again
+        takes at most ``RETRIAL_SHARE`` of the time (a trial of one frame per round trip spans a
+        dozen round trips: 1.5 s at 86 ms, which a 4 s wait would repeat every 5.5 s)."""
+        last = max((self._trial_ran.get(sc.name, 0.0) for sc in others), default=0.0)
+        return max(UNSURE_MS, last * (1 - RETRIAL_SHARE) / RETRIAL_SHARE)
 
     def _leads(self, best: Schedule, others: list[Schedule], confidence: float = CONFIDENCE) -> bool:
         """Whether ``best``'s rate beats every other's by ``confidence`` standard errors of the difference."""

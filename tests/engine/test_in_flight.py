@@ -201,6 +201,7 @@ def test_the_policys_schedules_switching_mid_reply_change_no_token(zoo, draft, m
     monkeypatch.setattr(pol, "TRIAL_VERDICTS", 2)
     monkeypatch.setattr(pol, "REVISIT_MS", 0.0)
     monkeypatch.setattr(pol, "UNSURE_MS", 0.0)
+    monkeypatch.setattr(pol, "RETRIAL_SHARE", 1.0)  # no wait for a long trial either
     monkeypatch.setattr(pol, "SETTLE", 0)
     s = Settings(model=str(zoo[TARGET]), draft="none" if draft == "none" else str(zoo[draft]), k=K, tree_budget=8, device="cpu", max_in_flight=4)
     policy = pol.PipelinePolicy(4, schedules=(pol.Schedule("stream", pol.STREAM_STEPS, 3), pol.ROUND))
@@ -255,6 +256,7 @@ def test_the_policy_rates_schedules_by_the_tokens_their_frames_committed(zoo, mo
     monkeypatch.setattr(pol, "TRIAL_MS", 0.0)
     monkeypatch.setattr(pol, "TRIAL_VERDICTS", 3)
     monkeypatch.setattr(pol, "UNSURE_MS", 0.0)
+    monkeypatch.setattr(pol, "RETRIAL_SHARE", 1.0)  # no wait for a long trial either
     s = Settings(model=str(zoo[TARGET]), draft=str(zoo[TARGET]), k=K, tree_budget=8, device="cpu", max_in_flight=4)
     policy = pol.PipelinePolicy(4, schedules=(pol.Schedule("stream", pol.STREAM_STEPS, 3), pol.ROUND))
     session = Head.open(s, link=Pipelined(), policy=policy)

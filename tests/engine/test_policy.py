@@ -135,6 +135,20 @@ def test_schedules_within_the_noise_are_compared_over_more_trials_before_one_is_
     assert policy.decisions[3].rates["round"][1] >= 2 * pol.TRIAL_VERDICTS
 
 
+def test_a_long_trial_is_tried_again_only_after_long_enough_that_it_costs_a_tenth_of_the_time():
+    policy = PipelinePolicy(8)
+    # as above, but round's verdicts take 300 ms (a round trip of ~290 ms): its trial of a dozen
+    # verdicts spans 3.6 s, which the 4 s wait of UNSURE_MS alone would repeat every 7.6 s
+    noisy(policy, {"stream": ((1, 3), 30.0), "round": ((17, 19), 300.0)}, 4000)
+    first, followed, again = policy.decisions[0], policy.decisions[1], policy.decisions[2]
+    assert (first.chosen, first.trial) == ("round", True) and (followed.chosen, followed.sure) == ("stream", False)
+    assert again.chosen == "round" and again.trial
+    trial_ms = followed.rates["round"][1] * 300.0  # the verdicts round's trial counted
+    followed_ms = (again.verdict - followed.verdict) * 30.0
+    assert trial_ms >= pol.TRIAL_VERDICTS * 300.0
+    assert followed_ms >= trial_ms * (1 - pol.RETRIAL_SHARE) / pol.RETRIAL_SHARE > pol.UNSURE_MS
+
+
 def test_schedules_never_told_apart_are_settled_by_their_means_after_the_last_trial():
     policy = PipelinePolicy(8)
     # stream 0.0667 per ms against round 0.0666: no number of trials tells them apart
