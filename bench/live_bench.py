@@ -327,6 +327,10 @@ def main() -> None:
     ap.add_argument("--save", type=Path)
     ap.add_argument("--ranks-out", type=Path)
     args = ap.parse_args()
+    if args.pair:
+        from tree_accept import PROMPTS
+        if args.prompts <= 0 or args.prompts % len(PROMPTS):  # prompts_for takes as many of each kind
+            ap.error(f"--prompts with --pair: a multiple of {len(PROMPTS)} (as many of each kind: {', '.join(PROMPTS)})")
     harness.DEVICE = "cpu" if args.smoke else args.device
     K = args.k
     MODES["chain"] = (K + 1, *MODES["chain"][1:])

@@ -253,3 +253,11 @@ def test_live_bench_runs_the_reference_at_the_first_rtt_only_when_asked():
     assert modes_at(modes, 86, [0, 86], True) == ["chain", "auto"]
     assert modes_at(modes, 86, [0, 86], False) == modes
     assert modes_at(["chain"], 0, [0], True) == ["chain"]
+
+
+def test_live_bench_refuses_a_prompt_count_the_real_pairs_kinds_do_not_divide(tmp_path):
+    import subprocess
+
+    got = subprocess.run([sys.executable, str(Path(__file__).resolve().parents[1] / "bench" / "live_bench.py"), "--pair", str(tmp_path), "--prompts", "6"],
+                         capture_output=True, text=True, timeout=300)
+    assert got.returncode == 2 and "--prompts with --pair: a multiple of 4" in got.stderr
