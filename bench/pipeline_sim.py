@@ -18,6 +18,8 @@ The draft is ``live_bench.SyntheticDrafter``: after each token it proposes the t
 
 Run from the repository root:
     python3 bench/pipeline_sim.py [--rtts 30,86,175] [--modes chain,tree,tree-ahead] [--prompts 6]
+    python3 bench/pipeline_sim.py --modes stream,auto,auto-4s --policy auto-4s=RETRIAL_SHARE:1
+        (auto beside auto with a policy constant changed, in one process: the host's time is measured)
 """
 
 from __future__ import annotations
@@ -236,7 +238,40 @@ def parser(description: str = __doc__.split("\n")[0]) -> argparse.ArgumentParser
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=SIZE,WIDTH,CHILDREN,INFLIGHT,AHEAD,PLAN",
                     help="a mode of your own: nodes per frame, per draft step, kept per node, frames in flight at "
                          "most, draft steps while a verdict travels, schedules (round, stream, streamN, auto)")
+    ap.add_argument("--policy", action="append", default=[], metavar="NAME=CONSTANT:VALUE[,...]",
+                    help="a mode of your own: auto with the policy's constants (sfchat.engine.policy) set so, "
+                         "e.g. auto-4s=RETRIAL_SHARE:1 (restored after the mode)")
     return ap
+
+
+def policy_modes(specs: list[str]) -> dict[str, dict[str, float]]:
+    """``--policy`` values as {mode: {constant: value}}, each constant one the policy has."""
+    from sfchat.engine import policy
+
+    out = {}
+    for spec in specs:
+        name, _, sets = spec.partition("=")
+        try:
+            pairs = [kv.split(":") for kv in sets.split(",")]
+            out[name] = {k: type(getattr(policy, k))(float(v)) for k, v in pairs}
+        except (ValueError, AttributeError, TypeError):
+            raise SystemExit(f"--policy {spec!r}: give NAME=CONSTANT:VALUE[,...], constants of sfchat.engine.policy")
+    return out
+
+
+@contextlib.contextmanager
+def with_policy(sets: dict[str, float]):
+    """The policy module's constants set to ``sets`` for the block, restored after."""
+    from sfchat.engine import policy
+
+    old = {k: getattr(policy, k) for k in sets}
+    try:
+        for k, v in sets.items():
+            setattr(policy, k, v)
+        yield
+    finally:
+        for k, v in old.items():
+            setattr(policy, k, v)
 
 
 def simulate(args, prepare=lambda mode, spec: contextlib.nullcontext()) -> tuple[dict, dict]:
@@ -249,6 +284,9 @@ def simulate(args, prepare=lambda mode, spec: contextlib.nullcontext()) -> tuple
         name, _, spec = v.partition("=")
         *mode, plan = spec.split(",")
         live_bench.MODES[name] = (*(int(x) for x in mode), plan)
+    policies = policy_modes(args.policy)
+    for name in policies:
+        live_bench.MODES[name] = live_bench.MODES["auto"]
     costs = H200 | args.costs
     harness.DEVICE = "cpu"
     root = Path(tempfile.mkdtemp(prefix="sfchat-sim-"))
@@ -273,7 +311,7 @@ def simulate(args, prepare=lambda mode, spec: contextlib.nullcontext()) -> tuple
         for mode in modes:
             verifier = Verifier(TailLoader(torch.device("cpu")))
             link = SimLink(clock, verifier, rtt, args.mbps, costs)
-            with prepare(mode, specs[mode]):
+            with prepare(mode, specs[mode]), with_policy(policies.get(mode, {})):
                 res[(mode, rtt)] = r = live_bench.run_mode(specs[mode], *live_bench.MODES[mode][3:], link, hello,
                                                            prompts, args.new)
             print(f"rtt {rtt:g} {mode}: " + live_bench.row(r, None, rtt) + f" verdicts that committed nothing: "

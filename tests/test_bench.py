@@ -261,3 +261,20 @@ def test_live_bench_refuses_a_prompt_count_the_real_pairs_kinds_do_not_divide(tm
     got = subprocess.run([sys.executable, str(Path(__file__).resolve().parents[1] / "bench" / "live_bench.py"), "--pair", str(tmp_path), "--prompts", "6"],
                          capture_output=True, text=True, timeout=300)
     assert got.returncode == 2 and "--prompts with --pair: a multiple of 4" in got.stderr
+
+
+def test_pipeline_sim_runs_auto_with_the_policys_constants_set_for_one_mode_only():
+    from pipeline_sim import policy_modes, with_policy
+
+    from sfchat.engine import policy
+
+    sets = policy_modes(["auto-4s=RETRIAL_SHARE:1,TRIAL_VERDICTS:5"])
+    assert sets == {"auto-4s": {"RETRIAL_SHARE": 1.0, "TRIAL_VERDICTS": 5}}
+    assert isinstance(sets["auto-4s"]["TRIAL_VERDICTS"], int)
+    before = (policy.RETRIAL_SHARE, policy.TRIAL_VERDICTS)
+    with with_policy(sets["auto-4s"]):
+        assert (policy.RETRIAL_SHARE, policy.TRIAL_VERDICTS) == (1.0, 5)
+    assert (policy.RETRIAL_SHARE, policy.TRIAL_VERDICTS) == before
+    for bad in ["auto-x=NO_SUCH:1", "auto-x=RETRIAL_SHARE", "auto-x=RETRIAL_SHARE:abc"]:
+        with pytest.raises(SystemExit, match="--policy"):
+            policy_modes([bad])
