@@ -40,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import harness  # noqa: E402
 import live_bench  # noqa: E402
+import live_report  # noqa: E402
 from harness import TINY_DRAFT, TINY_TARGET  # noqa: E402
 from sfchat.engine.verifier import Verifier  # noqa: E402
 from sfchat.node.tail_loader import TailLoader  # noqa: E402
@@ -314,7 +315,7 @@ def simulate(args, prepare=lambda mode, spec: contextlib.nullcontext()) -> tuple
             with prepare(mode, specs[mode]), with_policy(policies.get(mode, {})):
                 res[(mode, rtt)] = r = live_bench.run_mode(specs[mode], *live_bench.MODES[mode][3:], link, hello,
                                                            prompts, args.new)
-            print(f"rtt {rtt:g} {mode}: " + live_bench.row(r, None, rtt) + f" verdicts that committed nothing: "
+            print(f"rtt {rtt:g} {mode}: " + live_report.row(r, None, rtt) + f" verdicts that committed nothing: "
                   f"{r['empty']:.1%}", file=sys.stderr, flush=True)
     return res, specs
 
@@ -325,7 +326,7 @@ def main() -> None:
     rtts, modes, costs = [float(x) for x in args.rtts.split(",")], args.modes.split(","), H200 | args.costs
     print(f"SIMULATED on a virtual clock (bench/pipeline_sim.py), costs {costs}, {args.mbps or 'unlimited'} Mbit/s"
           + (f", head and tail on one GPU (share {args.shared_gpu:g})" if args.shared_gpu else ", two machines"))
-    live_bench.print_table(res, rtts, modes, specs[modes[-1]].calibration.ranks)
+    live_report.print_table(res, rtts, modes, specs[modes[-1]].calibration.ranks)
 
 
 if __name__ == "__main__":

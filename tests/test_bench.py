@@ -67,7 +67,7 @@ def test_live_bench_saves_every_mode_as_it_ends_whole_files_only(tmp_path):
     are written after each mode, each time a whole file renamed into place."""
     import json
 
-    from live_bench import save
+    from live_report import save
 
     out = tmp_path / "run.json"
     res = {("chain", 0): {"tps": 1.5, "ids": [[1, 2]]}}
@@ -246,7 +246,7 @@ def test_frame_cost_prints_each_draft_step_with_its_top_kernels_on_the_cpu():
 
 
 def test_live_bench_runs_the_reference_at_the_first_rtt_only_when_asked():
-    from live_bench import modes_at
+    from live_report import modes_at
 
     modes = ["none", "chain", "auto"]
     assert modes_at(modes, 0, [0, 86], True) == modes
