@@ -206,7 +206,7 @@ def head_node(cfg, dcfg, quant: str, segments: int, device, dtype, context: int,
     devices = [device] * segments
     mem = Memory(device)
     draft_plan = DraftPlan(dcfg, device, dtype, "none", rows=LAYOUT.width + 1, children=LAYOUT.children,
-                           pool=LAYOUT.draft_pool, compiled=False)
+                           pool=LAYOUT.draft_pool)
     fig = estimate(head_plan(cfg, L // 2, devices=devices, dtype=dtype, quant=quant, max_len=max_len,
                              verifies=VERIFIES, draft=draft_plan, head_span=LAYOUT.head_pool))
     t0 = time.perf_counter()

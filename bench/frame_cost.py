@@ -7,8 +7,9 @@ prefilled, and every figure is the mean of many calls (CUDA-synchronised wall ti
   * the draft's expansion step (``Drafter.expand``: one forward of ``width + 1`` rows over its
     scratch, the top-8 continuations of each row, one host sync), replayed from its CUDA graph, at
     widths 8, 16 and 32, and (width 8, the product's) with the forward compiled by torch.compile
-    under the graph, over all the cache's slots (``--max-context`` + its pool: the product's way)
-    or over each window;
+    under the graph, for each window (the product's way; ``--max-context`` + its pool slots), and
+    with dynamo free to make the window's size symbolic (one program for the windows after the
+    first: fewer compiles at the start);
     ``--profile-draft`` adds each step's top kernels;
   * the head slice's tree forward over its scratch at 9, 33 and 65 rows, replayed from its graph;
     the same rows as a plain causal forward (no tree mask, no scratch: the attention over the
@@ -32,6 +33,7 @@ Run from the repository root:  python3 bench/frame_cost.py [--tiny] [--context 5
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
 from pathlib import Path
@@ -69,6 +71,23 @@ def draft_rows(width: int, context: int):
     return [(5, context, "c", [])] + [(7 + i, context + 1, i, ["c"]) for i in range(width)]
 
 
+def compiled_programs() -> int:
+    from torch._dynamo.utils import counters
+    return counters["stats"]["unique_graphs"]
+
+
+@contextlib.contextmanager
+def compile_dynamic(dynamic):
+    """``torch.compile`` called with ``dynamic=dynamic`` inside (the product's draft asks for False:
+    None lets dynamo make the window's size symbolic once it has seen two)."""
+    original = torch.compile
+    torch.compile = lambda fn, **kw: original(fn, **(kw | dict(dynamic=dynamic)))
+    try:
+        yield
+    finally:
+        torch.compile = original
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tiny", action="store_true")
@@ -104,20 +123,24 @@ def main() -> None:
     draft = random_slice(draft_shape, dtype, device, max_len=args.max_context + DRAFT_POOL)
     tokens = [int(t) for t in torch.randint(0, 300, (ctx,))]
     variants = {"": {}} if args.no_compile or not cuda else \
-        {"": {}, " (compiled, over all slots)": dict(compile=True), " (compiled, each window)": dict(compile=True, every_window=True)}
+        {"": {}, " (compiled)": dict(compile=True), " (compiled, the window dynamic)": dict(compile=True, dynamic=None)}
     for label, how in variants.items():
+        how = dict(how)
+        dynamic = how.pop("dynamic", False)
         for width in ((8, 16, 32) if not how else (8,)):  # compiled: the product's width (each compile takes a while)
             d = Drafter(draft, width=width, children=8, pool=DRAFT_POOL)
-            t0 = time.perf_counter()
+            t0, programs = time.perf_counter(), compiled_programs()
             if cuda:
-                d.capture(**how)
-            setup = time.perf_counter() - t0
+                with compile_dynamic(dynamic):
+                    d.capture(**how)
+            setup, programs = time.perf_counter() - t0, compiled_programs() - programs
             d.sync(tokens)
             rows = draft_rows(width, ctx)
             ms = timed(lambda: d.expand(rows, Sampling()), n, cuda)
             top = profiled(lambda: d.expand(rows, Sampling()), cuda) if args.profile_draft else []
             rows_out.append((f"{draft_name} expansion step, {width + 1} rows{label}", ms,
-                             f"{ms / width:.2f} ms per node expanded; capture {setup:.1f} s" +
+                             f"{ms / width:.2f} ms per node expanded; capture {setup:.1f} s"
+                             + (f" ({programs} programs compiled)" if how else "") +
                              "".join(f"; {k} {us / 1e3:.2f} ms x{c}" for k, us, c in top[:6])))
             d.scratch.reset(ctx)
             draft.reset()

@@ -76,7 +76,7 @@ def plans(size: str, quant: str, context: int, draft_quant: str = "none") -> dic
     cfg, dcfg = config(size), draft_config()
     max_len = context + LAYOUT.scratch
     draft = DraftPlan(dcfg, GPUS[1], torch.float16, draft_quant, rows=LAYOUT.width + 1, children=LAYOUT.children,
-                      pool=LAYOUT.draft_pool, compiled=True)
+                      pool=LAYOUT.draft_pool)
     split = cfg.num_hidden_layers // 2
     target = dict(devices=GPUS, dtype=torch.float16, quant=quant, max_len=max_len, verifies=VERIFIES,
                   one_shape=bool(LAYOUT.rows))

@@ -157,9 +157,11 @@ class SyntheticDrafter(Drafter):
         return [synthetic_proposals(token, self.perm, self.rank, self.q, self.children) for token, *_ in rows]
 
 
-def build(target: Path, draft: Path, device: str, dtype: str, synthetic=None, rows: int = 0):
+def build(target: Path, draft: Path, device: str, dtype: str, synthetic=None, rows: int = 0,
+          compile_draft: bool = False):
     """The head's models, one drafter and speculator per mode (sharing the models), and the hello;
-    ``rows``: every forward of the target at that row count (0: each at its own)."""
+    ``rows``: every forward of the target at that row count (0: each at its own); ``compile_draft``:
+    each mode's draft step compiled (``Drafter.capture(compile=)``; one program per mode and window)."""
     dev, dt = torch.device(device), DTYPES[dtype]
     src, dsrc = ModelSource.open(str(target)), ModelSource.open(str(draft))
     L = n_layers(src.config)
@@ -172,13 +174,15 @@ def build(target: Path, draft: Path, device: str, dtype: str, synthetic=None, ro
     dmodel = ModelSlice.load(dsrc, 0, n_layers(dsrc.config), embed=True, head=True, dtype=dt, device=dev,
                              max_len=kv_len)
     specs = {}
+    if compile_draft:
+        attention.allow_recompiles(len(MODES) * len(dmodel.windows))
     for mode, (size, width, children, *_) in MODES.items():
         kind = SyntheticDrafter if synthetic else Drafter
         extra = dict(perm=synthetic[0], ranks=synthetic[1]) if synthetic else {}
         drafter = kind(dmodel, width=width, children=children, pool=pools[mode][1], **extra) if mode != "none" else None
         if dev.type == "cuda":
             if drafter is not None:
-                drafter.capture()
+                drafter.capture(compile=compile_draft)
             if not head.captured(rows or size, tree=True):  # one row count: every mode's frames one graph
                 head.capture(rows or size, tree=True, span=head_pool)
         specs[mode] = Speculator(head, drafter, max_context=MAX_CONTEXT, frame_size=size, steps=K if drafter else 0,
@@ -315,6 +319,8 @@ def main() -> None:
     ap.add_argument("--frame-rows", type=int, default=64, help="every forward of the target at N rows (0: off)")
     ap.add_argument("--compile-attention", action="store_true",
                     help="head and tail run canonical attention compiled (sfchat --compile-attention)")
+    ap.add_argument("--compile-draft", action="store_true",
+                    help="compile the draft's step for each window, as sfchat does by default (off: plain, graphed)")
     ap.add_argument("--tail-logs", type=Path, help="write each RTT's tail output to DIR/tail-RTT.log")
     ap.add_argument("--frame-parts", action="store_true",
                     help="time a frame's parts (draft, choosing, tree inputs, head forward, encoding) and the "
@@ -359,7 +365,7 @@ def main() -> None:
     attention.compile_on_gpu(args.compile_attention)
     if args.tail_logs:
         args.tail_logs.mkdir(parents=True, exist_ok=True)
-    specs, hello = build(target, draft, harness.DEVICE, dtype, synthetic, args.frame_rows)
+    specs, hello = build(target, draft, harness.DEVICE, dtype, synthetic, args.frame_rows, args.compile_draft)
     hello = dataclasses.replace(hello, compiled_attention=args.compile_attention)  # the tail follows it
     prompts = prompts_for(target, synthetic is not None or bool(args.self_shape), args.prompts)
     res = {}

@@ -14,7 +14,7 @@ for each verify shape ``(positions, tree)`` (``handshake.Hello.shapes()``), one 
 window holding it (``kv.windows_for``; a one-shape slice's every window, whatever its shape, and
 its K/V of ``kv.StaticKV.total`` slots), each with ``positions`` rows of logits in a slice with
 the head. ``draft_graphs(...)`` are the draft's graphs, as ``Drafter.capture`` takes them: its
-expansion step, greedy and sampled, per window (one window for a compiled draft).
+expansion step, greedy and sampled, per window.
 
 The workspace: one layer's forward of a 512-token prefill chunk (a one-shape slice's: a piece of its
 row count) over all slots (hidden states,
@@ -216,13 +216,13 @@ def slice_need(config, lo: int, hi: int, *, embed: bool, head: bool, dtype: torc
                        devices=[device], verifies=verifies)[0][1]
 
 
-def draft_graphs(config, dtype: torch.dtype, quant: str, max_len: int, *, rows: int, children: int, pool: int,
-                 compiled: bool = False) -> tuple[Graph, ...]:
+def draft_graphs(config, dtype: torch.dtype, quant: str, max_len: int, *, rows: int, children: int, pool: int
+                 ) -> tuple[Graph, ...]:
     """The graphs ``Drafter.capture`` takes: its expansion step of ``rows`` nodes, keeping
     ``children`` continuations of each, greedy and sampled, per window that holds its ``pool``
-    scratch slots, or over all slots when ``compiled``."""
+    scratch slots (compiled or not)."""
     V = config.vocab_size
-    windows = [max_len] if compiled else [w for w in windows_for(max_len) if w >= pool + 1]
+    windows = [w for w in windows_for(max_len) if w >= pool + 1]
     sampling = V * 48  # warped probabilities, their top-k and sort copies, for one row
     temporaries = {w: forward_bytes(config, rows, w, dtype, quant, rows) + rows * (V * 4 * 3 + sampling)
                    for w in windows}

@@ -53,7 +53,6 @@ class DraftPlan:
     rows: int = 2
     children: int = 1
     pool: int = 2
-    compiled: bool = False
 
 
 def _cuda_key(device: torch.device) -> torch.device:
@@ -133,7 +132,7 @@ def draft_need(draft: DraftPlan, max_len: int, graphs: bool = True) -> Need:
                               dtype=draft.dtype, quant=draft.quant, max_len=max_len, devices=[draft.device],
                               graphs=False)
     captured = draft_graphs(draft.config, draft.dtype, draft.quant, max_len, rows=draft.rows, children=draft.children,
-                            pool=draft.pool, compiled=draft.compiled) if graphs and draft.device.type == "cuda" else ()
+                            pool=draft.pool) if graphs and draft.device.type == "cuda" else ()
     return replace(need, graphs=captured)
 
 

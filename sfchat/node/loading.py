@@ -96,8 +96,7 @@ def open_engine(s: Settings, on_event: Callable = lambda e: None, link=None,
     if k:
         draft_device = resolve_device(s.draft_device) if s.draft_device else default_draft_device(devices)
         draft = DraftPlan(dsrc.config, draft_device, pick_dtype(draft_device, s.dtype), dquant,
-                          rows=layout.width + 1, children=layout.children, pool=layout.draft_pool,
-                          compiled=s.compile_draft)
+                          rows=layout.width + 1, children=layout.children, pool=layout.draft_pool)
         if not s.draft_device and draft_device in devices:  # no spare GPU: where the estimate leaves most room
             draft = place_draft(src.config, split, draft, **target)
     check_head(src.config, split, draft=draft, **target)
@@ -184,7 +183,7 @@ def capture_graphs(head: ModelSlice, drafter: Drafter | None, layout: FrameLayou
 
     progress("capture", 0, 2, "head frame")
     head.capture(layout.shape, log=warn, tree=True, span=layout.head_pool)
-    progress("capture", 1, 2, "draft (compiling: the first start takes a minute)" if compile_draft else "draft")
+    progress("capture", 1, 2, "draft (compiling each window: the first start takes a minute or two)" if compile_draft else "draft")
     if drafter is not None and drafter.device.type == "cuda":
         drafter.capture(log=warn, compile=compile_draft)
     progress("capture", 2, 2, "")

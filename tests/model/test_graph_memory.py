@@ -95,7 +95,7 @@ def test_the_estimate_counts_every_graph_the_code_captures(zoo, monkeypatch):
         taken.clear()
         Drafter(dmodel, width=layout.width, children=layout.children, pool=30).capture(compile=compiled)
         counted = draft_graphs(draft.config, torch.float32, "none", max_len, rows=layout.width + 1,
-                               children=layout.children, pool=30, compiled=compiled)
+                               children=layout.children, pool=30)
         assert sum(len(w) for _, w in taken) == len(counted) > 0
 
 

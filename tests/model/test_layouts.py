@@ -44,7 +44,7 @@ def test_the_longest_context_of_two_notebooks_is_where_the_checks_start_to_refus
         target = dict(devices=layouts.GPUS, dtype=torch.float16, quant="int8", verifies=layouts.VERIFIES,
                       max_len=context + layouts.LAYOUT.scratch, one_shape=bool(layouts.LAYOUT.rows))
         plan = memory.DraftPlan(layouts.draft_config(), draft, torch.float16, "none", rows=layouts.LAYOUT.width + 1,
-                                children=layouts.LAYOUT.children, pool=layouts.LAYOUT.draft_pool, compiled=True)
+                                children=layouts.LAYOUT.children, pool=layouts.LAYOUT.draft_pool)
         memory.check_head(cfg, 32, draft=plan, **target)
         memory.check_tail(cfg, 32, **target)
 

@@ -38,7 +38,7 @@ AUTO = [(64, True)]  # --tree-budget auto on a GPU: one frame of 63 drafts and t
 
 
 def draft_plan(device, quant="none", **kw):
-    shape = dict(rows=9, children=8, pool=321, compiled=True)
+    shape = dict(rows=9, children=8, pool=321)
     return DraftPlan(qwen05b(), torch.device(device), torch.float16, quant, **(shape | kw))
 
 
@@ -114,8 +114,9 @@ def test_2_plus_2_t4s_each_gpu_with_its_share(gpus):
     totals = {d: total for d, (total, _) in memory.per_device(plan).items()}
     assert abs(totals[T4S[0]] - totals[T4S[1]]) < 1.5 * layer  # balanced to within a layer or so
     assert plan[0][2].weights - 152064 * 5120 * 2 < plan[1][2].weights  # fewer layers beside the embedding
-    # 5 graphs per segment: the 64-node frame, per window; the draft's 2: its step, greedy and sampled, compiled
-    assert [len(n.graphs) for _, _, n in plan] == [5, 5, 2]
+    # 5 graphs per segment: the 64-node frame, per window; the draft's 10: its step, greedy and sampled, per
+    # window that holds its pool (compiled or not)
+    assert [len(n.graphs) for _, _, n in plan] == [5, 5, 10]
     check_head(qwen32b(), 32, devices=T4S, dtype=torch.float16, quant="nf4", max_len=CTX, verifies=AUTO,
                draft=draft_plan("cuda:1"))
     tail = tail_plan(qwen32b(), 32, devices=T4S, dtype=torch.float16, quant="nf4", max_len=CTX, verifies=AUTO)
@@ -166,7 +167,7 @@ def test_the_refusal_names_the_figures_and_the_fixes(gpus):
     gpus[0] = 6 * GIB
     with pytest.raises(UserError) as err:
         check_head(qwen7b(), 14, devices=[torch.device("cuda")], dtype=torch.float16, quant="none", max_len=CTX,
-                   verifies=[(9, False)], draft=draft_plan("cuda", rows=2, children=1, pool=46, compiled=False))
+                   verifies=[(9, False)], draft=draft_plan("cuda", rows=2, children=1, pool=46))
     msg = str(err.value)
     assert msg.startswith("not enough GPU memory on cuda:0: loading needs about ")
     assert "head layers 9.2 GiB (weights 7.1 GiB" in msg and "5 CUDA graphs" in msg and "only 6.0 GiB is free" in msg
