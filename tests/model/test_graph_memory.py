@@ -91,12 +91,17 @@ def test_the_estimate_counts_every_graph_the_code_captures(zoo, monkeypatch):
     every = (16, 32, 64, max_len)  # canonical attention: any window, whatever the shape and the head's pool
     assert taken == [((64, 0, True, 0), every), ((64, 64, True, 0), every)] and sum(counted) == 2 * len(every)
     dmodel = ModelSlice.load(draft, 0, 2, embed=True, head=True, dtype=torch.float32, device=cpu, max_len=max_len)
+    windows = {}
     for compiled in (False, True):
         taken.clear()
         Drafter(dmodel, width=layout.width, children=layout.children, pool=30).capture(compile=compiled)
         counted = draft_graphs(draft.config, torch.float32, "none", max_len, rows=layout.width + 1,
                                children=layout.children, pool=30)
         assert sum(len(w) for _, w in taken) == len(counted) > 0
+        windows[compiled] = [w for _, w in taken]
+    # compiled or not, the draft's step has a graph per window that holds its 30-slot pool (greedy and
+    # sampled): a compiled one over all slots read every slot at every step
+    assert windows[True] == windows[False] == [(32, 64, max_len)] * 2
 
 
 def test_graphs_a_hello_adds_to_a_loaded_tail_are_counted_and_checked(gpus):
