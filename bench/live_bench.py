@@ -158,8 +158,8 @@ class SyntheticDrafter(Drafter):
 
 
 def build(target: Path, draft: Path, device: str, dtype: str, synthetic=None, rows: int = 0,
-          compile_draft: bool = False):
-    """The head's models, one drafter and speculator per mode (sharing the models), and the hello;
+          compile_draft: bool = False, modes=tuple(MODES)):
+    """The head's models, one drafter and speculator per mode of ``modes`` (sharing the models), and the hello;
     ``rows``: every forward of the target at that row count (0: each at its own); ``compile_draft``:
     each mode's draft step compiled (``Drafter.capture(compile=)``; one program per mode and window)."""
     dev, dt = torch.device(device), DTYPES[dtype]
@@ -177,6 +177,8 @@ def build(target: Path, draft: Path, device: str, dtype: str, synthetic=None, ro
     if compile_draft:
         attention.allow_recompiles(len(MODES) * len(dmodel.windows))
     for mode, (size, width, children, *_) in MODES.items():
+        if mode not in modes:
+            continue
         kind = SyntheticDrafter if synthetic else Drafter
         extra = dict(perm=synthetic[0], ranks=synthetic[1]) if synthetic else {}
         drafter = kind(dmodel, width=width, children=children, pool=pools[mode][1], **extra) if mode != "none" else None
@@ -365,7 +367,8 @@ def main() -> None:
     attention.compile_on_gpu(args.compile_attention)
     if args.tail_logs:
         args.tail_logs.mkdir(parents=True, exist_ok=True)
-    specs, hello = build(target, draft, harness.DEVICE, dtype, synthetic, args.frame_rows, args.compile_draft)
+    specs, hello = build(target, draft, harness.DEVICE, dtype, synthetic, args.frame_rows, args.compile_draft,
+                         modes=args.modes.split(","))
     hello = dataclasses.replace(hello, compiled_attention=args.compile_attention)  # the tail follows it
     prompts = prompts_for(target, synthetic is not None or bool(args.self_shape), args.prompts)
     res = {}
