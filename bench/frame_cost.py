@@ -123,12 +123,15 @@ def main() -> None:
     draft = random_slice(draft_shape, dtype, device, max_len=args.max_context + DRAFT_POOL)
     tokens = [int(t) for t in torch.randint(0, 300, (ctx,))]
     variants = {"": {}} if args.no_compile or not cuda else \
-        {"": {}, " (compiled)": dict(compile=True), " (compiled, the window dynamic)": dict(compile=True, dynamic=None)}
+        {"": {}, " (compiled, a program per window)": dict(compile=True),
+         " (compiled, the window dynamic)": dict(compile=True, dynamic=None)}
     for label, how in variants.items():
         how = dict(how)
         dynamic = how.pop("dynamic", False)
         for width in ((8, 16, 32) if not how else (8,)):  # compiled: the product's width (each compile takes a while)
             d = Drafter(draft, width=width, children=8, pool=DRAFT_POOL)
+            if how:  # no program of another variant may serve this one (dynamo's cache is per function)
+                torch._dynamo.reset()
             t0, programs = time.perf_counter(), compiled_programs()
             if cuda:
                 with compile_dynamic(dynamic):
