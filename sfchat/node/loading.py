@@ -183,7 +183,7 @@ def capture_graphs(head: ModelSlice, drafter: Drafter | None, layout: FrameLayou
 
     progress("capture", 0, 2, "head frame")
     head.capture(layout.shape, log=warn, tree=True, span=layout.head_pool)
-    progress("capture", 1, 2, "draft (compiling each window: the first start takes a minute or two)" if compile_draft else "draft")
+    progress("capture", 1, 2, "draft (compiling it for each attention window: a minute or more at the first start)" if compile_draft else "draft")
     if drafter is not None and drafter.device.type == "cuda":
         drafter.capture(log=warn, compile=compile_draft)
     progress("capture", 2, 2, "")
