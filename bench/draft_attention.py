@@ -23,15 +23,17 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from sfchat.model.attention import fused  # noqa: E402
+from quant_rows import graphed  # noqa: E402
+from verify_breakdown import timed  # noqa: E402
 
 HEADS, KV_HEADS, DIM, LAYERS = 14, 2, 64, 24
 
@@ -88,28 +90,10 @@ def graphed_ms(fn, inputs, calls: int, cuda: bool) -> float:
     def step():
         for _ in range(LAYERS):
             fn(*inputs)
-    if cuda:
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            step()
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            step()
-        replay = g.replay
-    else:
-        replay = step
-    for _ in range(3):
-        replay()
-    if cuda:
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        replay()
-    if cuda:
-        torch.cuda.synchronize()
-    return (time.perf_counter() - t0) * 1e3 / calls
+    replay = graphed(step) if cuda else step
+    if isinstance(replay, str):  # the capture's error
+        raise RuntimeError(replay)
+    return timed(replay, calls, cuda)
 
 
 def main() -> None:
