@@ -174,11 +174,8 @@ def build(target: Path, draft: Path, device: str, dtype: str, synthetic=None, ro
     dmodel = ModelSlice.load(dsrc, 0, n_layers(dsrc.config), embed=True, head=True, dtype=dt, device=dev,
                              max_len=kv_len)
     specs = {}
-    if compile_draft:
-        attention.allow_recompiles(len(MODES) * len(dmodel.windows))
-    for mode, (size, width, children, *_) in MODES.items():
-        if mode not in modes:
-            continue
+    attention.allow_recompiles(len(MODES) * len(dmodel.windows))  # a compiled draft: a program per mode and window
+    for mode, (size, width, children, *_) in ((m, MODES[m]) for m in MODES if m in modes):
         kind = SyntheticDrafter if synthetic else Drafter
         extra = dict(perm=synthetic[0], ranks=synthetic[1]) if synthetic else {}
         drafter = kind(dmodel, width=width, children=children, pool=pools[mode][1], **extra) if mode != "none" else None
