@@ -17,6 +17,7 @@ same prompts in every mode, each reply timed whole (prefill included), EOS ignor
 ``--frame-rows N`` (default 64, the product's on a GPU; 0: off) runs every forward of the target,
 on head and tail, at N rows: frames padded, the prompt in pieces of N; ``--compile-attention``
 runs their canonical attention compiled (``sfchat --compile-attention``: the head's, its hello tells the tail);
+``--compile-draft`` compiles the draft's step for each window, as sfchat does by default (off: plain, graphed);
 ``--tail-logs DIR`` keeps each tail's output. ``--temperature T``
 (default 0: greedy) samples every reply at T, seeded by ``--seed`` (each prompt's reply drawn from
 the same per-position random stream in every mode, so a mode that computes the target's
