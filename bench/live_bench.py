@@ -47,7 +47,7 @@ slice and frame, the tail's compute, the network, the rest on the head), the dra
 verdict of the frames' own builds and of the steps run ahead, a steady frame's build and the
 verdicts under each schedule; the token ids of every reply are compared across modes and RTTs
 (``identical``). Under ``auto``, the policy's choices (after which verdict, on which measured
-rates) go to stderr and into ``--save``'s JSON (``decisions``).
+rates and forecasts) go to stderr and into ``--save``'s JSON (``decisions``).
 
 Run from the repository root:
     python3 bench/live_bench.py --pair DIR [--rtts 0,30,86,175] [--new 128] [--save out.json]
@@ -255,16 +255,16 @@ def run_mode(spec, inflight: int, ahead: int, plan: str, link, hello, prompts, n
     del spec.frame
     restore()
     counts = driver.policy.counts
-    decisions = [{"verdict": d.verdict, "rates": d.rates, "chosen": d.chosen, "trial": d.trial, "sure": d.sure}
-                 for d in driver.policy.decisions]
+    decisions = [dataclasses.asdict(d) for d in driver.policy.decisions]
     if len(counts) > 1:
         p = driver.policy
         print("measured tokens/ms: " + ", ".join(f"{k} {m.rate():.4f} ({m.counted})" for k, m in p.measured.items())
               + f"; the link fitted as {p.base_ms:.1f} ms + {p.ms_per_byte * 1e6:.1f} ms/MB; choices: "
               + "; ".join(f"after verdict {d['verdict']}: {d['chosen']}{' (trial)' if d['trial'] else ' (sure)' if d['sure'] else ''} on "
-                          + ", ".join(f"{k} {r:.4f} ({n})" for k, (r, n) in d["rates"].items()) for d in decisions)
-              + ("none yet" if not decisions else ""),
-              file=sys.stderr)
+                          + ", ".join(f"{k} {r:.4f} +- {e:.4f} ({n})" for k, (r, n, e) in d["rates"].items())
+                          + "".join(f", {k} forecast {r:.4f}" for k, r in d["forecasts"].items())
+                          + (f", {d['skipped']}'s trial skipped" if d["skipped"] else "") for d in decisions)
+              + ("none yet" if not decisions else ""), file=sys.stderr)
     return (summary(stats, sum(map(len, ids_out)), wall, driver.policy.max_in_flight)
             | {"ids": ids_out, "schedules": {k: v / max(1, sum(counts.values())) for k, v in counts.items()},
                "decisions": decisions,

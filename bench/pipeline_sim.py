@@ -296,7 +296,8 @@ def simulate(args, prepare=lambda mode, spec: contextlib.nullcontext()) -> tuple
     harness.write_checkpoint(root / "draft", TINY_DRAFT, seed=1)
     ranks = json.loads(args.ranks.read_text())
     synthetic = (torch.randperm(vocab, generator=torch.Generator().manual_seed(1234)), ranks)
-    specs, hello = live_bench.build(root / "target", root / "draft", "cpu", "float32", synthetic)
+    specs, hello = live_bench.build(root / "target", root / "draft", "cpu", "float32", synthetic,
+                                    modes=tuple(args.modes.split(",")))
     prompts = live_bench.prompts_for(root / "target", True, args.prompts)
     prompts = [[t % vocab for t in p] for p in prompts]
     clock = Clock(SharedGpu(args.shared_gpu) if args.shared_gpu else None)

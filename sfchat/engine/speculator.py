@@ -34,6 +34,8 @@ of frames in flight.
   token budget and the context window (``Commit``). The committed nodes' K/V become context in
   place, in every segment, on the head slice and the draft (``Scratch.commit``: the scratch of
   each holds its nodes' slots); nodes no longer live give their slots back. A reply that ends (``finish``) closes the tree: the next ``begin`` opens another.
+* ``forecast(ahead)``: the expected yield of a frame from the committed root within its steps'
+  depth (the policy's forecast of one frame per round trip).
 * ``restart()``: the tail lost its context (a new tail): the next frame sends all of it again.
 
 Greedy output does not depend on any of it: every committed token is the target's own pick at a
@@ -146,6 +148,14 @@ class Speculator:
         """A new tail holds no context: the next frame sends it all again."""
         self.head.reset()
         self.live = None
+
+    def forecast(self, ahead: int = 0) -> float | None:
+        """The tokens one frame from the committed root would be expected to commit: the live
+        tree's best ``frame_size`` nodes within the depth its ``steps`` (and ``ahead`` run while a
+        verdict travels) reach; None before a tree is open."""
+        if self.live is None:
+            return None
+        return self.live.expected(self.frame_size, self.live.root.pos + self.steps + ahead + 1)
 
     # -- a frame -------------------------------------------------------------------------------
     def frame(self, s: wire.Sampling, budget: int, min_yield: float = 0.0, step_gain: float = 0.0,

@@ -289,7 +289,7 @@ class RoundDriver:
             # from the verdict's arrival (or the start of the wait) to having it
             overhead_ms=(t5 - t0 - (t4 - t3) + t4 - max(arrived, t3)) * 1e3 - fill.built_ms,
             round_ms=(t5 - t0) * 1e3, step_ms=first.draft_ms / first.steps if first.steps else None,
-            schedule=first.schedule)
+            schedule=first.schedule, forecast=self.spec.forecast(self.ahead_steps))
         depth = max((n.pos for n in first.nodes), default=0) - first.nodes[0].pos + 1 if first.nodes else 0
         stats = RoundStats(
             accepted=max(len(commit.tokens) - 1, 0), committed=len(commit.tokens), draft_ms=fill.draft_ms,

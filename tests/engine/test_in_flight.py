@@ -3,6 +3,7 @@ the tree or the draft; verdicts of frames the head left behind are never applied
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import pytest
@@ -203,6 +204,7 @@ def test_the_policys_schedules_switching_mid_reply_change_no_token(zoo, draft, m
     monkeypatch.setattr(pol, "UNSURE_MS", 0.0)
     monkeypatch.setattr(pol, "RETRIAL_SHARE", 1.0)  # no wait for a long trial either
     monkeypatch.setattr(pol, "SETTLE", 0)
+    monkeypatch.setattr(pol, "FORECAST_MARGIN", math.inf)  # no trial ruled out by its forecast
     s = Settings(model=str(zoo[TARGET]), draft="none" if draft == "none" else str(zoo[draft]), k=K, tree_budget=8, device="cpu", max_in_flight=4)
     policy = pol.PipelinePolicy(4, schedules=(pol.Schedule("stream", pol.STREAM_STEPS, 3), pol.ROUND))
     session = Head.open(s, link=Pipelined(), policy=policy)
@@ -223,6 +225,8 @@ def test_the_policys_schedules_switching_mid_reply_change_no_token(zoo, draft, m
     switches = sum(a != b for (a, _), (b, _) in zip(built, built[1:]))
     assert policy.counts["round"] > 0 and policy.counts["stream"] > 0 and switches >= 2, built
     assert max(steps for name, steps in built if name == "stream") <= pol.STREAM_STEPS
+    # every verdict brought the tree's forecast of a frame from the root: the root's pick, at most a frame
+    assert 1.0 <= policy.forecast <= 8.0 and all("round" in d.forecasts for d in policy.decisions)
 
 
 def test_a_chat_that_leaves_turns_out_stays_exact_with_trees_in_flight(zoo):

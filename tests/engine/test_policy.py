@@ -243,3 +243,38 @@ def test_a_trial_lasts_ten_of_a_frames_trips_within_its_floor_and_cap():
     mid = PipelinePolicy(8)
     verdicts(mid, 40.0, 1)
     assert mid.trial_ms() == pytest.approx(pol.TRIAL_TRIPS * (10.0 + 40.0 + 8.0))  # build + link + tail
+
+
+def forecast_run(policy, stream_ms: float, rtt_ms: float, forecast: float, verdicts: int) -> None:
+    """Stream's verdicts commit 1 or 3 tokens per ``stream_ms``; round's 5 per trip; every verdict
+    brings the tree's ``forecast`` of a frame from the root."""
+    for i in range(verdicts):
+        name = policy.schedule().name
+        tokens, ms = ((1, 3)[i % 2], stream_ms) if name == "stream" else (5, 18.0 + rtt_ms)
+        policy.observe(tokens=tokens, sent_bytes=20_000, rtt_ms=rtt_ms, tail_ms=8.0, build_ms=10.0,
+                       round_ms=ms, schedule=name, forecast=forecast)
+
+
+def test_a_round_trial_its_forecast_puts_out_of_reach_is_skipped():
+    """The issue's short reply (200 ms, the draft equal to the target, K=4): a round frame commits
+    5 tokens a trip of ~218 ms (0.023 per ms), stream 0.1: its trial cost a short reply 7-9 %."""
+    policy = PipelinePolicy(8)
+    forecast_run(policy, 20.0, 200.0, 5.0, 200)
+    assert policy.counts["round"] == 0  # never tried
+    first = policy.decisions[0]
+    assert (first.chosen, first.trial, first.sure, first.skipped) == ("stream", False, True, "round")
+    assert first.forecasts["round"] == pytest.approx(5.0 / (10.0 + 200.0 + 8.0), rel=0.02)
+    # after REVISIT_MS the comparison comes again: the forecast still rules the trial out
+    forecast_run(policy, 20.0, 200.0, 5.0, int(pol.REVISIT_MS / 20.0) + 10)
+    assert policy.counts["round"] == 0 and policy.decisions[1].skipped == "round"
+
+
+@pytest.mark.parametrize("forecast", [12.0, None])
+def test_a_round_trial_within_reach_of_its_forecast_or_without_one_still_runs(forecast):
+    policy = PipelinePolicy(8)
+    # 12 tokens a trip of ~104 ms forecast (0.115 per ms) against stream's 0.1: worth a trial
+    forecast_run(policy, 20.0, 86.0, forecast, 200)
+    assert policy.counts["round"] > 0
+    assert [(d.chosen, d.trial, d.skipped) for d in policy.decisions][:2] == [("round", True, None),
+                                                                           ("stream", False, None)]
+    assert ("round" in policy.decisions[0].forecasts) == (forecast is not None)
