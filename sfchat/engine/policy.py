@@ -18,8 +18,9 @@ rules out a trial that cannot pay; every frame has the one shape of the frame la
   schedule was measured and the best leads by ``EARLY_CONFIDENCE`` standard errors: a verdict per
   round trip is slow to come by; ``SCHEDULES``' order, stream first: where the round trip is long
   its verdicts come often and it is the likelier winner, where it is short its trial is over soon),
-  with the rate's standard error from the verdicts' spread. It follows the best once its lead is
-  ``CONFIDENCE`` standard errors of the difference (sure); short of that it follows the better
+  with the rate's standard error from the spread between batches of verdicts (a verdict each
+  under one frame at a time, a frame's trip of them under frames in flight). It follows the
+  best once its lead is ``CONFIDENCE`` standard errors of the difference (sure); short of that it follows the better
   mean for ``unsure_ms()`` (``UNSURE_MS``, or long enough that trying the other again takes at
   most ``RETRIAL_SHARE`` of the time) and then tries the other again, each schedule's verdicts
   adding up over the comparison, until one leads so or ``MAX_TRIALS`` trials were run (then the better mean:
@@ -74,6 +75,7 @@ RETRIAL_SHARE = 0.1  # ...and long enough that the other's next trial (as long a
 SETTLE = 2  # verdicts after a switch to frames in flight that do not count, beyond them (the pipeline fills)
 REVISIT_MS = 60_000.0  # time under the best schedule before the others are measured again
 DECISIONS = 64  # choices kept for a report
+MIN_BATCHES = 3  # a rate's error is known over this many batches (verdicts, or a trip's worth in flight)
 FORECAST_MARGIN = 1.5  # a one-frame schedule is not tried while the best measured beats its forecast this many times over
 
 
@@ -103,7 +105,13 @@ SCHEDULES = (STREAM, ROUND)  # compared, in this order, where frames may be in f
 class _Measured:
     """One schedule's figures: committed tokens per ms over the verdicts counted since its figures
     were last restarted (one comparison's trials together, or the time it was followed), with the
-    standard error of that rate; a steady frame's build."""
+    standard error of that rate; a steady frame's build.
+
+    The error comes from the spread between batches of consecutive verdicts, each at least the
+    ``span`` given with a verdict (frames in flight: a frame's trip; one frame: 0, every verdict a
+    batch): verdicts of frames in flight come in a cycle of the trip (on the simulator seven 16 ms
+    apart, then one after 109 ms), whose spread verdict by verdict put a steady rate's error at 18
+    % where batches of a trip varied by 0.1 % (RESULTS, twelfth session)."""
 
     def __init__(self) -> None:
         self.build: float | None = None
@@ -111,28 +119,40 @@ class _Measured:
         self.restart()
 
     def restart(self) -> None:
-        self.n = 0
-        self.tokens = self.ms = self.tt = self.mm = self.tm = 0.0
+        self.n = self.batches = 0
+        self.tokens = self.ms = 0.0
+        self.tt = self.mm = self.tm = self.closed_tokens = self.closed_ms = 0.0  # over closed batches
+        self.open_tokens = self.open_ms = 0.0
 
-    def add(self, tokens: float, ms: float) -> None:
+    def add(self, tokens: float, ms: float, span: float = 0.0) -> None:
         self.n += 1
         self.counted += 1
         self.tokens += tokens
         self.ms += ms
-        self.tt += tokens * tokens
-        self.mm += ms * ms
-        self.tm += tokens * ms
+        self.open_tokens += tokens
+        self.open_ms += ms
+        if self.open_ms >= span:
+            t, m = self.open_tokens, self.open_ms
+            self.batches += 1
+            self.closed_tokens += t
+            self.closed_ms += m
+            self.tt += t * t
+            self.mm += m * m
+            self.tm += t * m
+            self.open_tokens = self.open_ms = 0.0
 
     def rate(self) -> float:
         return self.tokens / self.ms if self.ms > 0 else 0.0
 
     def error(self) -> float:
-        """The rate's standard error (a ratio of sums: its first-order spread), inf below 2 verdicts."""
-        if self.n < 2 or self.ms <= 0:
+        """The rate's standard error (a ratio of sums over the closed batches: its first-order
+        spread), inf below ``MIN_BATCHES``."""
+        b = self.batches
+        if b < MIN_BATCHES or self.closed_ms <= 0:
             return math.inf
-        r = self.rate()
-        spread = max(0.0, self.tt - 2 * r * self.tm + r * r * self.mm) / (self.n - 1)  # of tokens - r x ms
-        return math.sqrt(spread / self.n) / (self.ms / self.n)
+        r = self.closed_tokens / self.closed_ms
+        spread = max(0.0, self.tt - 2 * r * self.tm + r * r * self.mm) / (b - 1)  # of tokens - r x ms
+        return math.sqrt(spread / b) / (self.closed_ms / b)
 
 
 class PipelinePolicy:
@@ -203,7 +223,7 @@ class PipelinePolicy:
         self._since_switch += 1
         if self._since_switch <= self._settle:
             return
-        m.add(float(tokens), round_ms)
+        m.add(float(tokens), round_ms, 0.0 if self.current.frames == 1 else self.timing()[0])
         self._ran_ms += round_ms
         self._left_n -= 1
         if self._ran_ms >= (self.trial_ms() if self._trial else self._follow_ms) and (
