@@ -16,7 +16,8 @@ committed tokens.
   ``expanded(node, proposals)`` records the draft's ranked ``(token, probability)`` continuations
   of one as candidates; ``graft(tokens)`` hangs a prompt-lookup continuation under the root.
 * ``expected(budget, max_pos)``: the expected yield of a frame of the best ``budget`` live nodes
-  from the root, sent or not, before ``max_pos`` (a forecast of one frame per round trip).
+  from the root, sent or not, before ``max_pos`` (a forecast of one frame per round trip), and
+  the deepest position they reach.
 * ``choose(budget, max_pos)``: the frame: the root if it was not sent yet, then the likeliest candidates
   whose parents are sent or chosen, best first (a path's value never rises, so the best nodes'
   ancestors are among them); ``send(nodes)`` gives each the next id.
@@ -161,19 +162,20 @@ class LiveTree:
             yield node
             todo.extend(node.children.values())
 
-    def expected(self, budget: int, max_pos: int) -> float:
+    def expected(self, budget: int, max_pos: int) -> tuple[float, int]:
         """The expected yield of one frame of the best ``budget`` live nodes from the root, sent or
         not, none at ``max_pos`` or beyond (the root's own pick included): what a frame per round
-        trip would carry from here."""
-        heap, ties, total = [(-self.root.logv, 0, self.root)], itertools.count(1), 0.0
+        trip would carry from here; and the deepest position among those nodes."""
+        heap, ties, total, deepest = [(-self.root.logv, 0, self.root)], itertools.count(1), 0.0, self.root.pos
         while heap and budget > 0:
             node = heapq.heappop(heap)[2]
             total += self.value(node)
+            deepest = max(deepest, node.pos)
             budget -= 1
             for child in node.children.values():
                 if child.pos < max_pos:
                     heapq.heappush(heap, (-child.logv, next(ties), child))
-        return total
+        return total, deepest
 
     def expandable(self, width: int) -> list[Node]:
         """Up to ``width`` unexpanded live nodes whose parents are expanded (the draft has the K/V of

@@ -193,7 +193,8 @@ class PipelinePolicy:
         since the verdict before; ``step_ms`` of the frame's draft steps, when it ran any;
         ``schedule``: the name of the one the frame was built under; ``forecast``: the tokens one
         frame from the committed root would be expected to commit (the tree's values; the yield
-        of a one-frame schedule, ``forecast_rate``). A schedule's rate counts the
+        of a one-frame schedule, ``forecast_rate``), None where the tree cannot tell (then no
+        trial is skipped until one comes). A schedule's rate counts the
         tokens committed, never the tree's estimate of a frame's yield: that one is steadier but
         biased, most where it matters (a young calibration, frames hung below frames in flight
         whose every unverified ancestor multiplies the error in)."""
@@ -207,8 +208,8 @@ class PipelinePolicy:
             self.tokens, self.spacing = _ema(self.tokens, float(tokens)), _ema(self.spacing, round_ms)
         if step_ms is not None:
             self.step_ms = _ema(self.step_ms, step_ms)
-        if forecast is not None and self.current.frames != 1:  # after one frame's verdict its tree is thin
-            self.forecast = _ema(self.forecast, forecast)
+        if self.current.frames != 1:  # after one frame's verdict its tree is thin: keep the forecast
+            self.forecast = None if forecast is None else _ema(self.forecast, forecast)
         self._fit(float(sent_bytes), max(0.0, rtt_ms))
         name = schedule or self.current.name
         m = self.measured.get(name)

@@ -40,11 +40,13 @@ def test_the_expected_yield_of_a_frame_from_the_root_counts_sent_nodes_too():
     tree = LiveTree([1, 2, 3])
     grown(tree, {(): [(10, 0.6), (11, 0.3)], (10,): [(20, 0.9), (21, 0.05)]})
     value = {path_of(n, tree): tree.value(n) for n in tree.nodes()}
-    assert tree.expected(3, 100) == pytest.approx(1.0 + value[(10,)] + value[(10, 20)])  # the best three
+    root = tree.root.pos
+    assert tree.expected(3, 100) == pytest.approx((1.0 + value[(10,)] + value[(10, 20)], root + 2))  # the best three
     tree.send(tree.choose(2, 100))  # the root and 10 in flight: a frame from the root would carry them again
-    assert tree.expected(3, 100) == pytest.approx(1.0 + value[(10,)] + value[(10, 20)])
-    assert tree.expected(100, 100) == pytest.approx(sum(value.values())) and tree.expected(0, 100) == 0.0
-    assert tree.expected(3, tree.root.pos + 2) == pytest.approx(1.0 + value[(10,)] + value[(11,)])  # one step deep
+    assert tree.expected(3, 100) == pytest.approx((1.0 + value[(10,)] + value[(10, 20)], root + 2))
+    assert tree.expected(100, 100) == pytest.approx((sum(value.values()), root + 2))
+    assert tree.expected(0, 100) == (0.0, root)
+    assert tree.expected(3, root + 2) == pytest.approx((1.0 + value[(10,)] + value[(11,)], root + 1))  # one step deep
 
 
 def test_a_frame_in_flight_hangs_under_nodes_of_earlier_frames_and_hedges_their_outcomes():

@@ -71,6 +71,18 @@ def test_a_trees_first_frame_sends_the_missing_context_then_the_root_and_its_cha
     assert len(again.frames) == 1 and nxt.first_id == K + 2 and nxt.parents[0] == K + 1  # below the first
 
 
+def test_the_forecast_of_a_frame_from_the_root_waits_for_a_tree_that_deep(spec):
+    """The policy's forecast of one frame per round trip: the tree's expected yield from the root
+    within K steps, once the tree reaches that deep (a root alone would forecast one token where
+    such a frame commits up to K + 1)."""
+    assert spec.forecast() is None
+    spec.frame(Sampling(), 100)  # K steps of the draft: the chain reaches K below the root
+    value, deepest = spec.live.expected(spec.frame_size, spec.live.root.pos + K + 1)
+    assert deepest == spec.live.root.pos + K and spec.forecast() == pytest.approx(value)
+    assert 1.0 < value <= K + 1
+    assert spec.forecast(ahead=1) == spec.forecast()  # a frame of K + 1 nodes reaches no deeper
+
+
 def test_a_verdict_commits_the_picks_and_the_context_grows_by_the_committed_nodes(spec):
     n = len(spec.tokens)
     frame = spec.frame(Sampling(), 100)
