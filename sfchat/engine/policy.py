@@ -75,7 +75,7 @@ RETRIAL_SHARE = 0.1  # ...and long enough that the other's next trial (as long a
 SETTLE = 2  # verdicts after a switch to frames in flight that do not count, beyond them (the pipeline fills)
 REVISIT_MS = 60_000.0  # time under the best schedule before the others are measured again
 DECISIONS = 64  # choices kept for a report
-MIN_BATCHES = 3  # a rate's error is known over this many batches (verdicts, or a trip's worth in flight)
+MIN_BATCHES = 3  # batches (a verdict each, or a trip's worth in flight) for a rate's error over them
 FORECAST_MARGIN = 1.5  # a one-frame schedule is not tried while the best measured beats its forecast this many times over
 
 
@@ -119,40 +119,54 @@ class _Measured:
         self.restart()
 
     def restart(self) -> None:
-        self.n = self.batches = 0
-        self.tokens = self.ms = 0.0
-        self.tt = self.mm = self.tm = self.closed_tokens = self.closed_ms = 0.0  # over closed batches
-        self.open_tokens = self.open_ms = 0.0
+        self.n = 0
+        self.tokens = self.ms = self.open_tokens = self.open_ms = 0.0
+        self.verdicts = _Sums()  # every verdict
+        self.closed = _Sums()  # the closed batches
 
     def add(self, tokens: float, ms: float, span: float = 0.0) -> None:
         self.n += 1
         self.counted += 1
         self.tokens += tokens
         self.ms += ms
+        self.verdicts.add(tokens, ms)
         self.open_tokens += tokens
         self.open_ms += ms
         if self.open_ms >= span:
-            t, m = self.open_tokens, self.open_ms
-            self.batches += 1
-            self.closed_tokens += t
-            self.closed_ms += m
-            self.tt += t * t
-            self.mm += m * m
-            self.tm += t * m
+            self.closed.add(self.open_tokens, self.open_ms)
             self.open_tokens = self.open_ms = 0.0
 
     def rate(self) -> float:
         return self.tokens / self.ms if self.ms > 0 else 0.0
 
     def error(self) -> float:
-        """The rate's standard error (a ratio of sums over the closed batches: its first-order
-        spread), inf below ``MIN_BATCHES``."""
-        b = self.batches
-        if b < MIN_BATCHES or self.closed_ms <= 0:
+        """The rate's standard error over the closed batches once there are ``MIN_BATCHES``, else
+        over the verdicts one by one (an overstatement where they come in a cycle, never an
+        understatement), inf below 2 verdicts."""
+        return (self.closed if self.closed.n >= MIN_BATCHES else self.verdicts).error()
+
+
+class _Sums:
+    """Samples of (tokens, ms): the ratio of their sums and its standard error (first order)."""
+
+    def __init__(self) -> None:
+        self.n = 0
+        self.t = self.m = self.tt = self.mm = self.tm = 0.0
+
+    def add(self, t: float, m: float) -> None:
+        self.n += 1
+        self.t += t
+        self.m += m
+        self.tt += t * t
+        self.mm += m * m
+        self.tm += t * m
+
+    def error(self) -> float:
+        if self.n < 2 or self.m <= 0:
             return math.inf
-        r = self.closed_tokens / self.closed_ms
-        spread = max(0.0, self.tt - 2 * r * self.tm + r * r * self.mm) / (b - 1)  # of tokens - r x ms
-        return math.sqrt(spread / b) / (self.closed_ms / b)
+        r = self.t / self.m
+        spread = max(0.0, self.tt - 2 * r * self.tm + r * r * self.mm) / (self.n - 1)  # of tokens - r x ms
+        return math.sqrt(spread / self.n) / (self.m / self.n)
 
 
 class PipelinePolicy:

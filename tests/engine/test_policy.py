@@ -300,3 +300,15 @@ def test_verdicts_in_flight_that_come_in_a_cycle_measure_a_steady_rate():
     assert rate == pytest.approx(2 * 8 / sum(cycle), rel=0.05) and error < 0.02 * rate
     assert (first.chosen, first.sure, first.skipped) == ("stream", True, "round")
     assert first.forecasts["round"] == pytest.approx(9.0 / 218.0)
+
+
+def test_short_of_three_trips_in_flight_the_error_is_taken_verdict_by_verdict():
+    """A trial of 1000 ms at a 300 ms trip closes fewer than three batches: the error then comes
+    from the verdicts one by one (an overstatement where they cycle), never left unknown."""
+    policy = PipelinePolicy(8)
+    for i in range(12):
+        policy.observe(tokens=(1, 3)[i % 2], sent_bytes=20_000, rtt_ms=280.0, tail_ms=8.0, build_ms=10.0,
+                       round_ms=25.0, schedule="stream")
+    m = policy.measured["stream"]
+    assert m.closed.n < pol.MIN_BATCHES and m.error() == pytest.approx(m.verdicts.error())
+    assert 0.0 < m.error() < math.inf
