@@ -19,16 +19,15 @@ rules out a trial that cannot pay; every frame has the one shape of the frame la
   round trip is slow to come by; ``SCHEDULES``' order, stream first: where the round trip is long
   its verdicts come often and it is the likelier winner, where it is short its trial is over soon),
   with the rate's standard error from the spread between batches of verdicts (a verdict each
-  under one frame at a time, a frame's trip of them under frames in flight). It follows the
-  best once its lead is ``CONFIDENCE`` standard errors of the difference (sure); short of that it follows the better
-  mean for ``unsure_ms()`` (``UNSURE_MS``, or long enough that trying the other again takes at
-  most ``RETRIAL_SHARE`` of the time) and then tries the other again, each schedule's verdicts
-  adding up over the comparison, until one leads so or ``MAX_TRIALS`` trials were run (then the better mean:
-  schedules that close cost little either way). A trial of a one-frame schedule is skipped
-  (``Decision.skipped``) while the best measured schedule beats its forecast
-  (``forecast_rate``: the tree's expected yield of a frame from the committed root, each
-  verdict a frame's whole trip) ``FORECAST_MARGIN`` times over: the best is followed, sure. After
-  ``REVISIT_MS`` under a sure choice it
+  under one frame at a time, a frame's trip of them under frames in flight). It follows the best
+  once its lead is ``CONFIDENCE`` standard errors of the difference (sure); short of that, the
+  better mean for ``unsure_ms()`` (``UNSURE_MS``, or long enough that trying the other again takes
+  at most ``RETRIAL_SHARE`` of the time) and then the other again, each schedule's verdicts adding
+  up over the comparison, until one leads so or ``MAX_TRIALS`` trials were run (then the better
+  mean: schedules that close cost little either way). A trial of a one-frame schedule is skipped
+  (``Decision.skipped``) while the best measured beats its forecast (``forecast_rate``: the tree's
+  expected yield of a frame from the committed root over a frame's whole trip)
+  ``FORECAST_MARGIN`` times over: the best is followed, sure. After ``REVISIT_MS`` under a sure choice it
   compares anew (the link may change): the best's rate over the time it was followed against
   fresh trials of the others. Only verdicts of steady frames (no prefill) built under the schedule
   count, and none of the first after a switch (one frame at a time: the first; frames in flight:
@@ -320,11 +319,11 @@ class PipelinePolicy:
 
     def _out_of_reach(self, sc: Schedule) -> bool:
         """Whether a trial of ``sc`` cannot pay: another schedule measured (two verdicts or more),
-        less a standard error of its rate, beats ``FORECAST_MARGIN`` times ``sc``'s forecast
-        rate (one frame per round trip at 200 ms commits a third of a stream's tokens: its trial
-        cost a short reply 7-9 %). The forecast came within -6 to +25 % of round's trials on the
-        simulator and a third low on a young calibration (RESULTS, twelfth session): a skip it
-        gets wrong passes over a schedule a few percent ahead at most, until the next comparison."""
+        less a standard error of its rate, beats ``FORECAST_MARGIN`` times ``sc``'s forecast rate
+        (one frame per round trip at 200 ms commits a third of a stream's tokens: its trial cost a
+        short reply 7-9 %). The forecast came within -6 to +25 % of round's trials on the simulator,
+        a third low on a young calibration (RESULTS, twelfth session): a wrong skip passes over a
+        schedule a few percent ahead at most, until the next comparison."""
         rate = self.forecast_rate(sc)
         if rate is None:
             return False
