@@ -9,7 +9,9 @@ prefilled, and every figure is the mean of many calls (CUDA-synchronised wall ti
     widths 8, 16 and 32, and (width 8, the product's) with the forward compiled by torch.compile
     under the graph, for each window (the product's way; ``--max-context`` + its pool slots), and
     with dynamo free to make the window's size symbolic (one program for the windows after the
-    first: fewer compiles at the start);
+    first: fewer compiles at the start); each with the attention over a long window in blocks
+    (``Drafter(blocks_from=)``, the product's) and without (SDPA); ``--draft-contexts`` measures
+    each captured variant after several contexts (windows);
     ``--profile-draft`` adds each step's top kernels;
   * the head slice's tree forward over its scratch at 9, 33 and 65 rows, replayed from its graph;
     the same rows as a plain causal forward (no tree mask, no scratch: the attention over the
@@ -26,7 +28,7 @@ prefilled, and every figure is the mean of many calls (CUDA-synchronised wall ti
     the kernels of one eager canonical forward (compiled on a GPU).
 
 Run from the repository root:  python3 bench/frame_cost.py [--tiny] [--context 500] [--no-compile] [--rows-only]
-    [--max-context 2048] [--profile-draft] [--draft-only]
+    [--max-context 2048] [--profile-draft] [--draft-only] [--draft-contexts 500,1500,3000] [--variants 0,1]
 (--tiny: CPU, tiny shapes: checks the script, measures nothing)
 """
 
@@ -44,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from verify_breakdown import SHAPES, TINY, gemm_ms, profiled, random_slice, timed  # noqa: E402
-from sfchat.engine.draft import Drafter  # noqa: E402
+from sfchat.engine.draft import BLOCKS_FROM, Drafter  # noqa: E402
 from sfchat.engine.scratch import Scratch  # noqa: E402
 from sfchat.model import attention  # noqa: E402
 from sfchat.engine.speculator import hidden_bytes  # noqa: E402
@@ -98,6 +100,9 @@ def main() -> None:
     ap.add_argument("--max-context", type=int, default=2048, help="the draft's cache (the product's default: 4096)")
     ap.add_argument("--profile-draft", action="store_true", help="the top kernels of each expansion step (profiler)")
     ap.add_argument("--draft-only", action="store_true", help="only the draft's expansion steps")
+    ap.add_argument("--draft-contexts", help="the draft's steps after each of these contexts (default: --context)")
+    ap.add_argument("--variants", help="the draft's variants to run, by index (0 plain, 1 blocks, 2 compiled, "
+                                       "3 compiled blocks, 4 compiled dynamic blocks; default all)")
     args = ap.parse_args()
     cuda = not args.tiny and torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
@@ -121,15 +126,20 @@ def main() -> None:
 
     # -- the draft's expansion step ------------------------------------------------------------
     draft = random_slice(draft_shape, dtype, device, max_len=args.max_context + DRAFT_POOL)
-    tokens = [int(t) for t in torch.randint(0, 300, (ctx,))]
-    variants = {"": {}} if args.no_compile or not cuda else \
-        {"": {}, " (compiled, a program per window)": dict(compile=True),
-         " (compiled, the window dynamic)": dict(compile=True, dynamic=None)}
+    contexts = [int(c) for c in args.draft_contexts.split(",")] if args.draft_contexts else [ctx]
+    tokens = [int(t) for t in torch.randint(0, 300, (max(contexts),))]
+    variants = {"": {}, " (blocks)": dict(blocks=True)}
+    if cuda and not args.no_compile:
+        variants |= {" (compiled, a program per window)": dict(compile=True),
+                     " (compiled, a program per window, blocks)": dict(compile=True, blocks=True),
+                     " (compiled, the window dynamic, blocks)": dict(compile=True, dynamic=None, blocks=True)}
+    if args.variants:
+        variants = {k: v for i, (k, v) in enumerate(variants.items()) if str(i) in args.variants.split(",")}
     for label, how in variants.items():
         how = dict(how)
-        dynamic = how.pop("dynamic", False)
-        for width in ((8, 16, 32) if not how else (8,)):  # compiled: the product's width (each compile takes a while)
-            d = Drafter(draft, width=width, children=8, pool=DRAFT_POOL)
+        dynamic, blocks = how.pop("dynamic", False), how.pop("blocks", False)
+        for width in ((8, 16, 32) if not how and not blocks else (8,)):  # the product's width for the others
+            d = Drafter(draft, width=width, children=8, pool=DRAFT_POOL, blocks_from=BLOCKS_FROM if blocks else 0)
             if how:  # no program of another variant may serve this one (dynamo's cache is per function)
                 torch._dynamo.reset()
             t0, programs = time.perf_counter(), compiled_programs()
@@ -137,15 +147,17 @@ def main() -> None:
                 with compile_dynamic(dynamic):
                     d.capture(**how)
             setup, programs = time.perf_counter() - t0, compiled_programs() - programs
-            d.sync(tokens)
-            rows = draft_rows(width, ctx)
-            ms = timed(lambda: d.expand(rows, Sampling()), n, cuda)
-            top = profiled(lambda: d.expand(rows, Sampling()), cuda) if args.profile_draft else []
-            rows_out.append((f"{draft_name} expansion step, {width + 1} rows{label}", ms,
-                             f"{ms / width:.2f} ms per node expanded; capture {setup:.1f} s"
-                             + (f" ({programs} programs compiled)" if how else "") +
-                             "".join(f"; {k} {us / 1e3:.2f} ms x{c}" for k, us, c in top[:6])))
-            d.scratch.reset(ctx)
+            for context in contexts:
+                d.sync(tokens[:context])
+                rows = draft_rows(width, context)
+                ms = timed(lambda: d.expand(rows, Sampling()), n, cuda)
+                top = profiled(lambda: d.expand(rows, Sampling()), cuda) if args.profile_draft else []
+                window = draft.window_for(d.scratch.end)
+                rows_out.append((f"{draft_name} expansion step, {width + 1} rows{label}, context {context}", ms,
+                                 f"window {window}; {ms / width:.2f} ms per node expanded; capture {setup:.1f} s"
+                                 + (f" ({programs} programs compiled)" if how else "") +
+                                 "".join(f"; {k} {us / 1e3:.2f} ms x{c}" for k, us, c in top[:6])))
+                d.scratch.reset(context)
             draft.reset()
     del draft
     if cuda:

@@ -232,15 +232,19 @@ def test_the_hedged_choice_is_the_trees_own_without_a_boost_and_sends_the_altern
 
 def test_frame_cost_prints_each_draft_step_with_its_top_kernels_on_the_cpu():
     """bench/frame_cost.py --tiny runs the script's code on the CPU (nothing measured there): each
-    expansion step a row, with --profile-draft its busiest ops, at the cache size asked for."""
+    expansion step a row, with --profile-draft its busiest ops, at the cache size asked for, after
+    each context asked for (its window named), the attention masked and in blocks."""
     import subprocess
 
     root = Path(__file__).resolve().parents[1]
     out = subprocess.run([sys.executable, str(root / "bench" / "frame_cost.py"), "--tiny", "--profile-draft",
-                          "--max-context", "1024", "--draft-only"], capture_output=True, text=True, check=True, timeout=600,
-                         cwd=root).stdout
+                          "--max-context", "1024", "--draft-only", "--draft-contexts", "100,700"],
+                         capture_output=True, text=True, check=True, timeout=600, cwd=root).stdout
     steps = [line for line in out.splitlines() if "draft expansion step" in line]
-    assert [s.split(" | ")[0] for s in steps] == [f"| tiny draft expansion step, {r} rows" for r in (9, 17, 33)]
+    assert [s.split(" | ")[0] for s in steps] == [
+        f"| tiny draft expansion step, {r} rows{how}, context {c}" for r, how in ((9, ""), (17, ""), (33, ""), (9, " (blocks)"))
+        for c in (100, 700)]
+    assert [s.split(" | ")[2].split(";")[0] for s in steps[:2]] == ["window 1024", "window 1537"]  # 1024 + 513 pool slots
     assert all("aten::linear" in s for s in steps)
     assert "head half" not in out  # --draft-only
 

@@ -53,15 +53,19 @@ def expansion_rows(drafter, context: int, n: int):
     return [r[:4] for r in rows]
 
 
+@pytest.mark.parametrize("blocks_from", [0, 256], ids=["sdpa", "blocks"])
 @pytest.mark.parametrize("s", [Sampling(), Sampling(0.7, 0, 1.0, 3), Sampling(1.3, 20, 0.9, 4)], ids=str)
-def test_the_drafts_expansion_step_replays_from_graphs_as_it_runs_eagerly(zoo, s):
+def test_the_drafts_expansion_step_replays_from_graphs_as_it_runs_eagerly(zoo, s, blocks_from, monkeypatch):
     """One graph per window for the expansion step, greedy and sampled (the settings are its inputs):
-    a replay gives exactly the proposals the plain code gives from the same cache."""
+    a replay gives exactly the proposals the plain code gives from the same cache; the attention
+    masked (SDPA) or in blocks (the one 256-slot window in two of 128)."""
     from sfchat.engine.draft import Drafter
 
+    blocked, calls = attention.in_blocks, []
+    monkeypatch.setattr(attention, "in_blocks", lambda *a: calls.append(1) or blocked(*a))
     model = ModelSlice.load(ModelSource.open(str(zoo["llama-untied"])), 0, 4, embed=True, head=True,
                             dtype=torch.bfloat16, device=torch.device("cuda"), max_len=256)
-    drafter = Drafter(model, width=8, children=8, pool=40)
+    drafter = Drafter(model, width=8, children=8, pool=40, blocks_from=blocks_from)
     assert drafter.capture() and ("expand", s.temperature > 0) in drafter.graphs
     graphs = drafter.graphs
     context = list(range(5, 60))
@@ -73,6 +77,7 @@ def test_the_drafts_expansion_step_replays_from_graphs_as_it_runs_eagerly(zoo, s
         drafter.graphs = table
         results.append(drafter.expand(expansion_rows(drafter, len(context) + 1, 6), s))
     assert results[0] == results[1]
+    assert bool(calls) == bool(blocks_from)
 
 
 @pytest.mark.parametrize("k", [1, 8])

@@ -40,6 +40,12 @@ Contract
   merged by its log-sum-exp. A row may sit at most ``SPAN - 1`` positions past the committed
   context, so that every key of part (1) is the context's, and a tree forward's window need only
   hold the committed context; ``update`` returns the whole buffers.
+* Attention in blocks (a plain cache's tree forwards, ``in_blocks(block, from_window)``: the
+  draft's). Over a window of at least ``from_window`` slots (a multiple of ``block``), ``begin``
+  returns ``Blocks`` instead of the mask tensor: the same mask, its rows repeated for each query
+  head of a key head, which ``model.attention`` runs over the window cut in blocks of ``block``
+  slots side by side (a step's few rows over a long window fill a GPU no other way). Plain
+  forwards and shorter windows keep the mask tensor.
 
 The cache knows nothing about models or rounds; it is duck-typed to what the decoder layers
 of transformers call (``update``), not a subclass of transformers' ``Cache``.
@@ -107,6 +113,16 @@ class Attend:
     own: torch.Tensor
 
 
+@dataclass(frozen=True)
+class Blocks:
+    """A tree forward's attention in blocks (``model.attention.in_blocks``): ``bias`` (group * n,
+    window) the additive mask, rows repeated for each query head of a key head; ``block`` slots a
+    block (the window a multiple of it)."""
+
+    bias: torch.Tensor
+    block: int
+
+
 def cache_slots(max_len: int, canonical: bool) -> int:
     """The slots a cache of ``max_len`` holds: a canonical one's sink and the rounding to ``BLOCK`` too."""
     return -(-(max_len + 1) // BLOCK) * BLOCK if canonical else max_len
@@ -135,6 +151,14 @@ class StaticKV:
         self.mask = torch.zeros(1, 1, 1, max_len, dtype=dtype, device=device)
         self.windows = windows_for(max_len)
         self.window = max_len
+        self.block, self.blocks_from = 0, 0  # a tree forward's attention in blocks: off (``in_blocks``)
+
+    def in_blocks(self, block: int, from_window: int) -> None:
+        """Run a tree forward's attention in blocks of ``block`` slots over any window of at least
+        ``from_window`` slots that is a multiple of ``block`` (``Blocks``); ``block`` 0: never."""
+        if self.canonical and block:
+            raise ValueError("a canonical cache attends in its own form")
+        self.block, self.blocks_from = block, from_window
 
     # -- used by the forward that owns this cache ---------------------------------------------
     def window_for(self, end: int) -> int:
@@ -152,7 +176,8 @@ class StaticKV:
               ) -> torch.Tensor:
         """Set the slots the next forward writes (``positions``) and attends over (``window``,
         default all; every position must lie inside it): the (1, 1, n, window) additive mask,
-        causal by slot, or the tree's (see ``TreeMask``); a canonical cache's ``Attend`` instead,
+        causal by slot, or the tree's (see ``TreeMask``; as ``Blocks`` over a long window where
+        ``in_blocks`` says so); a canonical cache's ``Attend`` instead,
         its context part over ``context_slots(window)`` (which need hold only every row's context
         part: a tree's rows write scratch slots past it, read through their own part)."""
         if self.canonical:
@@ -169,6 +194,8 @@ class StaticKV:
             visible = (rel < 0) | (inside & picked)
         zero = torch.zeros((), dtype=self.dtype, device=positions.device)
         self.mask = torch.where(visible, zero, torch.full_like(zero, self.neg))[None, None]
+        if tree is not None and self.block and self.window >= self.blocks_from and self.window % self.block == 0:
+            return Blocks(self.mask[0, 0].repeat(self.group, 1), self.block)
         return self.mask
 
     def _attend(self, positions: torch.Tensor, rows: RowKeys | None, width: int) -> Attend:

@@ -364,6 +364,12 @@ class ModelSlice(nn.Module):
             for seg in self._segments:
                 seg.kv.clear()
 
+    def attend_in_blocks(self, block: int, from_window: int) -> None:
+        """Tree forwards over a window of at least ``from_window`` slots attend in blocks of ``block``
+        (``kv.StaticKV.in_blocks``: the draft's), in every segment; graphs capture the form set then."""
+        for seg in self._segments:
+            seg.kv.in_blocks(block, from_window)
+
     def kv_tensors(self) -> list[torch.Tensor]:
         """Every layer's keys, then values, segment by segment (the buffers themselves: for checks)."""
         return [t for seg in self._segments for t in seg.kv.keys + seg.kv.values]
