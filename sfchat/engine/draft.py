@@ -2,19 +2,19 @@
 
 Contract
 --------
-``Drafter(model, width, children, pool, blocks_from)`` keeps the draft's KV cache in step with the committed
-context (``sync``: whatever prefix of the context is cached is reused, the rest is fed in
-chunks) and, right after it, ``scratch``: an ``engine.scratch.Scratch`` of ``pool`` slots for the
-live nodes it has run on (whoever builds the rows takes, releases and commits them there).
+``Drafter(model, width, children, pool, blocks_from)`` keeps the draft's KV cache in step with
+the committed context (``sync``: whatever prefix of the context is cached is reused, the rest is
+fed in chunks) and, right after it, ``scratch``: an ``engine.scratch.Scratch`` of ``pool`` slots
+for the live nodes it has run on (whoever builds the rows takes, releases and commits them there).
 ``expand(rows, s)`` runs one forward padded to ``rows`` = ``width + 1`` rows (the committed
 nodes it has not run yet first, the catch-up after a verdict, then up to ``width`` nodes to
-expand; a padding row writes the scratch's trash slot and sees only it): each row a node (token, position, the node,
-its ancestors in the scratch), written at its slot with the tree mask (it sees the context, its
-ancestors and itself; over a window of ``blocks_from`` slots or more its attention runs in blocks
-of ``BLOCK`` side by side, ``kv.StaticKV.in_blocks``), and returns each row's ``children`` likeliest continuations with their
-probabilities (of the raw distribution when greedy, of the warped one when sampling: the draft
-never samples; the target's draw at each node decides, see ``sampling.picks``). One host sync
-per call.
+expand; a padding row writes the scratch's trash slot and sees only it): each row a node
+(token, position, the node, its ancestors in the scratch), written at its slot with the tree
+mask (it sees the context, its ancestors and itself; over a window of ``blocks_from`` slots or
+more its attention runs in blocks of ``BLOCK`` side by side, ``kv.StaticKV.in_blocks``), and
+returns each row's ``children`` likeliest continuations with their probabilities (of the raw
+distribution when greedy, of the warped one when sampling: the draft never samples; the
+target's draw at each node decides, see ``sampling.picks``). One host sync per call.
 
 Graphs and the CPU run the same code: the forward is a plain function of tensors (``_expand``)
 that ``model.graphs.GraphTable`` replays from a graph captured over it, one per attention window,
