@@ -111,7 +111,7 @@ def main() -> None:
     (head_name, head_shape), (draft_name, draft_shape) = list(shapes.items())
     head_shape = dict(head_shape, embed=True)
     ctx, n = args.context, args.calls if cuda else 3
-    print(f"\n{'device' if cuda else 'CPU (tiny shapes: nothing measured)'}: "
+    print(f"\n{'device' if cuda else 'CPU (tiny shapes: nothing measured)' if args.tiny else 'CPU'}: "
           f"{torch.cuda.get_device_name() if cuda else 'cpu'}, {dtype}, context {ctx}, {n} calls per figure\n")
     print("| what | ms | notes |\n| --- | --- | --- |")
 
