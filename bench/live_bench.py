@@ -75,7 +75,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import harness  # noqa: E402
-from live_report import modes_at, print_table, row, save  # noqa: E402
+from live_report import modes_at, print_table, row, save, verdict_rows  # noqa: E402
 from harness import QWEN25_05B, QWEN25_15B, QWEN25_7B, TINY_DRAFT, TINY_TARGET, head_link, relay_and_tail  # noqa: E402
 from sfchat.engine.draft import WIDTH, Drafter  # noqa: E402
 from sfchat.engine.live import LiveTree  # noqa: E402
@@ -221,9 +221,10 @@ def timed_parts(targets, cuda: bool):
 
 
 def run_mode(spec, inflight: int, ahead: int, plan: str, link, hello, prompts, n_new: int,
-             sampling: Sampling = GREEDY, parts: bool = False):
+             sampling: Sampling = GREEDY, parts: bool = False, verdicts: bool = False):
     """Every prompt's whole reply in one mode: tokens, wall time, per-verdict figures, token ids;
-    with ``parts``, the median ms of each part of a frame's build (synchronized: slower frames)."""
+    with ``parts``, the median ms of each part of a frame's build (synchronized: slower frames);
+    with ``verdicts``, every verdict's figures in order (``per_verdict``)."""
     driver = RoundDriver(spec, link, policy=PipelinePolicy(inflight, schedules(plan)), max_in_flight=inflight,
                          round_timeout=120, ahead_steps=ahead)
     driver.connect(hello)
@@ -273,7 +274,8 @@ def run_mode(spec, inflight: int, ahead: int, plan: str, link, hello, prompts, n
                "frame_head_ms_median": statistics.median(b[1] for b in built) if built else 0.0,
                "frame_head_ms_max": max((b[1] for b in built), default=0.0),
                "frame_parts_ms": {k: (statistics.median(v), len(v)) for k, v in timed.items()},
-               "frame_steps": statistics.fmean(b[2] for b in built) if built else 0.0})
+               "frame_steps": statistics.fmean(b[2] for b in built) if built else 0.0}
+            | ({"per_verdict": verdict_rows(stats)} if verdicts else {}))
 
 
 def summary(stats, tokens: int, wall: float, inflight: int) -> dict:
@@ -332,6 +334,7 @@ def main() -> None:
                          "is slow at a long one)")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--save", type=Path)
+    ap.add_argument("--verdicts", action="store_true", help="--save every verdict's figures too (per_verdict)")
     ap.add_argument("--ranks-out", type=Path)
     args = ap.parse_args()
     if args.pair:
@@ -378,7 +381,7 @@ def main() -> None:
             for mode in modes_at(args.modes.split(","), rtt, rtts, args.reference_once):
                 res[(mode, rtt)] = r = run_mode(specs[mode], *MODES[mode][3:], link, hello, prompts, args.new,
                                                 Sampling(temperature=args.temperature, seed=args.seed),
-                                                parts=args.frame_parts)
+                                                parts=args.frame_parts, verdicts=args.verdicts)
                 print(f"rtt {rtt} {mode}: " + row(r, None, rtt), file=sys.stderr, flush=True)  # a run cut short keeps it
                 print(f"rtt {rtt} {mode}: verdicts that committed nothing {r['empty']:.1%}; "
                       f"a frame's head ms: mean {r['frame_head_ms']:.2f}, median "

@@ -19,6 +19,16 @@ def save(path: Path, res: dict) -> None:
     part.replace(path)
 
 
+VERDICT_FIELDS = ("schedule", "committed", "expected", "in_flight", "rtt_ms", "tail_ms", "round_ms", "draft_ms",
+                  "head_ms", "forward_bytes")
+
+
+def verdict_rows(stats) -> dict:
+    """Every verdict's figures in order (``RoundStats``, the fields ``VERDICT_FIELDS``): what
+    ``--verdicts`` saves, for a look at one phase of a run (auto's streamed verdicts after a trial)."""
+    return {"fields": list(VERDICT_FIELDS), "rows": [[getattr(s, f) for f in VERDICT_FIELDS] for s in stats]}
+
+
 def row(r: dict, base: float | None, rtt: int) -> str:
     """One mode's figures as the table's cells from tok/s on."""
     ratio = f"{r['tps'] / base:.2f}x" if base else ""

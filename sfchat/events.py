@@ -70,6 +70,7 @@ class RoundStats:
     draft_steps: int = 0  # draft steps of the frames built since the verdict before
     expected: float = 0.0  # the tree's estimate of the tokens the frame would commit (its nodes' values)
     ahead_steps: int = 0  # draft steps run while the verdict travelled (--draft-ahead)
+    schedule: str = ""  # the pipeline policy's schedule the frame was built under ("": none)
 
 
 @dataclass(frozen=True)

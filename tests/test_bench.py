@@ -92,6 +92,24 @@ def test_live_bench_counts_the_verdicts_that_committed_nothing():
     assert out["empty"] == 0.5 and out["tokens_per_verdict"] == 1.0 and out["verdicts"] == 4
 
 
+def test_live_bench_saves_every_verdicts_figures_in_order_when_asked():
+    from live_report import VERDICT_FIELDS, verdict_rows
+
+    from sfchat.events import RoundStats
+
+    stats = [RoundStats(accepted=2, committed=3, draft_ms=4.0, head_ms=5.0, tail_ms=6.0, rtt_ms=170.0, round_ms=30.0,
+                        in_flight=7, expected=2.5, forward_bytes=9000, schedule="stream"),
+             RoundStats(accepted=0, committed=1, draft_ms=20.0, head_ms=8.0, tail_ms=9.0, rtt_ms=180.0, round_ms=220.0,
+                        schedule="round")]
+    out = verdict_rows(stats)
+    assert out["fields"][:3] == ["schedule", "committed", "expected"] and len(out["fields"]) == len(VERDICT_FIELDS)
+    assert [dict(zip(out["fields"], r)) for r in out["rows"]] == [
+        {"schedule": "stream", "committed": 3, "expected": 2.5, "in_flight": 7, "rtt_ms": 170.0, "tail_ms": 6.0,
+         "round_ms": 30.0, "draft_ms": 4.0, "head_ms": 5.0, "forward_bytes": 9000},
+        {"schedule": "round", "committed": 1, "expected": 0.0, "in_flight": 1, "rtt_ms": 180.0, "tail_ms": 9.0,
+         "round_ms": 220.0, "draft_ms": 20.0, "head_ms": 8.0, "forward_bytes": 0}]
+
+
 def test_shape_cost_times_every_variant_over_the_same_rows(tmp_path):
     """bench/shape_cost.py compares a verify forward at its own row count with the one row shape
     (plain and compiled canonical attention): its figures mean something only when every variant

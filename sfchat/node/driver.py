@@ -297,7 +297,7 @@ class RoundDriver:
             tail_ms=tail_ms, rtt_ms=rtt_ms, round_ms=(t5 - t0) * 1e3,
             wait_ms=(t4 - t3) * 1e3, overlap_ms=(t3 - fill.out_at) * 1e3, speculated=first.ahead and bool(commit.tokens),
             forward_bytes=first.forward_bytes, tree_nodes=len(first.nodes), depth=depth, in_flight=in_flight,
-            draft_steps=fill.steps, ahead_steps=ahead, expected=first.expected)
+            draft_steps=fill.steps, ahead_steps=ahead, expected=first.expected, schedule=first.schedule)
         return RoundOutcome(commit, stats)
 
     def _fill(self, s: wire.Sampling, budget: int, t0: float) -> "_Fill":

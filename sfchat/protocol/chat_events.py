@@ -231,7 +231,8 @@ STATS_BOUNDS = {"accepted": Whole(hi=MAX_CHUNK_TOKENS), "committed": Whole(hi=MA
                 "round_ms": Number(), "wait_ms": Number(), "overlap_ms": Number(), "speculated": Flag(),
                 "forward_bytes": Whole(), "tree_nodes": Whole(hi=MAX_CHUNK_TOKENS),
                 "depth": Whole(hi=MAX_CHUNK_TOKENS), "in_flight": Whole(hi=MAX_CHUNK_TOKENS),
-                "draft_steps": Whole(), "expected": Number(hi=MAX_CHUNK_TOKENS), "ahead_steps": Whole()}
+                "draft_steps": Whole(), "expected": Number(hi=MAX_CHUNK_TOKENS), "ahead_steps": Whole(),
+                "schedule": Text(16)}
 TABLES = {
     LoadProgress: ("progress", {"node": Choice(NODES), "stage": Text(64, empty=False), "done": Whole(),
                                 "total": Whole(), "detail": Text(MAX_TEXT)}),

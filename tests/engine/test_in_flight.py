@@ -222,10 +222,14 @@ def test_the_policys_schedules_switching_mid_reply_change_no_token(zoo, draft, m
     forecasts, observe = [], policy.observe
     policy.observe = lambda **kw: (forecasts.append(kw["forecast"]), observe(**kw))
     ids = session.encode(PROMPT)
-    fin = finished(session, ids, 96)
+    events = list(session.reply(ids, 96, Sampling()))
+    fin = [e for e in events if isinstance(e, ReplyFinished)][-1]
     assert list(fin.token_ids) == reference(zoo[TARGET], ids, 96, eos=-1)
     switches = sum(a != b for (a, _), (b, _) in zip(built, built[1:]))
     assert policy.counts["round"] > 0 and policy.counts["stream"] > 0 and switches >= 2, built
+    # each verdict's figures name the schedule its frame was built under: as many of each as the policy counted
+    named = [e.stats.schedule for e in events if hasattr(e, "stats")]
+    assert {name: named.count(name) for name in policy.counts} == policy.counts, named
     assert max(steps for name, steps in built if name == "stream") <= pol.STREAM_STEPS
     # every verdict brings the tree's forecast of a frame from the root (the root's pick, at most a
     # frame), or None while the tree does not reach such a frame's depth (here, frames verified at

@@ -256,7 +256,7 @@ def test_local_mode_never_sends_ahead(zoo):
     session = load(zoo, draft=TARGET, max_in_flight=4)
     assert session.engine.policy.max_in_flight == 1
     rounds = rounds_of(session, session.encode(PROMPT), 30)
-    assert all(r.in_flight == 1 and not r.speculated and r.ahead_steps == 0 for r in rounds)
+    assert all(r.in_flight == 1 and not r.speculated and r.ahead_steps == 0 and r.schedule == "round" for r in rounds)
 
 
 def test_a_tail_lost_during_the_handshake_is_waited_for(zoo):

@@ -23,7 +23,7 @@ HOST = "ab" * 16
 # every field away from its default, so that a field the codec drops or mixes up shows
 STATS = RoundStats(accepted=2, committed=3, draft_ms=5.0, head_ms=3.0, tail_ms=4.0, rtt_ms=80.0, round_ms=100.0,
                    wait_ms=7.5, overlap_ms=1.25, speculated=True, forward_bytes=4096, tree_nodes=64, depth=5,
-                   in_flight=2, draft_steps=8, expected=2.7, ahead_steps=3)
+                   in_flight=2, draft_steps=8, expected=2.7, ahead_steps=3, schedule="stream")
 
 
 def test_the_stats_of_the_round_trip_test_leave_no_field_at_its_default():
