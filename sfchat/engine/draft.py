@@ -11,7 +11,8 @@ nodes it has not run yet first, the catch-up after a verdict, then up to ``width
 expand; a padding row writes the scratch's trash slot and sees only it): each row a node
 (token, position, the node, its ancestors in the scratch), written at its slot with the tree
 mask (it sees the context, its ancestors and itself; over a window of ``blocks_from`` slots or
-more its attention runs in blocks of ``BLOCK`` side by side, ``kv.StaticKV.in_blocks``), and
+more, ``BLOCKS_FROM`` by default, its attention runs in blocks of ``BLOCK`` side by side,
+``kv.StaticKV.in_blocks``), and
 returns each row's ``children`` likeliest continuations with their probabilities (of the raw
 distribution when greedy, of the warped one when sampling: the draft never samples; the
 target's draw at each node decides, see ``sampling.picks``). One host sync per call.
@@ -49,8 +50,9 @@ BLOCKS_FROM = 2048
 
 class Drafter:
     def __init__(self, model: ModelSlice, width: int = WIDTH, children: int = CHILDREN, pool: int = 256,
-                 blocks_from: int = BLOCKS_FROM):
+                 blocks_from: int | None = None):
         self.model, self.width, self.vocab = model, width, model.config.vocab_size
+        blocks_from = BLOCKS_FROM if blocks_from is None else blocks_from
         model.attend_in_blocks(BLOCK if blocks_from else 0, blocks_from)  # the steps' (tree forwards') attention
         self.rows = width + 1  # the nodes a step expands, and room for a committed node to catch up
         self.children = min(children, self.vocab)
