@@ -31,6 +31,7 @@ from sfchat.engine import sampling
 from sfchat.engine.scratch import Scratch
 from sfchat.model.attention import allow_recompiles
 from sfchat.model.graphs import GraphTable
+from sfchat.model import kv
 from sfchat.model.kv import PREFILL_CHUNK, TreeMask
 from sfchat.model.slices import ModelSlice
 from sfchat.protocol.wire import Sampling
@@ -44,7 +45,7 @@ CHILDREN = 8  # continuations kept per node
 # a step's attention over a window of BLOCKS_FROM slots or more runs in blocks of BLOCK side by side
 # (``kv.StaticKV.in_blocks``): an H100, a 0.5B draft's 24 layers at 9 rows: 0.77 ms against 1.09 with
 # SDPA at 2048 slots, 0.86 against 1.92 at 4096, but 0.74 against 0.68 at 1024 (bench/draft_attention.py)
-BLOCK = 128
+BLOCK = kv.DRAFT_BLOCK  # 128: the draft's cache holds whole blocks (``kv.draft_slots``)
 BLOCKS_FROM = 2048
 
 

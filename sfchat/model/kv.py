@@ -45,7 +45,8 @@ Contract
   returns ``Blocks`` instead of the mask tensor: the same mask, its rows repeated for each query
   head of a key head, which ``model.attention`` runs over the window cut in blocks of ``block``
   slots side by side (a step's few rows over a long window fill a GPU no other way). Plain
-  forwards and shorter windows keep the mask tensor.
+  forwards and shorter windows keep the mask tensor. The draft's cache holds whole blocks
+  (``draft_slots``), so its widest window runs in blocks too.
 
 The cache knows nothing about models or rounds; it is duck-typed to what the decoder layers
 of transformers call (``update``), not a subclass of transformers' ``Cache``.
@@ -61,6 +62,7 @@ import torch
 SPAN = 128  # a canonical row's own last positions, gathered in order (head and tail alike: a protocol constant)
 BLOCK = 512  # a canonical cache's slots round up to this: its context part runs in blocks of it, side by side
 PREFILL_CHUNK = 512  # positions per forward when a long context is fed (head, draft, memory estimate)
+DRAFT_BLOCK = 128  # the draft's attention in blocks (``in_blocks``): its cache holds whole blocks (``draft_slots``)
 MIN_WINDOW = 512  # below this many slots a narrower attention saves nothing measurable on a GPU
 
 
@@ -121,6 +123,12 @@ class Blocks:
 
     bias: torch.Tensor
     block: int
+
+
+def draft_slots(max_len: int) -> int:
+    """The draft's cache for a context and scratch of ``max_len`` slots: rounded up to whole
+    ``DRAFT_BLOCK``s, so that its widest window (all of it) runs in blocks too."""
+    return -(-max_len // DRAFT_BLOCK) * DRAFT_BLOCK
 
 
 def cache_slots(max_len: int, canonical: bool) -> int:

@@ -37,6 +37,7 @@ import torch
 from sfchat import UserError
 from sfchat.model.footprint import (GIB, GRAPH_BYTES, Need, device_bytes, draft_graphs, gib, kv_bytes_per_position,
                                    slice_needs)
+from sfchat.model.kv import draft_slots
 
 Plan = list[tuple[str, torch.device, Need]]
 
@@ -127,7 +128,9 @@ def hints(role: str, *, quant: str, max_len: int, kv_per_position: int, gpus: in
 
 
 def draft_need(draft: DraftPlan, max_len: int, graphs: bool = True) -> Need:
-    """The draft's weights, KV cache, workspace and graphs on its device."""
+    """The draft's weights, KV cache, workspace and graphs on its device (its cache of
+    ``kv.draft_slots(max_len)`` slots, as the head loads it)."""
+    max_len = draft_slots(max_len)
     [(_, need)] = slice_needs(draft.config, 0, int(draft.config.num_hidden_layers), embed=True, head=True,
                               dtype=draft.dtype, quant=draft.quant, max_len=max_len, devices=[draft.device],
                               graphs=False)

@@ -34,6 +34,7 @@ from sfchat.events import LoadProgress, RuntimeReady
 from sfchat.model import attention
 from sfchat.model.decoder import n_layers
 from sfchat.model.devices import DTYPE_NAMES, default_draft_device, pick_dtype, resolve_device, resolve_devices
+from sfchat.model.kv import draft_slots
 from sfchat.model.memory import DraftPlan, check_head, head_reserve, place_draft
 from sfchat.model.slices import ModelSlice
 from sfchat.model.source import ModelSource
@@ -103,7 +104,7 @@ def open_engine(s: Settings, on_event: Callable = lambda e: None, link=None,
     reserved = head_reserve(draft, devices, kv_len, s.cuda_graphs)  # before the draft takes its share
     if k:
         dmodel = ModelSlice.load(dsrc, 0, n_layers(dsrc.config), embed=True, head=True,
-                                 dtype=draft.dtype, device=draft.device, max_len=kv_len,
+                                 dtype=draft.dtype, device=draft.device, max_len=draft_slots(kv_len),
                                  progress=progress_events(on_event, "draft"), quant=dquant)
         drafter = Drafter(dmodel, width=layout.width, children=layout.children, pool=layout.draft_pool)
     head = ModelSlice.load(src, 0, split, embed=True, head=False, dtype=dtype, device=device,

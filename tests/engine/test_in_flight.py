@@ -36,20 +36,20 @@ def finished(session, ids, n, s=Sampling()) -> ReplyFinished:
 
 @pytest.mark.parametrize("draft", [TARGET, "draft"])
 def test_greedy_replies_in_flight_with_the_drafts_attention_in_blocks_equal_generate(zoo, draft, monkeypatch):
-    """The draft's steps in blocks (here its one window, 385 slots: the tiny models' 256 positions
-    and the scratch, in blocks of 77): trees in flight, the target's own reply, and the blocks ran."""
+    """The draft's steps in blocks (here over its one window, its whole cache: the tiny models' 256
+    positions and a 129-slot scratch, rounded up to whole blocks of 128): trees in flight, the
+    target's own reply, and the blocks ran."""
     from sfchat.engine import draft as drafting
     from sfchat.model import attention
 
     monkeypatch.setattr(drafting, "BLOCKS_FROM", 256)
-    monkeypatch.setattr(drafting, "BLOCK", 77)
     blocked, calls = attention.in_blocks, []
     monkeypatch.setattr(attention, "in_blocks", lambda *a: calls.append((a[1].shape[2], a[3].block)) or blocked(*a))
     session = in_flight(zoo, 3, draft, 8)
-    assert session.engine.drafter.model.windows == [385]
+    assert session.engine.drafter.model.windows == [512]  # 256 + 129 slots, rounded up to whole blocks
     ids = session.encode(PROMPT)
     assert list(finished(session, ids, 40).token_ids) == reference(zoo[TARGET], ids, 40, eos=-1)
-    assert calls and set(calls) == {(385, 77)}
+    assert calls and set(calls) == {(512, 128)}
 
 
 @pytest.mark.parametrize("draft, budget, m", [

@@ -14,6 +14,7 @@ from sfchat.config import Settings
 from sfchat.events import ReplyFinished
 from sfchat.model import memory
 from sfchat.model.footprint import GIB, Need, device_bytes, slice_need, slice_needs
+from sfchat.model.kv import draft_slots
 from sfchat.model.memory import (DraftPlan, check_fits, check_head, check_tail, draft_need, head_plan, head_reserve,
                                  place_draft, tail_plan)
 from sfchat.model.quant import NF4_BYTES_PER_WEIGHT
@@ -144,6 +145,9 @@ def test_the_draft_goes_where_the_estimate_leaves_most_room(gpus):
     reserve = head_reserve(draft_plan("cuda:1"), T4S, CTX)
     need = draft_need(draft_plan("cuda:1"), CTX)
     assert reserve[0] == 0 and need.weights + need.kv < reserve[1] < need.total
+    # the draft's cache as the head loads it: whole blocks of its attention (4105 slots -> 4224)
+    assert draft_slots(CTX) == 4224 and need.kv == draft_need(draft_plan("cuda:1"), 4224).kv > \
+        draft_need(draft_plan("cuda:1"), 4096).kv
 
 
 def test_layers_move_off_a_gpu_that_has_less_free(gpus):
