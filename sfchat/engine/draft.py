@@ -12,10 +12,10 @@ expand; a padding row writes the scratch's trash slot and sees only it): each ro
 (token, position, the node, its ancestors in the scratch), written at its slot with the tree
 mask (it sees the context, its ancestors and itself; over a window of ``blocks_from`` slots or
 more, ``BLOCKS_FROM`` by default, its attention runs in blocks of ``BLOCK`` side by side,
-``kv.StaticKV.in_blocks``), and
-returns each row's ``children`` likeliest continuations with their probabilities (of the raw
-distribution when greedy, of the warped one when sampling: the draft never samples; the
-target's draw at each node decides, see ``sampling.picks``). One host sync per call.
+``kv.StaticKV.in_blocks``), and returns each row's ``children`` likeliest continuations with
+their probabilities (of the raw distribution when greedy, of the warped one when sampling: the
+draft never samples; the target's draw at each node decides, see ``sampling.picks``). One host
+sync per call.
 
 Graphs and the CPU run the same code: the forward is a plain function of tensors (``_expand``)
 that ``model.graphs.GraphTable`` replays from a graph captured over it, one per attention window,
