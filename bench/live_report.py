@@ -20,7 +20,7 @@ def save(path: Path, res: dict) -> None:
 
 
 VERDICT_FIELDS = ("schedule", "committed", "expected", "in_flight", "rtt_ms", "tail_ms", "round_ms", "draft_ms",
-                  "head_ms", "forward_bytes")
+                  "head_ms", "forward_bytes", "draft_steps", "ahead_steps", "wait_ms")
 
 
 def verdict_rows(stats) -> dict:

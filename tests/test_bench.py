@@ -98,16 +98,18 @@ def test_live_bench_saves_every_verdicts_figures_in_order_when_asked():
     from sfchat.events import RoundStats
 
     stats = [RoundStats(accepted=2, committed=3, draft_ms=4.0, head_ms=5.0, tail_ms=6.0, rtt_ms=170.0, round_ms=30.0,
-                        in_flight=7, expected=2.5, forward_bytes=9000, schedule="stream"),
+                        in_flight=7, expected=2.5, forward_bytes=9000, schedule="stream", draft_steps=2, wait_ms=1.5),
              RoundStats(accepted=0, committed=1, draft_ms=20.0, head_ms=8.0, tail_ms=9.0, rtt_ms=180.0, round_ms=220.0,
                         schedule="round")]
     out = verdict_rows(stats)
     assert out["fields"][:3] == ["schedule", "committed", "expected"] and len(out["fields"]) == len(VERDICT_FIELDS)
     assert [dict(zip(out["fields"], r)) for r in out["rows"]] == [
         {"schedule": "stream", "committed": 3, "expected": 2.5, "in_flight": 7, "rtt_ms": 170.0, "tail_ms": 6.0,
-         "round_ms": 30.0, "draft_ms": 4.0, "head_ms": 5.0, "forward_bytes": 9000},
+         "round_ms": 30.0, "draft_ms": 4.0, "head_ms": 5.0, "forward_bytes": 9000, "draft_steps": 2, "ahead_steps": 0,
+         "wait_ms": 1.5},
         {"schedule": "round", "committed": 1, "expected": 0.0, "in_flight": 1, "rtt_ms": 180.0, "tail_ms": 9.0,
-         "round_ms": 220.0, "draft_ms": 20.0, "head_ms": 8.0, "forward_bytes": 0}]
+         "round_ms": 220.0, "draft_ms": 20.0, "head_ms": 8.0, "forward_bytes": 0, "draft_steps": 0, "ahead_steps": 0,
+         "wait_ms": 0.0}]
 
 
 def test_shape_cost_times_every_variant_over_the_same_rows(tmp_path):
