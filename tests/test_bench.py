@@ -269,6 +269,23 @@ def test_frame_cost_prints_each_draft_step_with_its_top_kernels_on_the_cpu():
     assert "head half" not in out  # --draft-only
 
 
+def test_head_compile_compares_every_variant_of_both_halves_on_the_cpu():
+    """bench/head_compile.py --tiny runs the probe's code on the CPU (nothing measured there): a row
+    per variant and half, the whole forward compiled twice to the same bits, and close to the plain
+    forward's (float32 here)."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, str(root / "bench" / "head_compile.py"), "--tiny", "--tail", "--calls", "1"],
+                         capture_output=True, text=True, check=True, timeout=600, cwd=root).stdout
+    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in out.splitlines() if line.startswith("| tiny")]
+    assert [r[:2] for r in rows] == [[half, v] for half in ("tiny head half (with the embedding)", "tiny tail half")
+                                     for v in ("plain (the product's default)", "attention compiled",
+                                               "whole forward compiled", "whole forward compiled, again")]
+    assert [r[5] for r in rows] == ["", "", "", "True"] * 2
+    assert all(float(r[4]) < 1e-4 for r in rows)
+
+
 def test_live_bench_runs_the_reference_at_the_first_rtt_only_when_asked():
     from live_report import modes_at
 
