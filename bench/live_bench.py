@@ -18,7 +18,9 @@ same prompts in every mode, each reply timed whole (prefill included), EOS ignor
 on head and tail, at N rows: frames padded, the prompt in pieces of N; ``--compile-attention``
 runs their canonical attention compiled (``sfchat --compile-attention``: the head's, its hello tells the tail);
 ``--compile-draft`` compiles the draft's step for each window, as sfchat does by default (off: plain, graphed);
-``--tail-logs DIR`` keeps each tail's output. ``--temperature T``
+``--tail-logs DIR`` keeps each tail's output; ``--no-settle`` leaves the head's heap unfrozen
+after loading (the product settles it: ``sfchat.node.heap``; the head's full collections in each
+mode, their count and ms, go to stderr and ``--save``). ``--temperature T``
 (default 0: greedy) samples every reply at T, seeded by ``--seed`` (each prompt's reply drawn from
 the same per-position random stream in every mode, so a mode that computes the target's
 probabilities alike gives the same text).
@@ -86,6 +88,7 @@ from sfchat.model.decoder import n_layers  # noqa: E402
 from sfchat.model.devices import DTYPE_NAMES, DTYPES  # noqa: E402
 from sfchat.model.slices import ModelSlice  # noqa: E402
 from sfchat.model.source import ModelSource  # noqa: E402
+from sfchat.node import heap  # noqa: E402
 from sfchat.node.driver import RoundDriver  # noqa: E402
 from sfchat.protocol.handshake import Hello  # noqa: E402
 from sfchat.protocol.wire import Sampling  # noqa: E402
@@ -243,6 +246,7 @@ def run_mode(spec, inflight: int, ahead: int, plan: str, link, hello, prompts, n
                                   (spec.head, "run"), (spec, "_encode"), (spec, "take")], spec.device.type == "cuda") if parts \
         else ({}, lambda: None)
     stats, ids_out, wall = [], [], 0.0
+    collections = heap.FullCollections()
     for ids in prompts:
         t0 = time.perf_counter()
         driver.begin(ids)
@@ -255,6 +259,7 @@ def run_mode(spec, inflight: int, ahead: int, plan: str, link, hello, prompts, n
         ids_out.append(got)
     del spec.frame
     restore()
+    full = collections.stop()
     counts = driver.policy.counts
     decisions = [dataclasses.asdict(d) for d in driver.policy.decisions]
     if len(counts) > 1:
@@ -274,7 +279,8 @@ def run_mode(spec, inflight: int, ahead: int, plan: str, link, hello, prompts, n
                "frame_head_ms_median": statistics.median(b[1] for b in built) if built else 0.0,
                "frame_head_ms_max": max((b[1] for b in built), default=0.0),
                "frame_parts_ms": {k: (statistics.median(v), len(v)) for k, v in timed.items()},
-               "frame_steps": statistics.fmean(b[2] for b in built) if built else 0.0}
+               "frame_steps": statistics.fmean(b[2] for b in built) if built else 0.0,
+               "full_collections_ms": full}
             | ({"per_verdict": verdict_rows(stats)} if verdicts else {}))
 
 
@@ -336,6 +342,8 @@ def main() -> None:
     ap.add_argument("--save", type=Path)
     ap.add_argument("--verdicts", action="store_true", help="--save every verdict's figures too (per_verdict)")
     ap.add_argument("--ranks-out", type=Path)
+    ap.add_argument("--no-settle", action="store_true",
+                    help="leave the head's heap unfrozen after loading (the product freezes it: sfchat.node.heap)")
     args = ap.parse_args()
     if args.pair:
         from tree_accept import PROMPTS
@@ -370,6 +378,8 @@ def main() -> None:
         args.tail_logs.mkdir(parents=True, exist_ok=True)
     specs, hello = build(target, draft, harness.DEVICE, dtype, synthetic, args.frame_rows, args.compile_draft,
                          modes=args.modes.split(","))
+    if not args.no_settle:
+        heap.settle()  # as the product's head does once it is loaded
     hello = dataclasses.replace(hello, compiled_attention=args.compile_attention)  # the tail follows it
     prompts = prompts_for(target, synthetic is not None or bool(args.self_shape), args.prompts)
     res = {}
@@ -386,7 +396,9 @@ def main() -> None:
                 print(f"rtt {rtt} {mode}: verdicts that committed nothing {r['empty']:.1%}; "
                       f"a frame's head ms: mean {r['frame_head_ms']:.2f}, median "
                       f"{r['frame_head_ms_median']:.2f}, max {r['frame_head_ms_max']:.1f}"
-                      + "".join(f"; {k} {ms:.2f} ({n} calls)" for k, (ms, n) in r["frame_parts_ms"].items()),
+                      + "".join(f"; {k} {ms:.2f} ({n} calls)" for k, (ms, n) in r["frame_parts_ms"].items())
+                      + f"; the head's full collections: {len(r['full_collections_ms'])}, "
+                        f"{sum(r['full_collections_ms']):.0f} ms in all, the longest {max(r['full_collections_ms'], default=0):.0f}",
                       file=sys.stderr, flush=True)
                 if args.save:  # each mode as it ends: a run cut short by a timeout keeps its token ids
                     save(args.save, res)

@@ -328,3 +328,14 @@ def test_a_one_shape_prefill_replays_the_verify_graph_bit_identically(zoo, monke
     assert all(torch.equal(a, b) for a, b in zip(fed_kv, sl.kv_tensors()))
     if head:
         assert torch.equal(fed, torch.cat(pieces))
+
+
+def test_a_gpu_head_and_its_local_tail_settle_their_heap_once_loaded(zoo, monkeypatch):
+    """The head once its models are loaded and captured, the local tail once it captured the
+    hello's shapes: their long-lived objects leave the collector's scans (``node.heap``)."""
+    from sfchat.node import heap
+
+    calls = []
+    monkeypatch.setattr(heap, "settle", lambda: calls.append(1))
+    Head.open(Settings(model=str(zoo["qwen2-tied"]), draft=str(zoo["draft"]), k=2, device="cuda", dtype="float32"))
+    assert calls == [1, 1]

@@ -11,7 +11,9 @@ loads the draft and the head slice, captures their CUDA graphs, connects to the 
 through ``MemoryLink`` unless a relay link is given; a lost one is dialled again with ``redial``,
 by default a fresh ``connect.HeadDialer``: hand in the dialer that made ``link`` so that a
 restarted tail resumes its pairing) and returns ``(RoundDriver, RuntimeReady)``, reporting
-``LoadProgress`` as it goes; ``policy`` replaces the pipeline policy.
+``LoadProgress`` as it goes; ``policy`` replaces the pipeline policy. On a GPU, once its models
+are loaded and captured, the head settles its heap (``heap.settle``: what loading made leaves the
+cyclic collector's scans, whose full collections stalled frames 0.6-0.9 s).
 Token ids only: no tokenizer is needed (benchmarks use random-weight checkpoints).
 ``check_devices(settings)`` refuses a device this machine lacks, for a caller to run before it
 fetches anything. Local mode's tail loads its slice through ``node.tail_loader.TailLoader``, as
@@ -40,6 +42,7 @@ from sfchat.model.slices import ModelSlice
 from sfchat.model.source import ModelSource
 from sfchat.node.connect import HeadDialer
 from sfchat.node.driver import RoundDriver
+from sfchat.node import heap
 from sfchat.node.local_link import MemoryLink
 from sfchat.node.tail_loader import TailLoader
 from sfchat.protocol.handshake import Hello
@@ -112,6 +115,8 @@ def open_engine(s: Settings, on_event: Callable = lambda e: None, link=None,
                            reserved=reserved, rows=layout.rows or None)
     if s.cuda_graphs and (device.type == "cuda" or (draft is not None and draft.device.type == "cuda")):
         capture_graphs(head, drafter, layout, s.compile_draft, progress_events(on_event, "head"))
+    if any(d.type == "cuda" for d in devices) or (draft is not None and draft.device.type == "cuda"):
+        heap.settle()  # what loading made lives as long as the head: out of the collector's scans
     mode = "relay" if link is not None else "local"
     if link is None:
         link = MemoryLink(Verifier(TailLoader(device, devices)))

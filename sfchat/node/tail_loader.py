@@ -6,8 +6,8 @@ what this tail may not open or cannot hold (a ``UserError``, answered to the hea
 and loads the tail's slice; ``shapes(model, hello)`` then captures a CUDA graph per frame shape
 the hello names (canonical attention compiled or not, as the hello says: set when the slice
 is loaded), after checking that memory holds them (refused as ``tail cannot capture the
-head's frame shapes: ...``), or drops the graphs when the head runs without them. It knows
-nothing of the head's engine.
+head's frame shapes: ...``), or drops the graphs when the head runs without them; on a GPU it
+then settles the heap (``heap.settle``). It knows nothing of the head's engine.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from sfchat.model.devices import DTYPE_NAMES, pick_dtype, runnable_dtype
 from sfchat.model.memory import check_graphs, check_tail, unequal_free
 from sfchat.model.slices import ModelSlice
 from sfchat.model.source import ModelSource
+from sfchat.node import heap
 from sfchat.protocol import wire
 from sfchat.protocol.handshake import Hello
 
@@ -81,16 +82,18 @@ class TailLoader:
                                reserved=unequal_free(self.devices), rows=hello.rows)
 
     def shapes(self, model: ModelSlice, hello: Hello) -> None:
-        """Graphs for the hello's frame shapes on a GPU, if memory holds them; none without."""
+        """Graphs for the hello's frame shapes on a GPU, if memory holds them; none without. On a
+        GPU the heap is then settled (``heap.settle``: the slice, its compiled code and graphs live
+        as long as the tail, out of the collector's scans)."""
         if not hello.graphs:
             model.graphs.clear()
-            return
-        if model.device.type != "cuda":
-            return
-        try:
-            check_graphs(model, hello.shapes())
-        except UserError as exc:
-            raise UserError(f"tail cannot capture the head's frame shapes: {exc}") from None
-        for m, is_tree in hello.shapes():
-            if not model.captured(m, m, is_tree):  # a verify sees its rows' slots and the trash slot
-                model.capture(m, m, log=self.log, tree=is_tree, span=m + 1 if is_tree else None)
+        elif model.device.type == "cuda":
+            try:
+                check_graphs(model, hello.shapes())
+            except UserError as exc:
+                raise UserError(f"tail cannot capture the head's frame shapes: {exc}") from None
+            for m, is_tree in hello.shapes():
+                if not model.captured(m, m, is_tree):  # a verify sees its rows' slots and the trash slot
+                    model.capture(m, m, log=self.log, tree=is_tree, span=m + 1 if is_tree else None)
+        if model.device.type == "cuda":
+            heap.settle()
