@@ -18,6 +18,11 @@ flight waiting on it (RESULTS, fourteenth session).
   what that load added. What it freezes was alive: a frozen object is freed as any other once
   nothing refers to it, only a cycle of frozen objects is never collected, so a process that loads
   model after model (the CPU tests) does not call it.
+* ``thaw()``: before a node that settled loads another model in its place (a tail whose next head
+  names another: ``TailLoader``; a head opened again in one process: ``loading.open_engine``),
+  unfreeze and collect, so that the model let go is freed whole
+  (a cycle of frozen objects would hold its memory, GPU memory included, for good). Nothing where
+  nothing was frozen (no collection either: the CPU tests load model after model).
 * ``FullCollections()``: from when it is made until ``stop()``, the wall time of every full
   collection (``ms``, a list): what a benchmark reports beside its figures.
 """
@@ -31,6 +36,12 @@ import time
 def settle() -> None:
     gc.collect()
     gc.freeze()
+
+
+def thaw() -> None:
+    if gc.get_freeze_count():
+        gc.unfreeze()
+        gc.collect()
 
 
 class FullCollections:

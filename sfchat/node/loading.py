@@ -13,7 +13,8 @@ by default a fresh ``connect.HeadDialer``: hand in the dialer that made ``link``
 restarted tail resumes its pairing) and returns ``(RoundDriver, RuntimeReady)``, reporting
 ``LoadProgress`` as it goes; ``policy`` replaces the pipeline policy. On a GPU, once its models
 are loaded and captured, the head settles its heap (``heap.settle``: what loading made leaves the
-cyclic collector's scans, whose full collections stalled frames 0.6-0.9 s).
+cyclic collector's scans, whose full collections stalled frames 0.6-0.9 s); a head opened again in
+the same process thaws it first (``heap.thaw``).
 Token ids only: no tokenizer is needed (benchmarks use random-weight checkpoints).
 ``check_devices(settings)`` refuses a device this machine lacks, for a caller to run before it
 fetches anything. Local mode's tail loads its slice through ``node.tail_loader.TailLoader``, as
@@ -70,6 +71,7 @@ def open_engine(s: Settings, on_event: Callable = lambda e: None, link=None,
     """Load draft and head slice, capture graphs, connect to the tail: (RoundDriver, RuntimeReady).
 
     Token ids only: no tokenizer is needed (benchmarks use random-weight checkpoints)."""
+    heap.thaw()  # a head opened again in one process: what the one before held is freed whole first
     devices = resolve_devices(s.device)
     device = devices[0]
     attention.compile_on_gpu(s.compile_attention)

@@ -50,6 +50,7 @@ class TailLoader:
                 self.log(f"fetching {detail}")
             progress(stage, done, total, detail)
 
+        heap.thaw()  # the model let go (the verifier holds none now) is freed whole, before another is loaded
         attention.compile_on_gpu(hello.compiled_attention)  # the head's setting: one code for both halves
         try:
             src = ModelSource.open(hello.model, hello.revision, report, allowed_dirs=self.models_dirs)
