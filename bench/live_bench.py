@@ -86,6 +86,7 @@ from sfchat.engine.speculator import Speculator  # noqa: E402
 from sfchat.model import attention  # noqa: E402
 from sfchat.model.decoder import n_layers  # noqa: E402
 from sfchat.model.devices import DTYPE_NAMES, DTYPES  # noqa: E402
+from sfchat.model.kv import draft_slots  # noqa: E402
 from sfchat.model.slices import ModelSlice  # noqa: E402
 from sfchat.model.source import ModelSource  # noqa: E402
 from sfchat.node import heap  # noqa: E402
@@ -176,7 +177,7 @@ def build(target: Path, draft: Path, device: str, dtype: str, synthetic=None, ro
     head = ModelSlice.load(src, 0, L // 2, embed=True, head=False, dtype=dt, device=dev, max_len=kv_len,
                            rows=rows or None)
     dmodel = ModelSlice.load(dsrc, 0, n_layers(dsrc.config), embed=True, head=True, dtype=dt, device=dev,
-                             max_len=kv_len)
+                             max_len=draft_slots(kv_len))  # as the product sizes its draft's cache
     specs = {}
     attention.allow_recompiles(len(MODES) * len(dmodel.windows))  # a compiled draft: a program per mode and window
     for mode, (size, width, children, *_) in ((m, MODES[m]) for m in MODES if m in modes):
