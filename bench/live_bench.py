@@ -17,6 +17,7 @@ same prompts in every mode, each reply timed whole (prefill included), EOS ignor
 ``--frame-rows N`` (default 64, the product's on a GPU; 0: off) runs every forward of the target,
 on head and tail, at N rows: frames padded, the prompt in pieces of N; ``--compile-attention``
 runs their canonical attention compiled (``sfchat --compile-attention``: the head's, its hello tells the tail);
+``--compile-frames`` their whole forwards (``sfchat --compile-frames``, likewise);
 ``--compile-draft`` compiles the draft's step for each window, as sfchat does by default (off: plain, graphed);
 ``--tail-logs DIR`` keeps each tail's output; ``--no-settle`` leaves the head's heap unfrozen
 after loading (the product settles it: ``sfchat.node.heap``; the head's full collections in each
@@ -163,7 +164,7 @@ class SyntheticDrafter(Drafter):
 
 
 def build(target: Path, draft: Path, device: str, dtype: str, synthetic=None, rows: int = 0,
-          compile_draft: bool = False, modes=tuple(MODES)):
+          compile_draft: bool = False, modes=tuple(MODES), compile_frames: bool = False):
     """The head's models, one drafter and speculator per mode of ``modes`` (sharing the models), and the hello;
     ``rows``: every forward of the target at that row count (0: each at its own); ``compile_draft``:
     each mode's draft step compiled (``Drafter.capture(compile=)``; one program per mode and window)."""
@@ -175,7 +176,7 @@ def build(target: Path, draft: Path, device: str, dtype: str, synthetic=None, ro
     head_pool = max(p for p, _ in pools.values())  # one head graph per frame shape: every mode's pool the same
     kv_len = MAX_CONTEXT + max(max(p) for p in pools.values())
     head = ModelSlice.load(src, 0, L // 2, embed=True, head=False, dtype=dt, device=dev, max_len=kv_len,
-                           rows=rows or None)
+                           rows=rows or None, compiled=compile_frames)
     dmodel = ModelSlice.load(dsrc, 0, n_layers(dsrc.config), embed=True, head=True, dtype=dt, device=dev,
                              max_len=draft_slots(kv_len))  # as the product sizes its draft's cache
     specs = {}
@@ -343,6 +344,8 @@ def main() -> None:
     ap.add_argument("--save", type=Path)
     ap.add_argument("--verdicts", action="store_true", help="--save every verdict's figures too (per_verdict)")
     ap.add_argument("--ranks-out", type=Path)
+    ap.add_argument("--compile-frames", action="store_true",
+                    help="head and tail compile the target's one-shape forwards whole (sfchat --compile-frames)")
     ap.add_argument("--no-settle", action="store_true",
                     help="leave the head's heap unfrozen after loading (the product freezes it: sfchat.node.heap)")
     args = ap.parse_args()
@@ -378,10 +381,11 @@ def main() -> None:
     if args.tail_logs:
         args.tail_logs.mkdir(parents=True, exist_ok=True)
     specs, hello = build(target, draft, harness.DEVICE, dtype, synthetic, args.frame_rows, args.compile_draft,
-                         modes=args.modes.split(","))
+                         modes=args.modes.split(","), compile_frames=args.compile_frames)
     if not args.no_settle:
         heap.settle()  # as the product's head does once it is loaded
-    hello = dataclasses.replace(hello, compiled_attention=args.compile_attention)  # the tail follows it
+    hello = dataclasses.replace(hello, compiled_attention=args.compile_attention,
+                                compiled_frames=args.compile_frames)  # the tail follows them
     prompts = prompts_for(target, synthetic is not None or bool(args.self_shape), args.prompts)
     res = {}
     for rtt in rtts:

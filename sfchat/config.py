@@ -100,6 +100,7 @@ class Settings:
     cuda_graphs: bool = True
     compile_draft: bool = True  # torch.compile the draft before capturing its graph (CUDA only)
     compile_attention: bool = False  # canonical attention's gathers and merge compiled by torch.compile (CUDA only)
+    compile_frames: bool = False  # the target's one-shape forwards compiled whole by torch.compile, head's and tail's
     relay: str | None = None
     token: str | None = None
     direct: str | None = None  # head: HOST:PORT of a tail that listens, dialled before the relay
@@ -220,7 +221,7 @@ RULES: dict[str, Rule] = {
     **{name: Rule(b.kind, b.lo, b.hi, above=b.above) for name, b in BOUNDS.items() if name != "seed"},
     "seed": Rule(int, BOUNDS["seed"].lo, BOUNDS["seed"].hi, shape="a whole number of at most 64 bits"),
     "system": Rule(str, lines=True), "chat_template": FLAG, "cuda_graphs": FLAG, "compile_draft": FLAG,
-    "compile_attention": FLAG,
+    "compile_attention": FLAG, "compile_frames": FLAG,
     "relay": TEXT, "token": TEXT,
     "direct": Rule(str, pattern=DIRECT_ADDRESS, shape=ADDRESS_SHAPE),
     "listen": Rule(str, pattern=LISTEN_ADDRESS, shape=ADDRESS_SHAPE.replace("(such as", "(port 0: any free one; such as")),

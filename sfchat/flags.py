@@ -32,7 +32,7 @@ FLAG_FIELDS = {  # flag dest -> Settings field
     "k": "k", "tree_budget": "tree_budget", "frame_rows": "frame_rows", "split": "split", "device": "device", "draft_device": "draft_device", "dtype": "dtype",
     "max_context": "max_context", "max_new_tokens": "max_new_tokens", "temperature": "temperature",
     "top_k": "top_k", "top_p": "top_p", "repetition_penalty": "repetition_penalty", "seed": "seed", "system": "system", "relay": "relay",
-    "compile_attention": "compile_attention",
+    "compile_attention": "compile_attention", "compile_frames": "compile_frames",
     "token": "token", "session": "session", "history": "history", "round_timeout": "round_timeout",
     "reconnect_timeout": "reconnect_timeout", "secret": "secret",
     "load_in_4bit": "load_in_4bit", "load_in_8bit": "load_in_8bit", "models_dir": "models_dir", "draft_load_in_4bit": "draft_load_in_4bit",
@@ -88,6 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--compile-attention", action="store_true",
                    help="compile canonical attention's gathers and merge with torch.compile on a GPU (one-shape "
                         "forwards: --frame-rows; fewer kernels a layer, a longer start; a head's setting, which its tail follows)")
+    g.add_argument("--compile-frames", action="store_true",
+                   help="compile the target's whole one-shape forwards (--frame-rows) with torch.compile, "
+                        "attention included: faster frames on head and tail, a longer start (a head's setting, "
+                        "which its tail follows)")
     g.add_argument("--max-in-flight", type=int, metavar="N",
                    help=f"frames sent over the relay before their verdicts come when the head streams shallow "
                         f"frames (it measures whether that beats one frame per round trip on the link), each "

@@ -148,3 +148,6 @@ def test_compiled_attention_is_off_unless_a_node_asks_for_it(tmp_path):
         args = build_parser().parse_args(argv)
         assert settings_from(args).compile_attention is True
     assert merged({}, write(tmp_path, "compile-attention = true\n")).compile_attention is True
+    assert settings_from(build_parser().parse_args([])).compile_frames is False
+    assert settings_from(build_parser().parse_args(["--compile-frames"])).compile_frames is True
+    assert merged({}, write(tmp_path, "compile-frames = true\n")).compile_frames is True

@@ -339,3 +339,23 @@ def test_a_gpu_head_and_its_local_tail_settle_their_heap_once_loaded(zoo, monkey
     monkeypatch.setattr(heap, "settle", lambda: calls.append(1))
     Head.open(Settings(model=str(zoo["qwen2-tied"]), draft=str(zoo["draft"]), k=2, device="cuda", dtype="float32"))
     assert calls == [1, 1]
+
+
+def test_frames_compiled_whole_keep_greedy_parity_and_replay_from_graphs(zoo):
+    """``--compile-frames`` on a GPU: the head's and the tail's one-shape forwards compiled whole
+    and captured, the output still generate()'s."""
+    from transformers import AutoModelForCausalLM
+
+    path = zoo["qwen2-tied"]
+    session = Head.open(Settings(model=str(path), draft=str(zoo["draft"]), k=5, tree_budget=32, device="cuda",
+                                 dtype="float32", compile_draft=False, compile_frames=True))
+    engine = session.engine
+    rows = AUTO_FRAME_ROWS
+    head, tail = engine.head, engine.link.verifier.model
+    assert head.compiled and tail.compiled
+    assert head.captured(rows, tree=True) and tail.captured(rows, rows, tree=True)
+    ids = session.encode([{"role": "user", "content": "hello world"}])
+    fin = [e for e in session.reply(ids, 32, Sampling()) if isinstance(e, ReplyFinished)][0]
+    model = AutoModelForCausalLM.from_pretrained(path).cuda().eval()
+    ref = model.generate(torch.tensor([ids], device="cuda"), max_new_tokens=32, do_sample=False, pad_token_id=0)
+    assert list(fin.token_ids) == ref[0, len(ids):].tolist()

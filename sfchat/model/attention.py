@@ -193,18 +193,25 @@ def on_gpu():
         return canonical
     if _compiled is None:
         import torch._dynamo as dynamo
-        from torch._inductor import config as inductor
         allow_recompiles(RECOMPILES)
         for name in ("fail_on_recompile_limit_hit", "fail_on_cache_limit_hit"):
             if hasattr(dynamo.config, name):
                 setattr(dynamo.config, name, True)
                 break
-        options = {k: v for k, v in OPTIONS.items() if hasattr(inductor, k)}
-        if len(options) < len(OPTIONS):
-            warnings.warn(f"canonical attention compiles without {sorted(set(OPTIONS) - set(options))}: this "
-                          f"torch's Inductor lacks them", RuntimeWarning, stacklevel=2)
-        _compiled = torch.compile(canonical, dynamic=False, fullgraph=True, options=options or None)
+        _compiled = torch.compile(canonical, dynamic=False, fullgraph=True, options=compile_options() or None)
     return _compiled
+
+
+def compile_options() -> dict:
+    """``OPTIONS`` less those the installed Inductor lacks (warned): what a target's compiled code
+    is compiled with (canonical attention here, a slice's whole forwards: ``ModelSlice(compiled=)``)."""
+    from torch._inductor import config as inductor
+
+    options = {k: v for k, v in OPTIONS.items() if hasattr(inductor, k)}
+    if len(options) < len(OPTIONS):
+        warnings.warn(f"the target compiles without {sorted(set(OPTIONS) - set(options))}: this torch's Inductor "
+                      f"lacks them", RuntimeWarning, stacklevel=2)
+    return options
 
 
 def run_on_gpu(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, how: Attend, scale: float

@@ -30,8 +30,11 @@ for the slices and the draft alike: ``capture(key, what, fn, inputs, windows)`` 
 ``fn(*inputs, window)`` once per window under ``key`` (a shape: a slice's tokens, logits and
 segment, the draft's ``("expand", sampled)``); ``run(key, fn, inputs, window)`` replays the
 graph that fits and otherwise calls ``fn(*inputs, window)`` itself: the CPU, and any shape not
-captured, run exactly the code a graph replays. Keys are the owner's own; nothing else reads them
-(``key in table`` tells whether one was captured, ``keys()`` lists them).
+captured, run exactly the code a graph replays. ``GraphTable(compile=options)`` compiles each
+key's function by torch.compile (``code``: once per key, a program per window) and captures and
+runs that instead, on any device: the one place where a slice's forwards are compiled whole.
+Keys are the owner's own; nothing else reads them (``key in table`` tells whether one was
+captured, ``keys()`` lists them).
 """
 
 from __future__ import annotations
@@ -125,20 +128,54 @@ def pick(graphs: dict[int, Graphed], window: int) -> Graphed | None:
 
 
 class GraphTable:
-    def __init__(self) -> None:
+    def __init__(self, compile: dict | None = None) -> None:
+        """``compile``: torch.compile's options when the table compiles what it captures and runs
+        (``code``); None: the plain functions."""
         self._graphs: dict[object, dict[int, Graphed]] = {}
+        self.compile = compile
+        self._code: dict = {}  # key -> its function compiled
+        self._proven = False  # a compiled function has run: a later failure is an error, not a fallback
+
+    def code(self, key, fn):
+        """What runs under ``key``: ``fn`` itself, or (a compiling table) ``fn`` compiled once for the
+        key (the first ``fn`` given: a key's functions are one function), one program per window
+        (``dynamic=False``), whole (``fullgraph``). Where compiling fails before any compiled
+        function of the table has run (a kernel library's op dynamo cannot trace, a GPU Triton
+        does not know), the table runs the plain functions from then on, warned once (so every
+        forward of the slice runs one code); a failure after that is raised."""
+        if self.compile is None:
+            return fn
+        if key not in self._code:
+            compiled = torch.compile(fn, dynamic=False, fullgraph=True, options=self.compile or None)
+
+            def run(*args):
+                if self.compile is None:  # compiling failed in this table: the plain code
+                    return fn(*args)
+                try:
+                    out = compiled(*args)
+                except Exception as exc:
+                    if self._proven:
+                        raise
+                    warnings.warn(f"compiling the forwards failed ({type(exc).__name__}: {exc}); running them "
+                                  "uncompiled", RuntimeWarning, stacklevel=2)
+                    self.compile = None
+                    return fn(*args)
+                self._proven = True
+                return out
+            self._code[key] = run
+        return self._code[key]
 
     def capture(self, key, what: str, fn, example_inputs, windows, log=None) -> bool:
-        """Graphs of ``fn(*inputs, window)`` for ``windows`` under ``key``; False when none could be."""
-        graphs = capture_windows(what, fn, example_inputs, windows, log)
+        """Graphs of ``fn(*inputs, window)`` (``code``) for ``windows`` under ``key``; False when none could be."""
+        graphs = capture_windows(what, self.code(key, fn), example_inputs, windows, log)
         if graphs:
             self._graphs[key] = graphs
         return bool(graphs)
 
     def run(self, key, fn, inputs: tuple, window: int):
-        """``fn(*inputs, window)``, replayed from the graph captured for ``key`` when one fits."""
+        """``fn(*inputs, window)`` (``code``), replayed from the graph captured for ``key`` when one fits."""
         graph = pick(self._graphs.get(key, {}), window)
-        return graph(*inputs) if graph is not None else fn(*inputs, window)
+        return graph(*inputs) if graph is not None else self.code(key, fn)(*inputs, window)
 
     def __contains__(self, key) -> bool:
         return key in self._graphs

@@ -32,7 +32,10 @@ the slots its keys sit in): ``run`` refuses any forward of another row count, ev
 in ``kv``'s canonical form (``model.attention``; a tree forward's ``tree`` is then a
 ``kv.RowKeys``), and ``feed`` pads a prefill's last piece with rows that write the cache's sink
 slot. ``feed(x, start)`` writes positions ``start ..`` of ``x`` as plain forwards:
-pieces of ``rows`` (padded), else of up to ``chunk``.
+pieces of ``rows`` (padded), else of up to ``chunk``. ``compiled`` (one-shape slices only, a ValueError
+else): every forward ``run`` makes is its segment's function compiled whole by torch.compile with
+the target's options (``attention.compile_options``), one program per shape, window and segment,
+captured like the plain one (``GraphTable(compile=)``; ``--compile-frames``).
 
 ``quant="nf4"`` / ``"int8"`` loads the decoder layers' linear weights as 4-bit NF4 or int8
 (``quant.py``), one layer at a time.
@@ -75,8 +78,10 @@ class ModelSlice(nn.Module):
     def __init__(self, config, lo: int, hi: int, *, embed: bool, head: bool,
                  dtype: torch.dtype, device: torch.device, max_len: int,
                  devices: list[torch.device] | None = None, quant: str = "none", reserved=(),
-                 rows: int | None = None):
+                 rows: int | None = None, compiled: bool = False):
         super().__init__()
+        if compiled and not rows:
+            raise ValueError("a slice's forwards compiled whole need one row count (rows): every other shape recompiles")
         layer_cls, norm_cls, rotary_cls = architecture(config)
         types = getattr(config, "layer_types", None) or []
         if any(t != "full_attention" for t in types[lo:hi]):
@@ -118,7 +123,10 @@ class ModelSlice(nn.Module):
                          for dev in self.devices}
         params = inspect.signature(layer_cls.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
-        self.graphs = GraphTable()  # keys: (tokens, logits, tree, segment)
+        if compiled:  # a program per window, shape and segment, and not one more: dynamo's limits raised to fit
+            attention.allow_recompiles(attention.RECOMPILES)
+        self.compiled = compiled
+        self.graphs = GraphTable(attention.compile_options() if compiled else None)  # keys: (tokens, logits, tree, segment)
 
     # -- loading -------------------------------------------------------------------------------
     def tensor_names(self) -> dict[str, tuple[nn.Module, str]]:
@@ -143,10 +151,11 @@ class ModelSlice(nn.Module):
     def load(cls, source: ModelSource, lo: int, hi: int, *, embed: bool, head: bool,
              dtype: torch.dtype, device: torch.device, max_len: int,
              progress: Progress = _no_progress, quant: str = "none",
-             devices: list[torch.device] | None = None, reserved=(), rows: int | None = None) -> "ModelSlice":
+             devices: list[torch.device] | None = None, reserved=(), rows: int | None = None,
+             compiled: bool = False) -> "ModelSlice":
         check_mode(quant)
         sl = cls(source.config, lo, hi, embed=embed, head=head, dtype=dtype, device=device, max_len=max_len,
-                 devices=devices, quant=quant, reserved=reserved, rows=rows)
+                 devices=devices, quant=quant, reserved=reserved, rows=rows, compiled=compiled)
         wanted = sl.tensor_names()
         head_name = None
         if head:

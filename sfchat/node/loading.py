@@ -90,11 +90,14 @@ def open_engine(s: Settings, on_event: Callable = lambda e: None, link=None,
         dsrc = dsrc or ModelSource.open(s.draft, s.draft_revision, progress_events(on_event, "draft"))
     ahead = s.draft_ahead if k and link is not None and link.overlaps else 0  # local mode never waits on a wire
     layout = frame_layout(s, k, device.type == "cuda", ahead, local=link is None)
+    if s.compile_frames and not layout.rows:
+        raise UserError("--compile-frames compiles the target's one-shape forwards: it needs --frame-rows N "
+                        "(on a GPU, auto does; 0 turns them off)")
     kv_len = max_context + layout.scratch  # the live nodes' scratch after the context
     hello = Hello(model=s.model, revision=s.revision, split=split, dtype=DTYPE_NAMES[dtype], max_len=kv_len,
                   n_layers=L, hidden_size=src.config.hidden_size, frames=(layout.shape,), graphs=s.cuda_graphs,
                   quant=quant, one_shape=bool(layout.rows),
-                  compiled_attention=s.compile_attention)
+                  compiled_attention=s.compile_attention, compiled_frames=s.compile_frames)
     local = link is None
     target = dict(devices=devices, dtype=dtype, quant=quant, max_len=kv_len, verifies=hello.shapes(), local=local,
                   graphs=s.cuda_graphs, head_span=layout.head_pool, one_shape=bool(layout.rows))
@@ -114,7 +117,7 @@ def open_engine(s: Settings, on_event: Callable = lambda e: None, link=None,
         drafter = Drafter(dmodel, width=layout.width, children=layout.children, pool=layout.draft_pool)
     head = ModelSlice.load(src, 0, split, embed=True, head=False, dtype=dtype, device=device,
                            max_len=kv_len, progress=progress_events(on_event, "head"), quant=quant, devices=devices,
-                           reserved=reserved, rows=layout.rows or None)
+                           reserved=reserved, rows=layout.rows or None, compiled=s.compile_frames)
     if s.cuda_graphs and (device.type == "cuda" or (draft is not None and draft.device.type == "cuda")):
         capture_graphs(head, drafter, layout, s.compile_draft, progress_events(on_event, "head"))
     if any(d.type == "cuda" for d in devices) or (draft is not None and draft.device.type == "cuda"):

@@ -84,6 +84,8 @@ def serve(s: Settings, once: bool = False) -> int:
     devices = resolve_devices(s.device)
     if s.compile_attention:  # the head's choice, told in its hello: both halves of a token run one code
         log("--compile-attention is the head's setting: this tail runs canonical attention as each head's hello says")
+    if s.compile_frames:
+        log("--compile-frames is the head's setting: this tail compiles its forwards as each head's hello says")
     verifier = Verifier(TailLoader(devices[0], devices, models_dirs(s), log), log=log)
     passcode = resumption = None
     if not s.insecure:

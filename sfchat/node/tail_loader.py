@@ -80,7 +80,7 @@ class TailLoader:
                  f"{QUANT_WORDS.get(quant, '')} on {where}")
         return ModelSlice.load(src, split, L, embed=False, head=True, dtype=dtype, device=self.device,
                                max_len=hello.max_len, progress=report, quant=quant, devices=self.devices,
-                               reserved=unequal_free(self.devices), rows=hello.rows)
+                               reserved=unequal_free(self.devices), rows=hello.rows, compiled=hello.compiled_frames)
 
     def shapes(self, model: ModelSlice, hello: Hello) -> None:
         """Graphs for the hello's frame shapes on a GPU, if memory holds them; none without. On a

@@ -6,8 +6,10 @@ Contract
 context size to load, ``frames``: the node counts a tree frame is padded to, each verified at
 that one shape (the tail captures a verify graph for each), ``one_shape``: every forward of the
 tail at the one frame shape, its prefill in pieces of it, padded (``ModelSlice(rows=)``),
-whether to capture CUDA graphs, and ``compiled_attention``: whether a GPU tail runs canonical
-attention compiled, as the head does, so that both halves of a token run one code); ``Ready`` is the tail's answer (what
+whether to capture CUDA graphs, ``compiled_attention``: whether a GPU tail runs canonical
+attention compiled, as the head does, so that both halves of a token run one code, and
+``compiled_frames``: whether the tail's one-shape forwards are compiled whole, as the head's are
+(``ModelSlice(compiled=)``; a ``WireError`` without ``one_shape``)); ``Ready`` is the tail's answer (what
 it loaded and computes in). ``to_frame()`` encodes one as a wire Control frame; ``parse(data)``
 builds one from a decoded Control's JSON object and raises ``wire.WireError`` (a ``one_shape``
 hello with other than one frame shape included) for a missing
@@ -47,11 +49,14 @@ class Hello:
     quant: str = "none"
     one_shape: bool = False  # every tail forward at the frames' one row count: its prefill's pieces too
     compiled_attention: bool = False  # canonical attention compiled on a GPU tail (the head's --compile-attention)
+    compiled_frames: bool = False  # the tail's one-shape forwards compiled whole (the head's --compile-frames)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "frames", tuple(self.frames))
         if self.one_shape and len(self.frames) != 1:
             raise wire.WireError(f"one_shape with the frame shapes {list(self.frames)}: it takes exactly one")
+        if self.compiled_frames and not self.one_shape:
+            raise wire.WireError("compiled_frames without one_shape: only one-shape forwards are compiled whole")
 
     def shapes(self) -> list[tuple[int, bool]]:
         """(rows, tree) of every verify FORWARD this hello allows: one graph each."""
@@ -64,7 +69,7 @@ class Hello:
     def identity(self) -> tuple:
         """What names the slice a tail loads for this hello (equal identities reuse the slice)."""
         return (self.model, self.revision, self.split, self.dtype, self.max_len, self.quant, self.rows,
-                self.compiled_attention)
+                self.compiled_attention, self.compiled_frames)
 
     @property
     def rows(self) -> int | None:
@@ -86,6 +91,7 @@ class Hello:
             quant=json_field(data, "quant", str, "none", choices=QUANT_MODES, label="quantisation"),  # a head without 4-bit sends none
             one_shape=json_field(data, "one_shape", bool, False),
             compiled_attention=json_field(data, "compiled_attention", bool, False),  # an older head: plain
+            compiled_frames=json_field(data, "compiled_frames", bool, False),
         )
 
 
