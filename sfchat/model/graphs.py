@@ -39,6 +39,7 @@ captured, ``keys()`` lists them).
 
 from __future__ import annotations
 
+import types
 import warnings
 
 import torch
@@ -146,7 +147,13 @@ class GraphTable:
         if self.compile is None:
             return fn
         if key not in self._code:
-            compiled = torch.compile(fn, dynamic=False, fullgraph=True, options=self.compile or None)
+            # a code object of its own: dynamo keeps its programs per code object, so this key's are
+            # never checked against another key's or another slice's guards (torch 2.13 on a CPU
+            # failed analysing a dead slice's guards when a new slice's function recompiled)
+            own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__,
+                                     fn.__closure__)
+            own.__kwdefaults__ = fn.__kwdefaults__
+            compiled = torch.compile(own, dynamic=False, fullgraph=True, options=self.compile or None)
 
             def run(*args):
                 if self.compile is None:  # compiling failed in this table: the plain code

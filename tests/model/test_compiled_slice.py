@@ -72,9 +72,11 @@ def test_a_slice_compiled_whole_needs_one_row_count(zoo):
         ModelSlice.load(src, 0, 2, embed=True, head=False, dtype=torch.float32, device=CPU, max_len=64, compiled=True)
 
 
-def test_a_heads_compile_frames_reaches_its_tail_and_the_reply_is_generates(zoo):
+@pytest.mark.parametrize("device", ["cpu", "cpu,cpu"])
+def test_a_heads_compile_frames_reaches_its_tail_and_the_reply_is_generates(zoo, device):
     """Local mode on the CPU with one row count: head and tail slices compiled whole (the hello
-    names it: the tail follows), the greedy reply the target's own."""
+    names it: the tail follows), each segment its own program when the layers are spread over
+    two devices, the greedy reply the target's own."""
     from sfchat.config import Settings
     from sfchat.events import ReplyFinished
     from sfchat.node.head import Head
@@ -83,14 +85,16 @@ def test_a_heads_compile_frames_reaches_its_tail_and_the_reply_is_generates(zoo)
     from engine_runs import PROMPT, reference
 
     path = str(zoo["qwen2-untied"])
-    session = Head.open(Settings(model=path, draft=path, k=2, device="cpu", frame_rows=16, compile_frames=True))
+    session = Head.open(Settings(model=path, draft=path, k=2, device=device, frame_rows=16, compile_frames=True))
     tail = session.engine.link.verifier
     assert tail.hello.compiled_frames and tail.model.compiled and session.engine.spec.head.compiled
+    assert len(tail.model.devices) == len(session.engine.spec.head.devices) == len(device.split(","))
     session.eos = set()
     ids = session.encode(PROMPT)
     fin = [e for e in session.reply(ids, 12, Sampling()) if isinstance(e, ReplyFinished)][-1]
     assert list(fin.token_ids) == reference(zoo["qwen2-untied"], ids, 12, eos=-1)
-    assert tail.model.graphs._code and session.engine.spec.head.graphs._code  # compiled code ran on both
+    for sl in (tail.model, session.engine.spec.head):  # compiled code ran on both, each segment its own
+        assert {key[-1] for key in sl.graphs._code} == set(range(len(sl.devices)))
 
 
 def test_compile_frames_without_one_row_count_is_refused_in_a_line(zoo):
