@@ -3,9 +3,9 @@
 The head's and the tail's frames run one fixed shape (``ModelSlice(rows=64)``, canonical attention)
 replayed from CUDA graphs; the product compiles at most the attention (``--compile-attention``).
 This probe compiles each segment's whole forward (``ModelSlice._segment``: norms, rotary, residuals
-and attention, the GEMMs left to cuBLAS) by torch.compile with the product's options for
-compiled attention (``attention.OPTIONS``: rounding as written, deterministic), captures it in a
-graph over one window, and compares, at one context, on random weights in the shapes of Qwen2.5-7B:
+and attention, the GEMMs left to cuBLAS) as ``--compile-frames`` does (``GraphTable(compile=)``
+with the product's options for compiled attention, ``attention.compile_options``: rounding as
+written, deterministic), captures it in a graph over one window, and compares, at one context, on random weights in the shapes of Qwen2.5-7B:
 
   * the head half (layers [0, 14) with the embedding) and, with ``--tail``, the tail half (layers
     [14, 28), the norm and lm_head, logits of every row): ms per graphed frame for the plain
@@ -36,6 +36,7 @@ from verify_breakdown import SHAPES, TINY, random_slice, timed  # noqa: E402
 
 from sfchat.engine.scratch import Scratch  # noqa: E402
 from sfchat.model import attention  # noqa: E402
+from sfchat.model.graphs import GraphTable  # noqa: E402
 from sfchat.model.kv import causal_keys  # noqa: E402
 
 ROWS = 64
@@ -51,18 +52,6 @@ def frame_rows(n: int, base: int) -> list[tuple[int, int, list[int]]]:
         parents[i] = ancestors
         rows.append((base + len(ancestors), i, ancestors))
     return rows
-
-
-def compiled_segments(sl, options: dict):
-    """``sl._segment`` made to return each segment's function compiled (one program per window)."""
-    plain, cache = sl._segment, {}
-
-    def segment(i, n_logits, tree):
-        key = (i, n_logits, tree)
-        if key not in cache:
-            cache[key] = torch.compile(plain(i, n_logits, tree), dynamic=False, fullgraph=True, options=options or None)
-        return cache[key]
-    return segment, plain
 
 
 def capture(sl, n_logits: int, window: int, cuda: bool) -> None:
@@ -119,18 +108,16 @@ def main() -> None:
         def frame():
             return sl.run(x, slots, n_logits, end=scratch.reach, tree=mask)
 
-        ref, plain_segment = None, sl._segment
-        variants = [("plain (the product's default)", False, None), ("attention compiled", True, None)]
+        ref = None
+        variants = [("plain (the product's default)", False, False), ("attention compiled", True, False)]
         if cuda or args.tiny:
-            variants += [("whole forward compiled", False, dict(attention.OPTIONS)),
-                         ("whole forward compiled, again", False, dict(attention.OPTIONS))]
+            variants += [("whole forward compiled", False, True), ("whole forward compiled, again", False, True)]
         outs = {}
         for vname, attn, whole in variants:
             torch._dynamo.reset()
             inductor.force_disable_caches = vname.endswith("again")  # a compile of its own, not the first's from a cache
-            sl.graphs = type(sl.graphs)()
+            sl.graphs = GraphTable(attention.compile_options() if whole else None)  # what ModelSlice(compiled=) makes
             attention.COMPILE, attention._compiled = attn, None
-            sl._segment = compiled_segments(sl, whole)[0] if whole is not None else plain_segment
             t0 = time.perf_counter()
             capture(sl, n_logits, window, cuda)
             out = frame()  # on the CPU: the compile happens here
@@ -143,7 +130,6 @@ def main() -> None:
                 again = str(torch.equal(out, outs["whole forward compiled"]))
             outs[vname] = out
             print(f"| {label} | {vname} | {ms:.2f} | {setup:.1f} | {diff:.3g} | {again} |", flush=True)
-        sl._segment = plain_segment
         attention.COMPILE, attention._compiled = False, None
         del sl
         if cuda:
