@@ -380,8 +380,10 @@ def main() -> None:
     attention.compile_on_gpu(args.compile_attention)
     if args.tail_logs:
         args.tail_logs.mkdir(parents=True, exist_ok=True)
+    t_build = time.perf_counter()
     specs, hello = build(target, draft, harness.DEVICE, dtype, synthetic, args.frame_rows, args.compile_draft,
                          modes=args.modes.split(","), compile_frames=args.compile_frames)
+    print(f"the head loaded and captured in {time.perf_counter() - t_build:.1f} s", file=sys.stderr, flush=True)
     if not args.no_settle:
         heap.settle()  # as the product's head does once it is loaded
     hello = dataclasses.replace(hello, compiled_attention=args.compile_attention,
