@@ -14,9 +14,13 @@ written, deterministic), captures it in a graph over one window, and compares, a
     process (``torch._dynamo.reset()`` between, Inductor's caches off for it), i.e. whether it is one code, and how far its
     outputs are from the plain forward's (max abs difference; other bits are expected: the
     identity across modes holds when every mode runs the same code);
-  * the compile time of each.
+  * the compile time of each;
+  * with ``--quant nf4`` / ``int8``, the decoder layers' linears quantised as the product loads them
+    (bitsandbytes): whether the whole forward compiles over them or the table falls back to the
+    plain code (the last column says which).
 
 Run from the repository root:  python3 bench/head_compile.py [--context 500] [--calls 50] [--tail]
+    python3 bench/head_compile.py --quant nf4 [--tail]   (needs bitsandbytes)
     python3 bench/head_compile.py --tiny   (the CPU, tiny shapes: checks the script, measures nothing)
 """
 
@@ -38,6 +42,7 @@ from sfchat.engine.scratch import Scratch  # noqa: E402
 from sfchat.model import attention  # noqa: E402
 from sfchat.model.graphs import GraphTable  # noqa: E402
 from sfchat.model.kv import causal_keys  # noqa: E402
+from sfchat.model.quant import quantize_linears  # noqa: E402
 
 ROWS = 64
 POOL = 9 * ROWS + 1  # the GPU default's head scratch
@@ -73,6 +78,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=500)
     ap.add_argument("--calls", type=int, default=50)
     ap.add_argument("--tail", action="store_true", help="the tail half too (norm and lm_head, 64 logits)")
+    ap.add_argument("--quant", choices=("none", "nf4", "int8"), default="none",
+                    help="the decoder layers' linears quantised as the product loads them")
     args = ap.parse_args()
     from torch._inductor import config as inductor
     cuda = not args.tiny and torch.cuda.is_available()
@@ -85,11 +92,16 @@ def main() -> None:
         halves[name.replace("head", "tail")] = dict(shape, lo=shape["hi"], hi=shape["hi"] + half, head=True)
     n, ctx = (args.calls if cuda else 2), args.context
     print(f"\n{torch.cuda.get_device_name() if cuda else 'CPU (nothing measured)'}, {dtype}, {ROWS} rows, context {ctx}, "
-          f"{n} calls a figure\n")
-    print("| slice | variant | ms a frame | compile + capture s | max abs diff to plain | same bits after a second compile |")
-    print("| --- | --- | --- | --- | --- | --- |")
+          f"{n} calls a figure, linears {args.quant}\n")
+    print("| slice | variant | ms a frame | compile + capture s | max abs diff to plain | same bits after a second compile "
+          "| compiled (else fell back) |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for label, sh in halves.items():
         sl = random_slice(sh, dtype, device, 4096 + POOL, rows=ROWS)
+        if args.quant != "none":
+            for layer in sl.layers:
+                quantize_linears(layer, dtype, args.quant)
+            sl.quant = args.quant
         n_logits = ROWS if sl.lm_head is not None else 0
         gen = torch.Generator(device=device).manual_seed(1)
         if sl.embed_tokens is not None:
@@ -129,7 +141,8 @@ def main() -> None:
             if vname.endswith("again"):
                 again = str(torch.equal(out, outs["whole forward compiled"]))
             outs[vname] = out
-            print(f"| {label} | {vname} | {ms:.2f} | {setup:.1f} | {diff:.3g} | {again} |", flush=True)
+            kept = "" if not whole else "yes" if sl.graphs.compile is not None else "no: plain"
+            print(f"| {label} | {vname} | {ms:.2f} | {setup:.1f} | {diff:.3g} | {again} | {kept} |", flush=True)
         attention.COMPILE, attention._compiled = False, None
         del sl
         if cuda:
