@@ -63,9 +63,12 @@ Run from the repository root:
 from __future__ import annotations
 
 import argparse
+import atexit
 import dataclasses
 import json
 import random
+import shutil
+import signal
 import statistics
 import sys
 import tempfile
@@ -311,6 +314,16 @@ def prompts_for(target: Path, synthetic: bool, count: int) -> list[list[int]]:
                 add_special_tokens=False)["input_ids"] for t in texts]
 
 
+def scratch_dir() -> Path:
+    """A temporary folder for the bench's checkpoints (a 7B pair is ~16 GB), removed when the
+    process ends, by ``timeout``'s SIGTERM too: runs one after another on one disk must not fill it."""
+    root = Path(tempfile.mkdtemp(prefix="sfchat-live-bench-"))
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds: the tail stops, atexit runs
+    return root
+
+
 def main() -> None:
     global K
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -364,11 +377,11 @@ def main() -> None:
         target = args.pair.resolve()
         draft = quantised_copy(target, target.parent / f"{target.name}-round4", "round4")
     elif args.self_shape:
-        target = Path(tempfile.mkdtemp(prefix="sfchat-live-bench-")) / "target"
+        target = scratch_dir() / "target"
         harness.write_checkpoint(target, SELF_SHAPES[args.self_shape], seed=0)
         draft = target
     else:
-        root = Path(tempfile.mkdtemp(prefix="sfchat-live-bench-"))
+        root = scratch_dir()
         shapes = (TINY_TARGET, TINY_DRAFT) if args.smoke else (QWEN25_7B, QWEN25_05B)
         vocab = shapes[1]["vocab_size"]
         harness.write_checkpoint(root / "target", shapes[0], seed=0, follows=vocab)

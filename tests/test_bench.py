@@ -319,3 +319,25 @@ def test_pipeline_sim_runs_auto_with_the_policys_constants_set_for_one_mode_only
     for bad in ["auto-x=NO_SUCH:1", "auto-x=RETRIAL_SHARE", "auto-x=RETRIAL_SHARE:abc"]:
         with pytest.raises(SystemExit, match="--policy"):
             policy_modes([bad])
+
+
+def test_live_bench_removes_its_checkpoints_when_it_ends_or_is_terminated(tmp_path):
+    """A 7B pair's checkpoints are ~16 GB: runs one after another (each cut short by ``timeout``'s
+    SIGTERM or not) must not leave them behind to fill the disk."""
+    import os
+    import signal
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    code = ("import sys, time; sys.path.insert(0, 'bench'); import live_bench; d = live_bench.scratch_dir(); "
+            "(d / 'weights').write_bytes(b'x' * 1000); print(d, flush=True); time.sleep(float(sys.argv[1]))")
+    env = dict(os.environ, TMPDIR=str(tmp_path), PYTHONPATH=str(root))
+    done = subprocess.run([sys.executable, "-c", code, "0"], cwd=root, env=env, capture_output=True, text=True,
+                          check=True, timeout=300)
+    assert Path(done.stdout.strip()).parent == tmp_path and not Path(done.stdout.strip()).exists()
+    proc = subprocess.Popen([sys.executable, "-c", code, "600"], cwd=root, env=env, stdout=subprocess.PIPE, text=True)
+    made = Path(proc.stdout.readline().strip())
+    assert (made / "weights").stat().st_size == 1000
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=120) == 143
+    assert list(tmp_path.iterdir()) == []
