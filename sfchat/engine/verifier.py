@@ -77,7 +77,7 @@ class Verifier:
     def __init__(self, load, log=None):
         """``load(hello, progress)`` opens and loads the slice a hello names (a ``UserError`` when
         it cannot: refused as an ERROR); ``progress(stage, done, total, detail)`` reports to the
-        head; ``load.shapes(model, hello)`` readies the slice for the hello's frame shapes (its
+        head; ``load.shapes(model, hello, progress)`` readies the slice for the hello's frame shapes (its
         graphs), or raises a ``UserError`` saying why it cannot (refused as an ERROR). The loader
         (``node.tail_loader.TailLoader``) decides where models may come from, on which devices
         they run and what memory allows; the verifier only speaks the protocol."""
@@ -149,7 +149,7 @@ class Verifier:
             self._fail(emit, f"tail's model has {n_layers(cfg)} layers / hidden {cfg.hidden_size}, "
                              f"the head's {hello.n_layers} / {hello.hidden_size}: not the same model")
         try:  # a verify runs at one of the hello's frame shapes: the loader graphs them, or says why not
-            self.load.shapes(self.model, hello)
+            self.load.shapes(self.model, hello, self._progress(emit))
         except UserError as exc:
             self._fail(emit, str(exc))
         self.model.reset(zero=True)  # nothing an earlier head left may reach this one's softmax

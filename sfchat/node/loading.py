@@ -192,7 +192,8 @@ def capture_graphs(head: ModelSlice, drafter: Drafter | None, layout: FrameLayou
     def warn(message):
         print(f"sfchat: {message}", file=sys.stderr)
 
-    progress("capture", 0, 2, "head frame")
+    progress("capture", 0, 2, "head frame (compiling its forward for each attention window: a minute or more at the "
+                              "first start)" if head.compiled else "head frame")
     head.capture(layout.shape, log=warn, tree=True, span=layout.head_pool)
     progress("capture", 1, 2, "draft (compiling it for each attention window: a minute or more at the first start)" if compile_draft else "draft")
     if drafter is not None and drafter.device.type == "cuda":

@@ -3,15 +3,19 @@
 Contract: ``TailLoader(device, devices, models_dirs, log)`` is the callable a ``Verifier`` is
 given (by ``sfchat --tail`` and by local mode alike): it opens the model a HELLO names, refuses
 what this tail may not open or cannot hold (a ``UserError``, answered to the head as an ERROR)
-and loads the tail's slice; ``shapes(model, hello)`` then captures a CUDA graph per frame shape
+and loads the tail's slice; ``shapes(model, hello, progress)`` then captures a CUDA graph per frame shape
 the hello names (canonical attention compiled or not, as the hello says: set when the slice
 is loaded), after checking that memory holds them (refused as ``tail cannot capture the
 head's frame shapes: ...``), or drops the graphs when the head runs without them; on a GPU it
-then settles the heap (``heap.settle``). It knows nothing of the head's engine.
+then settles the heap (``heap.settle``). Capturing reports ``("capture", done, shapes, detail)``
+to ``progress`` before each shape and once all are done, and a slice whose forwards compile
+whole (``--compile-frames``: a minute or more at a first start) says so in the tail's log, with the
+time it took. It knows nothing of the head's engine.
 """
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -82,7 +86,7 @@ class TailLoader:
                                max_len=hello.max_len, progress=report, quant=quant, devices=self.devices,
                                reserved=unequal_free(self.devices), rows=hello.rows, compiled=hello.compiled_frames)
 
-    def shapes(self, model: ModelSlice, hello: Hello) -> None:
+    def shapes(self, model: ModelSlice, hello: Hello, progress: Callable = lambda *a: None) -> None:
         """Graphs for the hello's frame shapes on a GPU, if memory holds them; none without. On a
         GPU the heap is then settled (``heap.settle``: the slice, its compiled code and graphs live
         as long as the tail, out of the collector's scans)."""
@@ -93,8 +97,21 @@ class TailLoader:
                 check_graphs(model, hello.shapes())
             except UserError as exc:
                 raise UserError(f"tail cannot capture the head's frame shapes: {exc}") from None
-            for m, is_tree in hello.shapes():
-                if not model.captured(m, m, is_tree):  # a verify sees its rows' slots and the trash slot
-                    model.capture(m, m, log=self.log, tree=is_tree, span=m + 1 if is_tree else None)
+            todo = [(m, is_tree) for m, is_tree in hello.shapes() if not model.captured(m, m, is_tree)]
+            for i, (m, is_tree) in enumerate(todo):
+                what = f"{m}-row {'tree ' if is_tree else ''}frame"
+                if model.compiled:
+                    n = len(model.windows)
+                    what += (f" (compiling its forward for {n} attention window{'s' if n != 1 else ''}: "
+                             "a minute or more at the first start)")
+                    self.log(f"{what}...")
+                progress("capture", i, len(todo), what)
+                t0 = time.perf_counter()
+                # a verify sees its rows' slots and the trash slot
+                model.capture(m, m, log=self.log, tree=is_tree, span=m + 1 if is_tree else None)
+                if model.compiled:
+                    self.log(f"the {m}-row frame compiled and captured in {time.perf_counter() - t0:.0f} s")
+            if todo:
+                progress("capture", len(todo), len(todo), "")
         if model.device.type == "cuda":
             heap.settle()

@@ -323,3 +323,51 @@ def test_a_heads_compile_attention_goes_in_its_hello(zoo, monkeypatch):
     for on in (True, False):
         session = Head.open(Settings(model=path, draft=path, k=2, device="cpu", compile_attention=on))
         assert session.engine.link.verifier.hello.compiled_attention is on and attention.COMPILE is on
+
+
+def test_a_tail_reports_capturing_each_frame_shape_and_logs_a_compile(tail_case, monkeypatch):
+    """Capturing (and with ``--compile-frames`` compiling) the hello's frame shapes takes a minute
+    or more at a first start: the head is told shape by shape (PROGRESS "capture") and the tail's
+    log says a compile is under way and how long it took, before READY."""
+    import sfchat.node.tail_loader as tail_loader
+    from sfchat.node import heap
+    from tail_cases import K
+
+    good, *_ = tail_case
+    lines, captured, held = [], [], []
+    loader = TailLoader(torch.device("cpu"), log=lines.append)
+
+    class OnAGpu:
+        """The tail's own loader, its slice placed as a GPU tail's with its forwards compiled whole;
+        capturing is recorded (there is no GPU here)."""
+        shapes = staticmethod(loader.shapes)
+
+        def __call__(self, hello, progress):
+            model = loader(hello, progress)
+            model.device, model.compiled = torch.device("cuda"), True
+            model.capture = lambda m, n, log=None, tree=False, span=None: captured.append((m, tree))
+            held.append(model)
+            return model
+
+    import itertools
+    import types
+
+    import sfchat.engine.verifier as verifier
+
+    monkeypatch.setattr(tail_loader, "check_graphs", lambda model, shapes: None)
+    monkeypatch.setattr(heap, "settle", lambda: None)
+    seconds = itertools.count(0, 60)  # a minute between reports, as a compile takes: none held back (10 a second)
+    monkeypatch.setattr(verifier, "time", types.SimpleNamespace(monotonic=lambda: next(seconds),
+                                                                perf_counter=verifier.time.perf_counter))
+    msgs = replies(Verifier(OnAGpu()), hello_for(good), fails=False)
+    assert captured == [(K + 1, True), (8, True)]
+    progress = [(m.data["done"], m.data["total"], m.data["detail"]) for m in msgs
+                if m.type is MsgType.PROGRESS and m.data["stage"] == "capture"]
+    windows = len(held[0].windows)
+    assert windows == 1  # the CPU's one window
+    compiling = "(compiling its forward for 1 attention window: a minute or more at the first start)"
+    assert progress == [(0, 2, f"{K + 1}-row tree frame {compiling}"), (1, 2, f"8-row tree frame {compiling}"), (2, 2, "")]
+    assert msgs[-1].type is MsgType.READY
+    assert [ln for ln in lines if "compil" in ln] == [
+        f"{K + 1}-row tree frame {compiling}...", f"the {K + 1}-row frame compiled and captured in 0 s",
+        f"8-row tree frame {compiling}...", "the 8-row frame compiled and captured in 0 s"]

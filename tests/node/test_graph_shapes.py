@@ -48,3 +48,20 @@ def test_the_head_frame_and_draft_step_replay_in_their_captured_shapes(zoo, monk
     assert list(fin.token_ids) == ref[0, len(ids):].tolist()
     assert any("tree forward" in w for w in Recorder.replays)
     assert any("draft's" in w for w in Recorder.replays)
+
+
+def test_capturing_says_when_the_head_frame_compiles_a_minute_or_more(zoo, monkeypatch):
+    """The head's capture reports its frame, and with ``--compile-frames`` that compiling it takes
+    a minute or more at a first start (shown on the loading screen)."""
+    monkeypatch.setattr(graphs, "try_capture", lambda what, fn, inputs, log=None: Recorder(what, fn, inputs))
+    s = Settings(model=str(zoo["qwen2-tied"]), draft=str(zoo["draft"]), k=3, device="cpu", dtype="float32")
+    head = Head.open(s).engine.spec.head
+    layout = frame_layout(s, s.k, cuda=False, local=True)
+    said = []
+    capture_graphs(head, None, layout, False, lambda *a: said.append(a))
+    assert said == [("capture", 0, 2, "head frame"), ("capture", 1, 2, "draft"), ("capture", 2, 2, "")]
+    said.clear()
+    head.compiled = True
+    capture_graphs(head, None, layout, True, lambda *a: said.append(a))
+    assert said[0] == ("capture", 0, 2, "head frame (compiling its forward for each attention window: a minute or "
+                                        "more at the first start)")
