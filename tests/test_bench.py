@@ -341,3 +341,47 @@ def test_live_bench_removes_its_checkpoints_when_it_ends_or_is_terminated(tmp_pa
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=120) == 143
     assert list(tmp_path.iterdir()) == []
+
+
+def test_stretch_difficulty_gives_each_stretch_the_ranks_of_the_tokens_it_committed(tmp_path, capsys):
+    """bench/stretch_difficulty.py: a saved synthetic run's verdicts, cut into stretches, each with
+    the share of its committed tokens the draft proposed first (known per token) and its rate."""
+    import json
+
+    import torch
+    from live_bench import draw_ranks, prompts_for
+    from stretch_difficulty import main
+
+    vocab, hist = 1000, [1, 1]  # rank 0 or not proposed, evenly
+    (tmp_path / "ranks.json").write_text(json.dumps(hist))
+    perm = torch.randperm(vocab, generator=torch.Generator().manual_seed(1234)).tolist()
+    rank = draw_ranks(hist, vocab)
+    prompts, ids, rows = prompts_for(None, True, 2), [], []
+    for p in prompts:  # 20 tokens a reply, a verdict each: 10 ms where the draft proposed it first, else 30
+        t, reply = p[-1], []
+        for _ in range(20):
+            rows.append(["stream", 1, 0.5, 4, 86.0, 3.0, 10.0 if rank[t] == 0 else 30.0, 1.0, 1.0, 900, 2, 0, 0.0])
+            t = perm[t]
+            reply.append(t)
+        ids.append(reply)
+    fields = ["schedule", "committed", "expected", "in_flight", "rtt_ms", "tail_ms", "round_ms", "draft_ms", "head_ms",
+              "forward_bytes", "draft_steps", "ahead_steps", "wait_ms"]
+    run = tmp_path / "run.json"
+    run.write_text(json.dumps([{"mode": "stream", "rtt": 86, "ids": ids, "per_verdict": {"fields": fields, "rows": rows}}]))
+    assert main([str(run), "--stretch", "5", "--skip", "0", "--vocab", str(vocab), "--ranks", str(tmp_path / "ranks.json")]) == 0
+    out = capsys.readouterr().out
+    table, summary = out.split("\n\n")
+    got = [line.split(" | ")[2:] for line in table.splitlines() if line.startswith("| 86 | stream | ")]
+    want = []
+    for reply, p in enumerate(prompts):
+        seq = [p[-1]] + ids[reply]
+        for a in range(0, 20, 5):
+            firsts = sum(rank[t] == 0 for t in seq[a:a + 5])
+            want.append([str(reply + 1), f"{firsts / 5:.2f}", f"{5 / (10 * firsts + 30 * (5 - firsts)):.4f} |"])
+    assert got == want
+    summary = [line for line in summary.splitlines() if line.startswith("| 86 | stream | 8 |")]
+    assert len(summary) == 1 and float(summary[0].split(" | ")[-1].rstrip(" |")) > 0.9
+    ids[0][3] = perm[ids[0][3]]  # a reply the synthetic target did not write
+    run.write_text(json.dumps([{"mode": "stream", "rtt": 86, "ids": ids, "per_verdict": {"fields": fields, "rows": rows}}]))
+    assert main([str(run), "--vocab", str(vocab), "--ranks", str(tmp_path / "ranks.json")]) == 2
+    assert "its replies are not the synthetic target's" in capsys.readouterr().err
