@@ -7,10 +7,12 @@ is known exactly: this script reads a ``live_bench.py --verdicts --save`` file, 
 the draft ranks of the tokens it committed (the reply's token ids are saved), cuts each reply of
 each mode into stretches of ``--stretch`` verdicts (the first ``--skip`` of a reply, its prefill
 and the pipeline's fill, left out), and prints per stretch its committed tokens per ms and the
-share of its tokens the draft proposed first (rank 0), then per mode the spread of the rates and
-their correlation with that share. A strong correlation says that a trial's rate measures the
-text as much as the schedule, and that a rate corrected for the share would compare schedules
-on the same footing (issue 48, part 2). Reads a file; runs nothing.
+share of its tokens the draft proposed first (rank 0), then per mode the spread of the rates, their
+correlation with that share, and what a correction for the text would leave: the spread of
+log(rate), and the root mean square of its error where each stretch's log(rate) is predicted from
+the log of its share proposed first or second, fitted on the other stretches (a correlation that one
+stretch carries shows as no gain there). A spread the correction removes says that a trial's
+rate measures the text as much as the schedule (issue 48, part 2). Reads a file; runs nothing.
 
     python3 bench/stretch_difficulty.py RUN.json [--stretch 50] [--skip 3] [--vocab 151936]
 """
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 from pathlib import Path
@@ -49,9 +52,10 @@ def verdict_ranks(ids: list[list[int]], prompts: list[list[int]], committed: lis
 
 
 def stretches(rows: list[dict], ranks: list[tuple[int, list[int]]], size: int, skip: int
-              ) -> list[tuple[int, float, float]]:
-    """(reply, rank-0 share, committed tokens per ms) of each whole stretch of ``size`` verdicts
-    (a reply's last, shorter than half of ``size``, left out), after a reply's first ``skip``."""
+              ) -> list[tuple[int, float, float, float]]:
+    """(reply, rank-0 share, committed tokens per ms, share at rank 0 or 1) of each whole stretch
+    of ``size`` verdicts (a reply's last, shorter than half of ``size``, left out), after a
+    reply's first ``skip``."""
     out = []
     for reply in sorted({r for r, _ in ranks}):
         mine = [(row, rk) for row, (r, rk) in zip(rows, ranks) if r == reply][skip:]
@@ -61,7 +65,8 @@ def stretches(rows: list[dict], ranks: list[tuple[int, list[int]]], size: int, s
             tokens = [k for _, rk in part for k in rk]
             if len(part) < size / 2 or ms <= 0 or not tokens:
                 continue
-            out.append((reply, sum(k == 0 for k in tokens) / len(tokens), sum(len(rk) for _, rk in part) / ms))
+            out.append((reply, sum(k == 0 for k in tokens) / len(tokens), sum(len(rk) for _, rk in part) / ms,
+                        sum(k < 2 for k in tokens) / len(tokens)))
     return out
 
 
@@ -71,6 +76,18 @@ def correlation(xs: list[float], ys: list[float]) -> float:
     if sx == 0 or sy == 0:
         return float("nan")
     return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / len(xs) / (sx * sy)
+
+
+def left_out_error(xs: list[float], ys: list[float]) -> float:
+    """The root mean square error of each y predicted by a line through the other points."""
+    errors = []
+    for i in range(len(xs)):
+        ox, oy = xs[:i] + xs[i + 1:], ys[:i] + ys[i + 1:]
+        mx, my = statistics.fmean(ox), statistics.fmean(oy)
+        spread = sum((x - mx) ** 2 for x in ox)
+        slope = sum((x - mx) * (y - my) for x, y in zip(ox, oy)) / spread if spread else 0.0
+        errors.append(ys[i] - (my + slope * (xs[i] - mx)))
+    return math.sqrt(statistics.fmean(e * e for e in errors))
 
 
 def main(argv=None) -> int:
@@ -106,15 +123,17 @@ def main(argv=None) -> int:
             return 2
         parts = stretches(rows, verdict_ranks(ids, prompts, [r["committed"] for r in rows], rank),
                           args.stretch, args.skip)
-        for reply, share, rate in parts:
+        for reply, share, rate, _ in parts:
             print(f"| {run['rtt']} | {run['mode']} | {reply + 1} | {share:.2f} | {rate:.4f} |")
         if len(parts) >= 3:
             shares, rates = [p[1] for p in parts], [p[2] for p in parts]
+            logs, two = [math.log(r) for r in rates], [math.log(max(p[3], 1e-3)) for p in parts]
             summary.append(f"| {run['rtt']} | {run['mode']} | {len(parts)} | {min(rates):.4f}-{max(rates):.4f} | "
                            f"{statistics.pstdev(rates) / statistics.fmean(rates):.3f} | "
-                           f"{correlation(shares, rates):.2f} |")
-    print("\n| RTT | mode | stretches | tokens/ms | CV | correlation with the rank-0 share |\n"
-          "| --- | --- | --- | --- | --- | --- |")
+                           f"{correlation(shares, rates):.2f} | {statistics.pstdev(logs):.3f} | "
+                           f"{left_out_error(two, logs):.3f} |")
+    print("\n| RTT | mode | stretches | tokens/ms | CV | correlation with the rank-0 share | log(rate) spread | "
+          "its error corrected by the rank-0/1 share, each stretch left out |\n| --- | --- | --- | --- | --- | --- | --- | --- |")
     print("\n".join(summary))
     return 0
 

@@ -352,7 +352,7 @@ def test_stretch_difficulty_gives_each_stretch_the_ranks_of_the_tokens_it_commit
     from live_bench import draw_ranks, prompts_for
     from stretch_difficulty import main
 
-    vocab, hist = 1000, [1, 1]  # rank 0 or not proposed, evenly
+    vocab, hist = 1000, [1, 0, 1]  # rank 0 or not proposed (the last), evenly
     (tmp_path / "ranks.json").write_text(json.dumps(hist))
     perm = torch.randperm(vocab, generator=torch.Generator().manual_seed(1234)).tolist()
     rank = draw_ranks(hist, vocab)
@@ -380,7 +380,8 @@ def test_stretch_difficulty_gives_each_stretch_the_ranks_of_the_tokens_it_commit
             want.append([str(reply + 1), f"{firsts / 5:.2f}", f"{5 / (10 * firsts + 30 * (5 - firsts)):.4f} |"])
     assert got == want
     summary = [line for line in summary.splitlines() if line.startswith("| 86 | stream | 8 |")]
-    assert len(summary) == 1 and float(summary[0].split(" | ")[-1].rstrip(" |")) > 0.9
+    cells = summary[0].split(" | ") if len(summary) == 1 else []
+    assert len(cells) == 8 and float(cells[5]) > 0.9 and float(cells[7].rstrip(" |")) < float(cells[6])
     ids[0][3] = perm[ids[0][3]]  # a reply the synthetic target did not write
     run.write_text(json.dumps([{"mode": "stream", "rtt": 86, "ids": ids, "per_verdict": {"fields": fields, "rows": rows}}]))
     assert main([str(run), "--vocab", str(vocab), "--ranks", str(tmp_path / "ranks.json")]) == 2
