@@ -127,7 +127,10 @@ FIELDS = ("draft_ms", "head_ms", "tail_ms", "rtt_ms", "wait_ms", "overlap_ms", "
           "expected")
 
 
-def draw_ranks(ranks: list[int], n: int, seed: int = 7) -> list[int]:
+RANK_SEED = 7  # the synthetic text: which rank each token's proposal stands at (pipeline_sim --rank-seed)
+
+
+def draw_ranks(ranks: list[int], n: int, seed: int = RANK_SEED) -> list[int]:
     """For each of ``n`` tokens, the rank at which the draft proposes the target's next token, drawn
     from the whole histogram ``ranks`` (the last entry: not proposed at all), the same for every
     mode: a rank at or past a frame's width means that mode's draft does not propose it."""
@@ -157,7 +160,7 @@ class SyntheticDrafter(Drafter):
     def __init__(self, *args, perm: torch.Tensor, ranks: list[int], **kw):
         super().__init__(*args, **kw)
         self.perm = perm.tolist()
-        self.rank = draw_ranks(ranks, len(self.perm))
+        self.rank = draw_ranks(ranks, len(self.perm), RANK_SEED)
         total = sum(ranks)
         self.q = [max(r / total, 1e-3) for r in ranks[:self.children]]  # a confidence per rank, like the pair's
 

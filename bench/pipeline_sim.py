@@ -232,6 +232,8 @@ def parser(description: str = __doc__.split("\n")[0]) -> argparse.ArgumentParser
     ap.add_argument("--prompts", type=int, default=6)
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--ranks", type=Path, default=Path(__file__).parent / "results" / "pair_ranks.json")
+    ap.add_argument("--rank-seed", type=int, default=live_bench.RANK_SEED,
+                    help="the synthetic text: the seed of the rank each token's proposal stands at")
     ap.add_argument("--costs", type=json.loads, default={}, help="JSON overrides of the modelled costs")
     ap.add_argument("--shared-gpu", type=float, default=0.0, metavar="SHARE",
                     help="head and tail on one GPU, as live_bench runs them: while a verify runs the head's work "
@@ -289,6 +291,7 @@ def simulate(args, prepare=lambda mode, spec: contextlib.nullcontext()) -> tuple
     for name in policies:
         live_bench.MODES[name] = live_bench.MODES["auto"]
     costs = H200 | args.costs
+    live_bench.RANK_SEED = args.rank_seed
     harness.DEVICE = "cpu"
     root = Path(tempfile.mkdtemp(prefix="sfchat-sim-"))
     vocab = TINY_DRAFT["vocab_size"]

@@ -386,3 +386,24 @@ def test_stretch_difficulty_gives_each_stretch_the_ranks_of_the_tokens_it_commit
     run.write_text(json.dumps([{"mode": "stream", "rtt": 86, "ids": ids, "per_verdict": {"fields": fields, "rows": rows}}]))
     assert main([str(run), "--vocab", str(vocab), "--ranks", str(tmp_path / "ranks.json")]) == 2
     assert "its replies are not the synthetic target's" in capsys.readouterr().err
+
+
+def test_the_simulators_rank_seed_picks_another_synthetic_text(zoo, monkeypatch):
+    """pipeline_sim --rank-seed: the synthetic draft's ranks per token (how easy each token is for
+    it) come from ``live_bench.RANK_SEED`` when the drafter is made; 7, live_bench's own, by default."""
+    import live_bench
+    import torch
+
+    from sfchat.model.slices import ModelSlice
+    from sfchat.model.source import ModelSource
+
+    src = ModelSource.open(str(zoo["draft"]))
+    model = ModelSlice.load(src, 0, src.config.num_hidden_layers, embed=True, head=True, dtype=torch.float32,
+                            device=torch.device("cpu"), max_len=64)
+    vocab = src.config.vocab_size
+    perm = torch.randperm(vocab, generator=torch.Generator().manual_seed(1234))
+    made = live_bench.SyntheticDrafter(model, width=8, children=8, pool=17, perm=perm, ranks=RANKS)
+    monkeypatch.setattr(live_bench, "RANK_SEED", 3)
+    other = live_bench.SyntheticDrafter(model, width=8, children=8, pool=17, perm=perm, ranks=RANKS)
+    assert made.rank == draw_ranks(RANKS, vocab) == draw_ranks(RANKS, vocab, 7)
+    assert other.rank == draw_ranks(RANKS, vocab, 3) != made.rank
