@@ -20,6 +20,8 @@ Run from the repository root:
     python3 bench/pipeline_sim.py [--rtts 30,86,175] [--modes chain,tree,tree-ahead] [--prompts 6]
     python3 bench/pipeline_sim.py --modes stream,auto,auto-4s --policy auto-4s=RETRIAL_SHARE:1
         (auto beside auto with a policy constant changed, in one process: the host's time is measured)
+    python3 bench/pipeline_sim.py --rtts 86 --modes tree,stream,auto --rank-seed 3
+        (another synthetic text, the same draft quality: each token's proposal at another rank)
 """
 
 from __future__ import annotations
