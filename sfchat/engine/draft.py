@@ -2,7 +2,7 @@
 
 Contract
 --------
-``Drafter(model, width, children, pool, blocks_from)`` keeps the draft's KV cache in step with
+``Drafter(model, width, children, pool, blocks_from, fuse)`` keeps the draft's KV cache in step with
 the committed context (``sync``: whatever prefix of the context is cached is reused, the rest is
 fed in chunks) and, right after it, ``scratch``: an ``engine.scratch.Scratch`` of ``pool`` slots
 for the live nodes it has run on (whoever builds the rows takes, releases and commits them there).
@@ -15,7 +15,9 @@ more, ``BLOCKS_FROM`` by default, its attention runs in blocks of ``BLOCK`` side
 ``kv.StaticKV.in_blocks``), and returns each row's ``children`` likeliest continuations with
 their probabilities (of the raw distribution when greedy, of the warped one when sampling: the
 draft never samples; the target's draw at each node decides, see ``sampling.picks``). One host
-sync per call.
+sync per call. With ``fuse`` (the default) it first merges the draft's q/k/v and gate/up
+projections into one GEMM each (``ModelSlice.fuse_projections``; a quantized draft's layers stay
+as they are).
 
 Graphs and the CPU run the same code: the forward is a plain function of tensors (``_expand``)
 that ``model.graphs.GraphTable`` replays from a graph captured over it, one per attention window,
@@ -51,8 +53,10 @@ BLOCKS_FROM = 2048
 
 class Drafter:
     def __init__(self, model: ModelSlice, width: int = WIDTH, children: int = CHILDREN, pool: int = 256,
-                 blocks_from: int | None = None):
+                 blocks_from: int | None = None, fuse: bool = True):
         self.model, self.width, self.vocab = model, width, model.config.vocab_size
+        if fuse:  # q/k/v and gate/up as one GEMM each: three kernels fewer a layer (``model.fused``)
+            model.fuse_projections()
         blocks_from = BLOCKS_FROM if blocks_from is None else blocks_from
         model.attend_in_blocks(BLOCK if blocks_from else 0, blocks_from)  # the steps' (tree forwards') attention
         self.rows = width + 1  # the nodes a step expands, and room for a committed node to catch up

@@ -69,7 +69,7 @@ from torch import nn
 from sfchat import UserError
 from sfchat.model.decoder import architecture, segment_runs
 from sfchat.model.graphs import GraphTable
-from sfchat.model import attention
+from sfchat.model import attention, fused
 from sfchat.model.kv import PREFILL_CHUNK, RowKeys, StaticKV, TreeMask, causal_keys
 from sfchat.model.quant import check_mode, quantize_linears
 from sfchat.model.source import ModelSource, Progress, _no_progress
@@ -378,6 +378,13 @@ class ModelSlice(nn.Module):
         (``kv.StaticKV.in_blocks``: the draft's), in every segment; graphs capture the form set then."""
         for seg in self._segments:
             seg.kv.in_blocks(block, from_window)
+
+    def fuse_projections(self) -> int:
+        """Merge each layer's q/k/v and gate/up GEMMs (``model.fused``: the draft's, never a target
+        slice's, whose arithmetic must stay the reference's), before any capture; layers fused."""
+        if self.canonical or self.graphs:
+            raise ValueError("only a draft's slice, before its graphs are captured, has its projections merged")
+        return sum(fused.fuse(layer) for layer in self.layers)
 
     def kv_tensors(self) -> list[torch.Tensor]:
         """Every layer's keys, then values, segment by segment (the buffers themselves: for checks)."""
