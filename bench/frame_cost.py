@@ -11,8 +11,10 @@ prefilled, and every figure is the mean of many calls (CUDA-synchronised wall ti
     with dynamo free to make the window's size symbolic (one program for the windows after the
     first: fewer compiles at the start); each with the attention over a long window in blocks
     (``Drafter(blocks_from=)``, the product's) and without (SDPA); ``--draft-contexts`` measures
-    each captured variant after several contexts (windows);
-    ``--profile-draft`` adds each step's top kernels;
+    each captured variant after several contexts (windows); the product's way with the layers'
+    q/k/v and gate/up projections merged (``model.fused``, the product's default; the others
+    unfused), each variant on a fresh slice;
+    ``--profile-draft`` adds each step's kernel count and top kernels;
   * the head slice's tree forward over its scratch at 9, 33 and 65 rows, replayed from its graph;
     the same rows as a plain causal forward (no tree mask, no scratch: the attention over the
     context alone); the 65-row forward's matrix multiplications alone; the host's parts of a frame
@@ -102,7 +104,9 @@ def main() -> None:
     ap.add_argument("--draft-only", action="store_true", help="only the draft's expansion steps")
     ap.add_argument("--draft-contexts", help="the draft's steps after each of these contexts (default: --context)")
     ap.add_argument("--variants", help="the draft's variants to run, by index (0 plain, 1 blocks, 2 compiled, "
-                                       "3 compiled blocks, 4 compiled dynamic blocks; default all)")
+                                       "3 compiled blocks, 4 compiled dynamic blocks, 5 blocks fused, "
+                                       "6 compiled blocks fused (the product's); without compiling 2 is blocks "
+                                       "fused; default all)")
     args = ap.parse_args()
     cuda = not args.tiny and torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
@@ -125,21 +129,27 @@ def main() -> None:
         return
 
     # -- the draft's expansion step ------------------------------------------------------------
-    draft = random_slice(draft_shape, dtype, device, max_len=args.max_context + DRAFT_POOL)
     contexts = [int(c) for c in args.draft_contexts.split(",")] if args.draft_contexts else [ctx]
     tokens = [int(t) for t in torch.randint(0, 300, (max(contexts),))]
-    variants = {"": {}, " (blocks)": dict(blocks=True)}
+    variants = {"": dict(fuse=False), " (blocks)": dict(blocks=True, fuse=False)}
     if cuda and not args.no_compile:
-        variants |= {" (compiled, a program per window)": dict(compile=True),
-                     " (compiled, a program per window, blocks)": dict(compile=True, blocks=True),
-                     " (compiled, the window dynamic, blocks)": dict(compile=True, dynamic=None, blocks=True)}
+        variants |= {" (compiled, a program per window)": dict(compile=True, fuse=False),
+                     " (compiled, a program per window, blocks)": dict(compile=True, blocks=True, fuse=False),
+                     " (compiled, the window dynamic, blocks)": dict(compile=True, dynamic=None, blocks=True,
+                                                                     fuse=False)}
+    variants |= {" (blocks, fused)": dict(blocks=True)}
+    if cuda and not args.no_compile:
+        variants |= {" (compiled, a program per window, blocks, fused)": dict(compile=True, blocks=True)}
     if args.variants:
         variants = {k: v for i, (k, v) in enumerate(variants.items()) if str(i) in args.variants.split(",")}
     for label, how in variants.items():
         how = dict(how)
-        dynamic, blocks = how.pop("dynamic", False), how.pop("blocks", False)
+        dynamic, blocks, fuse = how.pop("dynamic", False), how.pop("blocks", False), how.pop("fuse", True)
         for width in ((8, 16, 32) if not how and not blocks else (8,)):  # the product's width for the others
-            d = Drafter(draft, width=width, children=8, pool=DRAFT_POOL, blocks_from=BLOCKS_FROM if blocks else 0)
+            # a fresh slice for each: fusing rebuilds the layers in place
+            draft = random_slice(draft_shape, dtype, device, max_len=args.max_context + DRAFT_POOL)
+            d = Drafter(draft, width=width, children=8, pool=DRAFT_POOL, blocks_from=BLOCKS_FROM if blocks else 0,
+                        fuse=fuse)
             if how:  # no program of another variant may serve this one (dynamo's cache is per function)
                 torch._dynamo.reset()
             t0, programs = time.perf_counter(), compiled_programs()
@@ -153,15 +163,16 @@ def main() -> None:
                 ms = timed(lambda: d.expand(rows, Sampling()), n, cuda)
                 top = profiled(lambda: d.expand(rows, Sampling()), cuda) if args.profile_draft else []
                 window = draft.window_for(d.scratch.end)
+                kernels = (f"; {sum(c for _, _, c in top)} kernels, {sum(us for _, us, _ in top) / 1e3:.2f} ms"
+                           if top else "")
                 rows_out.append((f"{draft_name} expansion step, {width + 1} rows{label}, context {context}", ms,
                                  f"window {window}; {ms / width:.2f} ms per node expanded; capture {setup:.1f} s"
-                                 + (f" ({programs} programs compiled)" if how else "") +
-                                 "".join(f"; {k} {us / 1e3:.2f} ms x{c}" for k, us, c in top[:6])))
+                                 + (f" ({programs} programs compiled)" if how else "") + kernels +
+                                 "".join(f"; {k} {us / 1e3:.2f} ms x{c}" for k, us, c in top[:8])))
                 d.scratch.reset(context)
-            draft.reset()
-    del draft
-    if cuda:
-        torch.cuda.empty_cache()
+            del d, draft
+            if cuda:
+                torch.cuda.empty_cache()
     if args.draft_only:
         return
 

@@ -170,10 +170,11 @@ class SyntheticDrafter(Drafter):
 
 
 def build(target: Path, draft: Path, device: str, dtype: str, synthetic=None, rows: int = 0,
-          compile_draft: bool = False, modes=tuple(MODES), compile_frames: bool = False):
+          compile_draft: bool = False, modes=tuple(MODES), compile_frames: bool = False, fuse_draft: bool = True):
     """The head's models, one drafter and speculator per mode of ``modes`` (sharing the models), and the hello;
     ``rows``: every forward of the target at that row count (0: each at its own); ``compile_draft``:
-    each mode's draft step compiled (``Drafter.capture(compile=)``; one program per mode and window)."""
+    each mode's draft step compiled (``Drafter.capture(compile=)``; one program per mode and window);
+    ``fuse_draft``: the draft's projections merged (``Drafter(fuse=)``, the product's default)."""
     dev, dt = torch.device(device), DTYPES[dtype]
     src, dsrc = ModelSource.open(str(target)), ModelSource.open(str(draft))
     L = n_layers(src.config)
@@ -190,7 +191,8 @@ def build(target: Path, draft: Path, device: str, dtype: str, synthetic=None, ro
     for mode, (size, width, children, *_) in ((m, MODES[m]) for m in MODES if m in modes):
         kind = SyntheticDrafter if synthetic else Drafter
         extra = dict(perm=synthetic[0], ranks=synthetic[1]) if synthetic else {}
-        drafter = kind(dmodel, width=width, children=children, pool=pools[mode][1], **extra) if mode != "none" else None
+        drafter = (kind(dmodel, width=width, children=children, pool=pools[mode][1], fuse=fuse_draft, **extra)
+                   if mode != "none" else None)
         if dev.type == "cuda":
             if drafter is not None:
                 drafter.capture(compile=compile_draft)
@@ -321,7 +323,11 @@ def scratch_dir() -> Path:
     """A temporary folder for the bench's checkpoints (a 7B pair is ~16 GB), removed when the
     process ends, by ``timeout``'s SIGTERM too: runs one after another on one disk must not fill it."""
     root = Path(tempfile.mkdtemp(prefix="sfchat-live-bench-"))
-    atexit.register(shutil.rmtree, root, ignore_errors=True)
+
+    def remove():  # a SIGTERM that comes while it removes must not leave half the folder
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        shutil.rmtree(root, ignore_errors=True)
+    atexit.register(remove)
     if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds: the tail stops, atexit runs
     return root
@@ -347,6 +353,8 @@ def main() -> None:
                     help="head and tail run canonical attention compiled (sfchat --compile-attention)")
     ap.add_argument("--compile-draft", action="store_true",
                     help="compile the draft's step for each window, as sfchat does by default (off: plain, graphed)")
+    ap.add_argument("--unfused-draft", action="store_true",
+                    help="the draft's q/k/v and gate/up projections as loaded (sfchat merges them)")
     ap.add_argument("--tail-logs", type=Path, help="write each RTT's tail output to DIR/tail-RTT.log")
     ap.add_argument("--frame-parts", action="store_true",
                     help="time a frame's parts (draft, choosing, tree inputs, head forward, encoding) and the "
@@ -398,7 +406,8 @@ def main() -> None:
         args.tail_logs.mkdir(parents=True, exist_ok=True)
     t_build = time.perf_counter()
     specs, hello = build(target, draft, harness.DEVICE, dtype, synthetic, args.frame_rows, args.compile_draft,
-                         modes=args.modes.split(","), compile_frames=args.compile_frames)
+                         modes=args.modes.split(","), compile_frames=args.compile_frames,
+                         fuse_draft=not args.unfused_draft)
     print(f"the head loaded and captured in {time.perf_counter() - t_build:.1f} s", file=sys.stderr, flush=True)
     if not args.no_settle:
         heap.settle()  # as the product's head does once it is loaded

@@ -253,7 +253,8 @@ def test_the_hedged_choice_is_the_trees_own_without_a_boost_and_sends_the_altern
 def test_frame_cost_prints_each_draft_step_with_its_top_kernels_on_the_cpu():
     """bench/frame_cost.py --tiny runs the script's code on the CPU (nothing measured there): each
     expansion step a row, with --profile-draft its busiest ops, at the cache size asked for, after
-    each context asked for (its window named), the attention masked and in blocks."""
+    each context asked for (its window named), the attention masked and in blocks, the layers as
+    loaded and with their projections merged (three linears a layer fewer: q/k/v one, gate/up one)."""
     import subprocess
 
     root = Path(__file__).resolve().parents[1]
@@ -262,10 +263,13 @@ def test_frame_cost_prints_each_draft_step_with_its_top_kernels_on_the_cpu():
                          capture_output=True, text=True, check=True, timeout=600, cwd=root).stdout
     steps = [line for line in out.splitlines() if "draft expansion step" in line]
     assert [s.split(" | ")[0] for s in steps] == [
-        f"| tiny draft expansion step, {r} rows{how}, context {c}" for r, how in ((9, ""), (17, ""), (33, ""), (9, " (blocks)"))
-        for c in (100, 700)]
+        f"| tiny draft expansion step, {r} rows{how}, context {c}" for r, how in ((9, ""), (17, ""), (33, ""), (9, " (blocks)"),
+                                                                       (9, " (blocks, fused)")) for c in (100, 700)]
     assert [s.split(" | ")[2].split(";")[0] for s in steps[:2]] == ["window 1024", "window 1537"]  # 1024 + 513 pool slots
     assert all("aten::linear" in s for s in steps)
+    linears = [int(s.split("aten::linear ")[1].split(";")[0].split(" x")[1]) for s in steps[6:]]
+    layers = 2  # the tiny draft's: q, k, v, o, gate, up, down a layer, then lm_head; merged, 3 fewer a layer
+    assert linears == [7 * layers + 1] * 2 + [(7 - 3) * layers + 1] * 2, steps[6:]
     assert "head half" not in out  # --draft-only
 
 
@@ -341,6 +345,19 @@ def test_live_bench_removes_its_checkpoints_when_it_ends_or_is_terminated(tmp_pa
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=120) == 143
     assert list(tmp_path.iterdir()) == []
+    # found on the GPU: a reply ended just as ``timeout`` struck, and its SIGTERM came while the
+    # folder was being removed: the handler's exit stopped the removal half done
+    late = ("import os, signal, sys; sys.path.insert(0, 'bench'); import live_bench; d = live_bench.scratch_dir()\n"
+            "for i in range(3): (d / f'shard{i}').write_bytes(b'x' * 1000)\n"
+            "real = os.unlink\n"
+            "def unlink(*a, **kw):\n"
+            "    os.kill(os.getpid(), signal.SIGTERM)\n"
+            "    return real(*a, **kw)\n"
+            "os.unlink = unlink\n")
+    late_run = subprocess.run([sys.executable, "-c", late], cwd=root, env=env, capture_output=True, text=True,
+                              timeout=300)
+    assert list(tmp_path.iterdir()) == [], late_run.stderr
+    assert "Traceback" not in late_run.stderr
 
 
 def test_stretch_difficulty_gives_each_stretch_the_ranks_of_the_tokens_it_committed(tmp_path, capsys):
