@@ -11,7 +11,8 @@ modules and functions: the norms (Qwen3's per-head ``q_norm`` / ``k_norm`` inclu
 ``update``, ``o_proj`` and ``down_proj``. The stacked weights replace the separate ones (the
 layer holds as many bytes as before; one layer's projections are held twice while it is fused).
 It returns whether it fused anything: a layer whose projections are not plain ``nn.Linear`` of
-one dtype and device (bitsandbytes' 4-bit and int8 layers, a half-loaded layer) is left as it is, and a layer fused already is not fused again.
+one dtype and device (bitsandbytes' 4-bit and int8 layers, a half-loaded layer) is left as it
+is, and a layer fused already is not fused again.
 
 What it buys: at a draft's 9 rows every GEMM reads its weights in a few microseconds, so a step
 costs its kernels' count more than its bytes; merging takes three kernels out of each layer (an
