@@ -71,7 +71,8 @@ class FusedAttention(nn.Module):
                                                                      family.eager_attention_forward)
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings, attention_mask=None, **kwargs):
-        cache = kwargs.pop("cache", None) or kwargs.pop("past_key_values", None)
+        cache = kwargs.pop("cache", None)  # transformers' name for it, by version
+        cache = kwargs.pop("past_key_values", None) if cache is None else cache
         kwargs.pop("use_cache", None)
         kwargs.pop("position_ids", None)
         shape = (*hidden_states.shape[:-1], -1, self.head_dim)
@@ -112,7 +113,9 @@ def fuse(layer: nn.Module) -> bool:
     gated = [getattr(mlp, n, None) for n in ("gate_proj", "up_proj")]
     family = sys.modules[type(attn).__module__]
     if (None in projections + gated or not _plain(*projections) or not _plain(*gated)
-            or not hasattr(family, "apply_rotary_pos_emb") or not hasattr(mlp, "act_fn")):
+            or not all(hasattr(family, n) for n in ("apply_rotary_pos_emb", "ALL_ATTENTION_FUNCTIONS",
+                                                       "eager_attention_forward"))
+            or not hasattr(mlp, "act_fn")):
         return False
     layer.self_attn = FusedAttention(attn)
     layer.mlp = FusedMLP(mlp)
